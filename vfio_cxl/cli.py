@@ -1,0 +1,129 @@
+"""vfio-cxl: the command line.
+
+    vfio-cxl provision                       host packages, QEMU runtime, guest image
+    vfio-cxl vm up TOPOLOGY [--dry-run]      boot a topology (Ctrl-C stops it)
+    vfio-cxl vm topologies                   list topologies
+    vfio-cxl demo tour|dma|share             the demos
+    vfio-cxl gpu serve --socket PATH         the vfio-user GPU device server
+    vfio-cxl bench NAME                      benchmarks (python -m vfio_cxl.bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+
+from .errors import LabError
+
+
+def _provision(args) -> int:
+    from .lab.image import find_image
+    from .lab.qemu_runtime import find_runtime
+
+    runtime = find_runtime()
+    print(runtime.version_string)
+    image = find_image()
+    print(f"guest image {image.root} (kernel {image.manifest['kernel']})")
+    return 0
+
+
+def _topologies(args) -> int:
+    from .lab import topology
+
+    for name in topology.available():
+        topo = topology.load(name)
+        print(f"{name:10} {' '.join(topo.description.split())}")
+    return 0
+
+
+def _vm_up(args) -> int:
+    from pathlib import Path
+
+    from .lab import topology
+    from .lab.lab import Lab
+
+    topo = topology.load(args.topology)
+    lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu)
+    if args.dry_run:
+        for vm in lab.plan(Path("/tmp/vfio-cxl-DRYRUN")):
+            print(f"# {vm.name}: {vm.runtime.version_string}")
+            print(shlex.join(["qemu-system-x86_64", *vm.argv()]))
+        return 0
+    with lab:
+        for vm in lab.vms.values():
+            print(f"{vm.name}: ssh -p {vm.res.ssh_port} -i {lab.image.ssh_key} "
+                  f"-o StrictHostKeyChecking=no root@127.0.0.1")
+        if args.run:
+            for vm in lab.vms.values():
+                print(vm.run(args.run, check=False).stdout, end="")
+            return 0
+        print("lab running; Ctrl-C stops it")
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    return 0
+
+
+def _demo(args) -> int:
+    from .demos import run_demo
+
+    return run_demo(args.name, args.rest)
+
+
+def _forward(module: str):
+    def run(args) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(args.rest) or 0
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("provision", help="install host packages, the QEMU runtime and the guest image"
+                   ).set_defaults(func=_provision)
+
+    vm = sub.add_parser("vm", help="boot topologies").add_subparsers(dest="vm_command", required=True)
+    up = vm.add_parser("up", help="boot a topology and keep it running until Ctrl-C")
+    up.add_argument("topology", help="a name (see 'vfio-cxl vm topologies') or a .toml path")
+    up.add_argument("--dry-run", action="store_true", help="print the QEMU command lines and exit")
+    up.add_argument("--ssh-port", type=int, help="host port for the first VM's SSH (next VMs: +1, ...)")
+    up.add_argument("--accel", choices=["tcg", "kvm"], default="tcg",
+                    help="accelerator (default tcg; kvm only where it works)")
+    up.add_argument("--no-gpu", action="store_true", help="do not attach the vfio-user GPU")
+    up.add_argument("--run", metavar="CMD", help="run CMD in every VM over SSH, print it, then stop")
+    up.set_defaults(func=_vm_up)
+    vm.add_parser("topologies", help="list topologies").set_defaults(func=_topologies)
+
+    demo = sub.add_parser("demo", help="run a demo (tour, dma, share)")
+    demo.add_argument("name")
+    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    demo.set_defaults(func=_demo)
+
+    for name, module, text in (("gpu", "vfio_cxl.gpu.cli", "the vfio-user GPU device server"),
+                               ("bench", "vfio_cxl.bench.__main__", "benchmarks")):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_forward(module))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so labs stop their VMs on either.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return args.func(args)
+    except LabError as err:
+        print(f"vfio-cxl: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("vfio-cxl: interrupted; lab stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

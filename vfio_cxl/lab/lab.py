@@ -1,0 +1,139 @@
+"""A lab: the VMs of one topology, their GPU servers and shared memory, as one unit.
+
+    with Lab(topology.load("shared")) as lab:
+        lab["a"].run("cxl list")
+
+Everything a lab creates lives in one private run directory (sockets, console
+logs, CXL backing files, overlays); stopping the lab -- normally, on an
+exception or on Ctrl-C -- stops every VM and server and removes that
+directory.  Ports and paths are chosen per lab, so labs can run side by side.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from ..errors import LabError
+from ..paths import REPO_ROOT, runtime_root
+from .argv import VmResources
+from .gpu_process import GpuServerProcess
+from .image import GuestImage, find_image, image_path
+from .qemu_runtime import QemuRuntime, find_runtime, planned_runtime
+from .topology import Topology
+from .vm import VirtualMachine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(port: int) -> None:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise LabError(f"port {port} on 127.0.0.1 is already in use",
+                           "choose another --ssh-port, or leave it out to pick a free one") from None
+
+
+class Lab:
+    def __init__(self, topology: Topology, *, runtime: QemuRuntime | None = None,
+                 image: GuestImage | None = None, accel: str = "tcg", ssh_port: int | None = None,
+                 gpu: bool = True, gpu_args: list[str] = (), log=print):
+        self.topology = topology
+        self.runtime = runtime
+        self.image = image
+        self.accel = accel
+        self.ssh_port = ssh_port
+        self.gpu = gpu
+        self.gpu_args = list(gpu_args)
+        self.log = log
+        self.rundir: Path | None = None
+        self.vms: dict[str, VirtualMachine] = {}
+        self.gpu_servers: dict[str, GpuServerProcess] = {}
+
+    def __getitem__(self, name: str) -> VirtualMachine:
+        if name not in self.vms:
+            raise LabError(f"no running VM {name!r} in this lab", f"VMs: {', '.join(self.vms) or 'none'}")
+        return self.vms[name]
+
+    def backend_file(self, name: str) -> Path:
+        assert self.rundir is not None
+        return self.rundir / f"{name}.mem"
+
+    def plan(self, rundir: Path) -> list[VirtualMachine]:
+        """The VMs this lab would run, with their resources; starts nothing."""
+        # Nothing needs to be provisioned to plan: the cache paths follow from the recipes.
+        runtime = self.runtime or planned_runtime()
+        image = self.image or GuestImage(image_path())
+        link_sockets: dict[str, list[tuple[Path, bool]]] = {vm.name: [] for vm in self.topology.vms}
+        for i, link in enumerate(self.topology.links):
+            sock = rundir / f"link{i}.sock"
+            link_sockets[link.vms[0]].append((sock, True))
+            link_sockets[link.vms[1]].append((sock, False))
+        vms = []
+        for index, spec in enumerate(self.topology.vms, start=1):
+            if self.ssh_port is not None:
+                port = self.ssh_port + index - 1
+            else:
+                port = free_port()
+            vmdir = rundir / spec.name
+            res = VmResources(
+                index=index, rundir=vmdir, kernel=image.kernel, initrd=image.initrd, rootfs=image.rootfs,
+                source=REPO_ROOT, backend_files={b: rundir / f"{b}.mem" for b in self.topology.backends},
+                ssh_port=port, accel=self.accel,
+                gpu_socket=vmdir / "gpu.sock" if (spec.gpu and self.gpu) else None,
+                link_sockets=tuple(link_sockets[spec.name]),
+            )
+            vms.append(VirtualMachine(spec, res, runtime, image))
+        return vms
+
+    def start(self, timeout: float = 180) -> "Lab":
+        self.runtime = self.runtime or find_runtime(log=self.log)
+        self.image = self.image or find_image(log=self.log)
+        if self.ssh_port is not None:
+            for i in range(len(self.topology.vms)):
+                check_port_free(self.ssh_port + i)
+        self.rundir = Path(tempfile.mkdtemp(prefix="vfio-cxl-", dir=runtime_root()))
+        try:
+            for backend in self.topology.backends.values():
+                with open(self.backend_file(backend.name), "wb") as f:
+                    f.truncate(backend.size)   # sparse; both VMs map the same file
+            for vm in self.plan(self.rundir):
+                vm.res.rundir.mkdir()
+                if vm.res.gpu_socket:
+                    server = GpuServerProcess(vm.res.gpu_socket, vm.res.rundir / "gpu.log", self.gpu_args)
+                    self.gpu_servers[vm.name] = server
+                    server.start()
+                self.vms[vm.name] = vm
+                vm.start()
+            for vm in self.vms.values():
+                seconds = vm.wait_ready(timeout)
+                self.log(f"[{vm.name}] ready in {seconds:.1f} s (ssh 127.0.0.1:{vm.res.ssh_port}, "
+                         f"console {vm.res.console_log})")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for vm in self.vms.values():
+            vm.stop()
+        for server in self.gpu_servers.values():
+            server.stop()
+        self.vms.clear()
+        self.gpu_servers.clear()
+        if self.rundir:
+            shutil.rmtree(self.rundir, ignore_errors=True)
+            self.rundir = None
+
+    def __enter__(self) -> "Lab":
+        return self.start() if not self.vms else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,71 @@
+"""SSH into lab VMs with fabric, pinning the guest's host key from the image."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import paramiko
+from fabric import Connection
+
+from ..errors import LabError
+
+
+class GuestCommandError(LabError):
+    def __init__(self, vm: str, command: str, exited: int, stdout: str, stderr: str):
+        self.vm, self.command, self.exited = vm, command, exited
+        self.stdout, self.stderr = stdout, stderr
+        output = (stderr.strip() or stdout.strip()).splitlines()[-15:]
+        super().__init__(f"[{vm}] '{command}' exited {exited}:\n  " + "\n  ".join(output),
+                         f"see the VM's console log for more")
+
+
+class GuestShell:
+    """One fabric connection to one VM; every failure names the VM."""
+
+    def __init__(self, vm_name: str, port: int, key_file: str, host_key: str):
+        self.vm_name = vm_name
+        self.port = port
+        self.connection = Connection(
+            host="127.0.0.1", port=port, user="root", connect_timeout=5,
+            connect_kwargs={"key_filename": key_file, "look_for_keys": False, "allow_agent": False,
+                            "banner_timeout": 10, "auth_timeout": 10},
+        )
+        client = self.connection.client
+        # The image's host key is known from its build: accept that one only.
+        client.get_host_keys().add(f"[127.0.0.1]:{port}", "ssh-ed25519",
+                                   paramiko.Ed25519Key(data=base64.b64decode(host_key)))
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+
+    def connect(self, deadline: float) -> None:
+        """Connect, retrying while sshd is still coming up, until ``deadline`` (monotonic)."""
+        while True:
+            try:
+                self.connection.open()
+                return
+            except (paramiko.SSHException, OSError, EOFError) as err:
+                if time.monotonic() >= deadline:
+                    raise LabError(f"[{self.vm_name}] SSH on 127.0.0.1:{self.port} does not answer: {err}",
+                                   "see the VM's console log") from None
+                time.sleep(0.2)   # retry back-off; not synchronisation
+
+    def run(self, command: str, *, timeout: float = 120, check: bool = True, stdin: str | None = None):
+        """Run ``command`` in the guest; returns the fabric Result."""
+        kwargs = {"hide": True, "warn": True, "timeout": timeout, "in_stream": False}
+        if stdin is not None:
+            import io
+            kwargs["in_stream"] = io.StringIO(stdin)
+        try:
+            result = self.connection.run(command, **kwargs)
+        except Exception as err:   # invoke's CommandTimedOut, paramiko errors
+            raise LabError(f"[{self.vm_name}] '{command}' failed: {err}",
+                           "see the VM's console log") from None
+        if check and result.exited != 0:
+            raise GuestCommandError(self.vm_name, command, result.exited, result.stdout, result.stderr)
+        return result
+
+    def put(self, local: str, remote: str) -> None:
+        self.connection.put(local, remote)
+
+    def close(self) -> None:
+        self.connection.close()

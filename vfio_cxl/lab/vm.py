@@ -1,0 +1,153 @@
+"""One running VM: its QEMU process, console log, QMP and SSH.
+
+Start launches QEMU (through the runtime's bwrap wrapper); ``wait_ready``
+watches the console for the guest init's "ready" line, then opens SSH;
+``stop`` asks QEMU to quit over QMP and kills it if it does not.  QEMU dies
+with us (PR_SET_PDEATHSIG) so no VM outlives a crashed lab.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from qemu.qmp.legacy import QEMUMonitorProtocol
+
+from ..errors import LabError
+from .argv import VmResources, qemu_argv
+from .image import GuestImage
+from .qemu_runtime import QemuRuntime
+from .ssh import GuestShell
+from .topology import VmSpec
+
+READY_LINE = b"vfio-cxl-init: ready"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no output)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+
+
+class VirtualMachine:
+    def __init__(self, spec: VmSpec, resources: VmResources, runtime: QemuRuntime,
+                 image: GuestImage, extra_ro: list[Path] = ()):
+        self.spec = spec
+        self.res = resources
+        self.runtime = runtime
+        self.image = image
+        self.extra_ro = list(extra_ro)
+        self.process: subprocess.Popen | None = None
+        self.qmp: QEMUMonitorProtocol | None = None
+        self.shell: GuestShell | None = None
+        self.boot_seconds: float | None = None
+        self._started_at = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def qemu_log(self) -> Path:
+        return self.res.rundir / "qemu.log"
+
+    def argv(self) -> list[str]:
+        return qemu_argv(self.spec, self.res)
+
+    def command(self) -> list[str]:
+        rundir = self.res.rundir.parent   # the lab's run dir: sockets and backends of all VMs
+        return self.runtime.command(
+            self.argv(), rw=[rundir], ro=[self.image.root, self.res.source, *self.extra_ro],
+            chdir=self.res.rundir, env={"TMPDIR": str(self.res.rundir)})
+
+    def start(self) -> None:
+        self.res.rundir.mkdir(parents=True, exist_ok=True)
+        with open(self.qemu_log, "wb") as log:
+            self._started_at = time.monotonic()
+            self.process = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, "TMPDIR": str(self.res.rundir)},
+                start_new_session=True,   # Ctrl-C reaches the lab, which then stops QEMU in order
+                preexec_fn=_die_with_parent,
+            )
+
+    def _check_alive(self) -> None:
+        if self.process and self.process.poll() is not None:
+            log = tail(self.qemu_log)
+            fix = "see the QEMU output above"
+            if "Could not set up host forwarding rule" in log:
+                fix = f"port {self.res.ssh_port} on 127.0.0.1 is taken: choose another or leave it unset"
+            raise LabError(f"[{self.name}] QEMU exited with {self.process.returncode}:\n{log}\n"
+                           f"console:\n{tail(self.res.console_log)}", fix)
+
+    def wait_ready(self, timeout: float = 120) -> float:
+        """Wait for the guest init's ready line and SSH; returns seconds since start."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                if READY_LINE in self.res.console_log.read_bytes():
+                    break
+            except FileNotFoundError:
+                pass
+            if time.monotonic() >= deadline:
+                raise LabError(f"[{self.name}] not ready after {timeout:.0f} s; console:\n"
+                               f"{tail(self.res.console_log)}", "see the console log; is the image intact?")
+            time.sleep(0.05)   # polling the console log; not synchronisation
+        self.shell = GuestShell(self.name, self.res.ssh_port, str(self.image.ssh_key), self.image.host_key)
+        self.shell.connect(deadline)
+        self.boot_seconds = time.monotonic() - self._started_at
+        return self.boot_seconds
+
+    def connect_qmp(self, timeout: float = 10) -> QEMUMonitorProtocol:
+        if self.qmp is None:
+            deadline = time.monotonic() + timeout
+            while not self.res.qmp_socket.exists():
+                self._check_alive()
+                if time.monotonic() >= deadline:
+                    raise LabError(f"[{self.name}] no QMP socket after {timeout:.0f} s", "see the QEMU log")
+                time.sleep(0.05)
+            qmp = QEMUMonitorProtocol(str(self.res.qmp_socket))
+            qmp.connect(negotiate=True)
+            self.qmp = qmp
+        return self.qmp
+
+    def run(self, command: str, **kwargs):
+        if self.shell is None:
+            raise LabError(f"[{self.name}] is not ready", "call wait_ready() first")
+        return self.shell.run(command, **kwargs)
+
+    def stop(self, timeout: float = 10) -> None:
+        """QMP quit, then SIGKILL to the whole process group if QEMU lingers."""
+        if self.shell:
+            self.shell.close()
+            self.shell = None
+        if self.process and self.process.poll() is None:
+            try:
+                self.connect_qmp(timeout=2).cmd("quit")
+            except Exception:
+                pass   # QEMU may already be going; the kill below settles it
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if self.qmp:
+            try:
+                self.qmp.close()
+            except Exception:
+                pass
+            self.qmp = None
