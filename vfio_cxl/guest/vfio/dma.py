@@ -1,0 +1,108 @@
+"""DMA mappings: a buffer of this process made visible to the device at an IOVA.
+
+A ``DmaMapping`` holds a cffi buffer handle on the Python object it maps.
+While the handle is held the object cannot be resized or closed (an ``mmap``
+refuses to close), so memory the IOMMU still points at is never freed under
+the device.  The handle is released only once the kernel has unmapped it.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import TYPE_CHECKING
+
+from .errors import DmaMapError
+from .uapi import ffi
+
+if TYPE_CHECKING:
+    from .container import Container
+
+ALIGN_FIX = ("allocate the buffer with mmap.mmap(-1, size) (page-aligned) and use a size and an IOVA "
+             "that are multiples of the IOMMU page size")
+
+# Why MAP_DMA failed, by errno, and what to do about it.
+_MAP_ERRNO_HELP = {
+    errno.EEXIST: ("the IOVA range overlaps a mapping the kernel already has",
+                   "unmap that mapping first, or choose another IOVA"),
+    errno.EINVAL: ("the kernel rejected the request (alignment, IOVA range or flags)",
+                   "use page-aligned buffers, IOVAs inside Container.iommu_info().iova_ranges, "
+                   "and set the IOMMU type first"),
+    errno.ENOMEM: ("pinning the pages failed (locked-memory limit?)",
+                   "raise RLIMIT_MEMLOCK (ulimit -l unlimited) or run as root"),
+    errno.ENOSPC: ("the container's limit of DMA mappings is reached",
+                   "unmap some mappings, or raise vfio_iommu_type1's dma_entry_limit"),
+    errno.EFAULT: ("the buffer's address is not valid process memory",
+                   "map a live, writable buffer (bytearray or mmap)"),
+    errno.EPERM: ("not allowed to map DMA", "run as root"),
+}
+
+
+def map_error(err: int, iova: int, size: int) -> DmaMapError:
+    why, fix = _MAP_ERRNO_HELP.get(err, ("VFIO_IOMMU_MAP_DMA failed", "see the kernel log (dmesg)"))
+    return DmaMapError(iova, size, why, fix, err)
+
+
+def pin_buffer(buffer, iova: int, writable: bool):
+    """A cffi handle on ``buffer`` (keeps it alive and unresizable), its address and its size."""
+    try:
+        handle = ffi.from_buffer(buffer, require_writable=writable)
+    except (TypeError, BufferError) as error:
+        size = _nbytes(buffer)
+        raise DmaMapError(iova, size, f"the buffer cannot be mapped ({error})",
+                          "pass a writable buffer (bytearray or mmap), or writable=False "
+                          "for a buffer the device only reads") from None
+    return handle, int(ffi.cast("uintptr_t", handle)), ffi.sizeof(handle)
+
+
+def _nbytes(buffer) -> int:
+    try:
+        return memoryview(buffer).nbytes
+    except TypeError:
+        return 0
+
+
+class DmaMapping:
+    """One live MAP_DMA of ``buffer`` at ``iova``; unmapped by ``close()`` or on leaving ``with``."""
+
+    def __init__(self, container: "Container", buffer, handle, vaddr: int, iova: int, size: int,
+                 readable: bool, writable: bool):
+        self.container = container
+        self.buffer = buffer
+        self._handle = handle
+        self.vaddr = vaddr
+        self.iova = iova
+        self.size = size
+        self.readable = readable
+        self.writable = writable
+        self.active = True
+
+    def iova_of(self, offset: int) -> int:
+        """The device address of byte ``offset`` of the buffer."""
+        if not 0 <= offset < self.size:
+            raise ValueError(f"offset {offset:#x} is outside this {self.size:#x}-byte mapping")
+        return self.iova + offset
+
+    def overlaps(self, iova: int, size: int) -> bool:
+        return iova < self.iova + self.size and self.iova < iova + size
+
+    def close(self) -> None:
+        """Unmap from the IOMMU (once; later calls do nothing)."""
+        if self.active:
+            self.container._unmap(self)
+
+    def _release(self) -> None:
+        """Let go of the buffer: called once the kernel no longer maps it."""
+        self.active = False
+        if self._handle is not None:
+            ffi.release(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "DmaMapping":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "mapped" if self.active else "unmapped"
+        return f"<DmaMapping iova={self.iova:#x} size={self.size:#x} {state}>"
