@@ -170,11 +170,11 @@ def bind_vfio_pci(bdf: str, *, sysfs: Sysfs | None = None,
         if now != VFIO_PCI:
             raise DriverBindError(f"{bdf} did not bind to {VFIO_PCI} (its driver is now {now or 'none'})",
                                   f"check dmesg; vfio-pci needs an IOMMU group ({INTEL_IOMMU_HINT})")
-    except BaseException:
+    except BaseException as error:
         try:
             binding.restore()
-        except DriverBindError:
-            pass  # the first error is the one to report
+        except DriverBindError as rollback:
+            error.add_note(f"rolling back also failed: {rollback}")  # the first error stays the one raised
         raise
     return binding
 
