@@ -85,7 +85,7 @@ def test_bind_moves_the_device_and_restore_gives_it_back(sysfs):
     assert (binding.bdf, binding.previous_driver) == (GPU, "nvme")
     assert sysfs.writes == [
         (f"bus/pci/devices/{GPU}/driver_override", "vfio-pci"),
-        (f"bus/pci/drivers/nvme/unbind", GPU),
+        ("bus/pci/drivers/nvme/unbind", GPU),
         ("bus/pci/drivers_probe", GPU),
     ]
     binding.restore()

@@ -199,3 +199,21 @@ def test_bind_false_uses_a_device_already_on_vfio_pci_and_leaves_it_there(tmp_pa
     with open_gpu(kernel, sysfs, bind=False) as gpu:
         assert gpu.binding is None
     assert sysfs.driver(GPU) == "vfio-pci" and sysfs.writes == []
+
+
+def test_device_level_mistakes_get_clear_errors(tmp_path, sysfs):
+    kernel = FakeVfio(tmp_path, sysfs)
+    with open_gpu(kernel, sysfs) as gpu:
+        with pytest.raises(VfioError, match="BAR1 of 0000:01:00.0 is not implemented .size 0."):
+            gpu.bar(1)
+        with pytest.raises(VfioError, match="has no region 9 .it has 9."):
+            gpu.region(9)
+        assert gpu.bar(0) is gpu.bar(0)  # one Region (one mapping) per index
+        first = gpu.msix(1)
+        with pytest.raises(VfioError, match="MSI-X is already enabled with 1 vectors"):
+            gpu.msix(2)
+        first.close()
+        with gpu.msix(4) as vectors:  # fine again once the first is closed
+            assert vectors.count == 4
+        with pytest.raises(VfioError, match="cannot enable 5 MSI-X vectors: the device offers 4"):
+            gpu.device.interrupts(uapi.VFIO_PCI_MSIX_IRQ_INDEX, 5)

@@ -205,7 +205,7 @@ class Container:
         finally:
             os.close(self.fd)
             self.fd = -1
-            # The kernel drops all of the container's mappings with it: nothing pins the buffers now.
+            # Whatever the kernel may still map, it holds its own page pins: our buffers may go.
             for mapping in self._mappings:
                 mapping._release()
             self._mappings.clear()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import syscalls, uapi
 from .bind import Binding, Sysfs, bind_vfio_pci, iommu_group, normalize_bdf, require_vfio_pci
-from .container import CONTAINER_PATH, Container, IommuInfo
+from .container import CONTAINER_PATH, IOMMU_TYPES, Container, IommuInfo
 from .device import Device, DeviceInfo
 from .dma import DmaMapping
 from .errors import VfioError
@@ -65,7 +65,7 @@ class VfioPciDevice:
 
             self.group.set_container(self.container)
             stack.callback(self.group.unset_container)
-            self.container.set_iommu(iommu_types or (uapi.VFIO_TYPE1v2_IOMMU, uapi.VFIO_TYPE1_IOMMU))
+            self.container.set_iommu(iommu_types or tuple(IOMMU_TYPES))
             # Mappings go before the group leaves: that drops the IOMMU and all its state.
             stack.callback(self.container.unmap_all)
 
