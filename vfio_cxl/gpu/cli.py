@@ -1,0 +1,86 @@
+"""``vfio-cxl gpu serve``: run the GPU as a vfio-user server for QEMU.
+
+    vfio-cxl gpu serve --socket PATH [--vram-mib N] [--vendor-id 0x0601]
+                       [--device-id 0x1991] [--message-timeout S] [-v]
+
+Prints exactly one line, ``READY <socket path>``, on stdout once the socket
+listens (the lab starts QEMU only after it).  SIGTERM or SIGINT stop it
+cleanly and remove the socket file.  Logs go to stderr; -v logs every
+message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from . import regs
+from .device import GpuDevice
+from .server import GpuServer
+
+
+def _int(text: str) -> int:
+    return int(text, 0)
+
+
+def _id16(text: str) -> int:
+    value = int(text, 0)
+    if not 0 <= value <= 0xFFFF:
+        raise argparse.ArgumentTypeError(f"{text} is not a 16-bit PCI ID")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vfio-cxl gpu",
+                                     description="The vfio-cxl GPU, a vfio-user device server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the GPU on a UNIX socket until SIGTERM")
+    serve.add_argument("--socket", required=True, metavar="PATH",
+                       help="UNIX socket QEMU's vfio-user-pci connects to")
+    serve.add_argument("--vram-mib", type=_int, default=regs.DEFAULT_VRAM_SIZE // regs.MIB,
+                       metavar="N", help="VRAM size in MiB, a power of two (default 64)")
+    serve.add_argument("--vendor-id", type=_id16, default=regs.PCI_VENDOR_ID,
+                       help="PCI vendor ID (default 0x0601)")
+    serve.add_argument("--device-id", type=_id16, default=regs.PCI_DEVICE_ID,
+                       help="PCI device ID (default 0x1991)")
+    serve.add_argument("--message-timeout", type=float, default=2.0, metavar="S",
+                       help="give up on a message that stops arriving midway (default 2 s)")
+    serve.add_argument("-v", "--verbose", action="store_true",
+                       help="log every vfio-user message (debug level)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s gpu %(levelname)s %(name)s: %(message)s")
+    try:
+        device = GpuDevice(args.vram_mib * regs.MIB, args.vendor_id, args.device_id)
+    except ValueError as exc:
+        print(f"vfio-cxl gpu: {exc}", file=sys.stderr)
+        return 2
+    server = GpuServer(args.socket, device, partial_timeout=args.message_timeout)
+    try:
+        try:
+            server.listen()
+        except OSError as exc:
+            print(f"vfio-cxl gpu: cannot listen on {args.socket}: {exc}", file=sys.stderr)
+            return 1
+        previous = {sig: signal.signal(sig, lambda *_: server.stop())
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            print(f"READY {args.socket}", flush=True)
+            server.serve_forever()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    finally:
+        server.close()
+        device.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Register map of the vfio-cxl GPU: the one contract between device and driver.
+
+The device model (``vfio_cxl.gpu.device``) and the guest driver both import
+this module, so it imports the standard library only and runs on any
+Python >= 3.11 (the guest has 3.13).  docs/gpu-device.md explains every
+field in prose; the numbers live here.
+
+Conventions: all registers are 32 bits, little-endian; 64-bit quantities are
+split into ``*_LO`` / ``*_HI`` pairs (an aligned 64-bit access to the pair
+works too).  Descriptors and completion records are little-endian structs
+in guest memory, addressed by IOVA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from enum import IntEnum
+
+# --------------------------------------------------------------------------
+# PCI identity
+# --------------------------------------------------------------------------
+PCI_VENDOR_ID = 0x0601
+PCI_DEVICE_ID = 0x1991
+PCI_SUBSYSTEM_VENDOR_ID = 0x0601
+PCI_SUBSYSTEM_ID = 0x0001
+PCI_REVISION = 0x01
+PCI_CLASS_CODE = 0x030200  # base 0x03 display, sub 0x02 "3D controller", prog-if 0
+
+# --------------------------------------------------------------------------
+# BARs
+# --------------------------------------------------------------------------
+BAR_REGS = 0  # 4 KiB, 32-bit, non-prefetchable: the registers below (trapped)
+BAR_VRAM = 2  # 64-bit prefetchable VRAM (BAR2+BAR3), mmappable, direct CPU access
+BAR_MSIX = 4  # 4 KiB, 32-bit: MSI-X table and PBA
+
+REGS_SIZE = 0x1000
+MSIX_BAR_SIZE = 0x1000
+MSIX_TABLE_OFFSET = 0x000
+MSIX_PBA_OFFSET = 0x800
+MSIX_ENTRY_SIZE = 16
+
+MIB = 1 << 20
+DEFAULT_VRAM_SIZE = 64 * MIB
+MIN_VRAM_SIZE = 1 * MIB
+MAX_VRAM_SIZE = 4096 * MIB  # must be a power of two (it is a BAR)
+
+# --------------------------------------------------------------------------
+# MSI-X vectors
+# --------------------------------------------------------------------------
+MSIX_VECTORS = 4
+VEC_DMA_DONE = 0  # a descriptor with DESC_FLAG_INTERRUPT completed OK
+VEC_ERROR = 1  # the ring halted on an error (ERR_* registers say why)
+VEC_SPARE0 = 2  # reserved, never raised
+VEC_SPARE1 = 3  # reserved, never raised
+
+# --------------------------------------------------------------------------
+# BAR0 registers (offset -> meaning).  RO = read-only, RW = read/write,
+# W1C = write 1 to clear.  Writes to RO or unassigned offsets are ignored;
+# unassigned offsets read 0.
+# --------------------------------------------------------------------------
+REG_ID = 0x000  # RO  ID_MAGIC
+REG_VERSION = 0x004  # RO  DEVICE_VERSION (major << 16 | minor)
+REG_VRAM_SIZE_LO = 0x008  # RO  VRAM size in bytes, low 32 bits
+REG_VRAM_SIZE_HI = 0x00C  # RO  VRAM size in bytes, high 32 bits
+REG_CAPS = 0x010  # RO  bit n set = op code n supported (CAPS_OPS)
+REG_RING_MAX = 0x014  # RO  largest RING_SIZE accepted (RING_SIZE_MAX)
+REG_SCRATCH = 0x018  # RW  free for the driver (probe that writes land)
+
+REG_CONTROL = 0x020  # RW  CONTROL_* bits
+REG_STATUS = 0x024  # RO  STATUS_* bits
+REG_INTR_STATUS = 0x028  # W1C INTR_* bits, latched when a vector is raised
+
+REG_RING_BASE_LO = 0x040  # RW  descriptor ring IOVA (DESC_ALIGN-aligned)
+REG_RING_BASE_HI = 0x044  # RW
+REG_RING_SIZE = 0x048  # RW  entries, power of two in [RING_SIZE_MIN, RING_SIZE_MAX]
+REG_RING_HEAD = 0x04C  # RO  next descriptor index the device will execute
+REG_RING_TAIL = 0x050  # RW  doorbell: index one past the last ready descriptor
+REG_COMPL_BASE_LO = 0x058  # RW  completion area IOVA (COMPL_ALIGN-aligned)
+REG_COMPL_BASE_HI = 0x05C  # RW
+REG_COMPLETED = 0x060  # RO  descriptors retired OK since reset (wraps at 2**32)
+
+REG_ERR_STATUS = 0x080  # RO  Status of the error that halted the ring (0 = none)
+REG_ERR_DESC_INDEX = 0x084  # RO  ring index of the failing descriptor
+REG_ERR_ADDR_LO = 0x088  # RO  failing IOVA / VRAM offset / tail value
+REG_ERR_ADDR_HI = 0x08C  # RO
+REG_ERR_ERRNO = 0x090  # RO  errno from the client's DMA error reply, else 0
+
+ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
+DEVICE_VERSION = 0x00010000  # 1.0
+
+# REG_CONTROL bits
+CONTROL_ENABLE = 1 << 0  # run the ring (config registers are locked while set)
+CONTROL_RESET = 1 << 1  # write 1: reset every register; reads back 0
+
+# REG_STATUS bits
+STATUS_ENABLED = 1 << 0  # CONTROL_ENABLE accepted (ring config was valid)
+STATUS_BUSY = 1 << 1  # executing a descriptor right now
+STATUS_HALTED = 1 << 2  # stopped on an error until reset
+
+# REG_INTR_STATUS bits
+INTR_DMA_DONE = 1 << 0
+INTR_ERROR = 1 << 1
+
+RING_SIZE_MIN = 2
+RING_SIZE_MAX = 65536
+
+# --------------------------------------------------------------------------
+# Descriptors (in guest memory, RING_BASE + index * DESC_SIZE)
+# --------------------------------------------------------------------------
+#   u64 src     VRAM offset / source IOVA / fill pattern / PRNG seed (see Op)
+#   u64 dst     destination IOVA or VRAM offset
+#   u32 length  bytes
+#   u8  op      Op
+#   u8  flags   DESC_FLAG_*; undefined bits must be 0
+#   u16 reserved (0)
+#   u64 cookie  copied verbatim into the completion record
+DESC = struct.Struct("<QQIBBHQ")
+DESC_SIZE = DESC.size  # 32
+DESC_ALIGN = DESC_SIZE
+
+DESC_FLAG_INTERRUPT = 1 << 0  # raise VEC_DMA_DONE when this descriptor completes OK
+DESC_FLAGS_VALID = DESC_FLAG_INTERRUPT
+
+
+class Op(IntEnum):
+    NOP = 0  # nothing moves; completes with bytes_done 0
+    VRAM_TO_HOST = 1  # src = VRAM offset, dst = IOVA
+    HOST_TO_VRAM = 2  # src = IOVA, dst = VRAM offset
+    FILL_PATTERN = 3  # src = u64 pattern (its 8 LE bytes repeated), dst = VRAM offset
+    FILL_PRNG = 4  # src = u64 seed (prng_bytes stream from 0), dst = VRAM offset
+
+
+CAPS_OPS = sum(1 << op for op in Op)
+
+# --------------------------------------------------------------------------
+# Completion records (in guest memory, COMPL_BASE + index * COMPL_SIZE)
+# --------------------------------------------------------------------------
+#   u64 cookie       from the descriptor
+#   u32 status       Status
+#   u32 bytes_done   bytes moved before completion or failure
+#   u32 index        ring index of the descriptor
+#   u32 seq          COMPLETED after this descriptor retired (never 0);
+#                    on failure COMPLETED + 1 (the descriptor did not retire)
+#   u64 duration_ns  time the device spent executing the descriptor
+COMPL = struct.Struct("<QIIIIQ")
+COMPL_SIZE = COMPL.size  # 32
+COMPL_ALIGN = COMPL_SIZE
+
+
+class Status(IntEnum):
+    OK = 0
+    BAD_OPCODE = 1  # op not in Op
+    BAD_FLAGS = 2  # undefined flag or reserved bits set
+    VRAM_RANGE = 3  # VRAM offset + length beyond VRAM (ERR_ADDR = VRAM offset)
+    DMA_UNMAPPED = 4  # IOVA range not (fully) covered by DMA_MAP (ERR_ADDR = IOVA)
+    DMA_PERMISSION = 5  # mapping lacks read (or write) permission
+    DMA_REFUSED = 6  # the client answered a DMA message with an error (ERR_ERRNO)
+    DMA_TIMEOUT = 7  # the client did not answer a DMA message in time
+    DMA_ABORTED = 8  # the client went away mid-transfer
+    RING_FETCH = 9  # descriptor fetch failed (ring outside mapped memory)
+    COMPLETION_WRITE = 10  # the completion record could not be written
+    BAD_TAIL = 11  # doorbell value >= RING_SIZE (ERR_ADDR = value written)
+    BAD_RING_CONFIG = 12  # ENABLE with bad RING_SIZE / unaligned bases
+
+
+# --------------------------------------------------------------------------
+# Reset values (offset -> value).  VRAM_SIZE depends on the configured VRAM.
+# --------------------------------------------------------------------------
+def reset_values(vram_size: int = DEFAULT_VRAM_SIZE) -> dict[int, int]:
+    """Every defined register's value after reset."""
+    values = {
+        REG_ID: ID_MAGIC,
+        REG_VERSION: DEVICE_VERSION,
+        REG_VRAM_SIZE_LO: vram_size & 0xFFFFFFFF,
+        REG_VRAM_SIZE_HI: vram_size >> 32,
+        REG_CAPS: CAPS_OPS,
+        REG_RING_MAX: RING_SIZE_MAX,
+    }
+    for reg in (
+        REG_SCRATCH, REG_CONTROL, REG_STATUS, REG_INTR_STATUS,
+        REG_RING_BASE_LO, REG_RING_BASE_HI, REG_RING_SIZE, REG_RING_HEAD,
+        REG_RING_TAIL, REG_COMPL_BASE_LO, REG_COMPL_BASE_HI, REG_COMPLETED,
+        REG_ERR_STATUS, REG_ERR_DESC_INDEX, REG_ERR_ADDR_LO, REG_ERR_ADDR_HI,
+        REG_ERR_ERRNO,
+    ):
+        values[reg] = 0
+    return values
+
+
+# --------------------------------------------------------------------------
+# Data generators the device uses and the driver verifies with
+# --------------------------------------------------------------------------
+PRNG_BLOCK = 1 * MIB
+
+
+def prng_bytes(seed: int, length: int, offset: int = 0) -> bytes:
+    """Bytes ``offset .. offset+length`` of the FILL_PRNG stream for ``seed``.
+
+    The stream is 1 MiB blocks; block k is
+    ``shake_128(seed.to_bytes(8, "little") + k.to_bytes(8, "little")).digest(PRNG_BLOCK)``.
+    Blocks make any sub-range cheap to regenerate (a verifier need not start
+    at 0) and keep memory bounded; SHAKE is C code in hashlib, ~200-350 MB/s.
+    """
+    if length <= 0:
+        return b""
+    key = (seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+    out = []
+    pos, end = offset, offset + length
+    while pos < end:
+        block, start = divmod(pos, PRNG_BLOCK)
+        stop = min(PRNG_BLOCK, start + (end - pos))
+        # SHAKE output is a prefix stream: digest(stop) needs no more work than required.
+        digest = hashlib.shake_128(key + block.to_bytes(8, "little")).digest(stop)
+        out.append(digest[start:] if start else digest)
+        pos += stop - start
+    return out[0] if len(out) == 1 else b"".join(out)
+
+
+def prng_mismatch(data, seed: int, offset: int = 0) -> int:
+    """Index of the first byte of ``data`` that differs from the stream, or -1."""
+    view = memoryview(data).cast("B")
+    pos = 0
+    while pos < len(view):
+        n = min(PRNG_BLOCK - (offset + pos) % PRNG_BLOCK, len(view) - pos)
+        want = prng_bytes(seed, n, offset + pos)
+        if view[pos:pos + n] != want:
+            got = bytes(view[pos:pos + n])
+            return pos + next(i for i in range(n) if got[i] != want[i])
+        pos += n
+    return -1
+
+
+def pattern_bytes(pattern: int, length: int) -> bytes:
+    """What FILL_PATTERN writes: the pattern's 8 little-endian bytes repeated."""
+    unit = (pattern & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")
+    return (unit * (length // 8 + 1))[:length]
+
+
+def pack_descriptor(op: int, src: int, dst: int, length: int,
+                    flags: int = 0, cookie: int = 0) -> bytes:
+    """One ring entry, ready to store at RING_BASE + index * DESC_SIZE."""
+    return DESC.pack(src, dst, length, op, flags, 0, cookie)
+
+
+def unpack_completion(raw) -> dict:
+    """A completion record as a dict (status as Status when it is known)."""
+    cookie, status, bytes_done, index, seq, duration_ns = COMPL.unpack(raw)
+    try:
+        status = Status(status)
+    except ValueError:
+        pass
+    return {"cookie": cookie, "status": status, "bytes_done": bytes_done,
+            "index": index, "seq": seq, "duration_ns": duration_ns}
