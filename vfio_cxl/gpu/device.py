@@ -403,6 +403,8 @@ class GpuDevice:
                 return False
             self.head = (index + 1) % size
             self.completed = seq
+            if self.head == self.tail:
+                self.busy = False  # drained: BUSY must not outlive the last completion
             if flags & regs.DESC_FLAG_INTERRUPT:
                 self.intr_status |= regs.INTR_DMA_DONE
                 self.irqs.raise_msix(regs.VEC_DMA_DONE)
