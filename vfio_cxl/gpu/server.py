@@ -298,12 +298,12 @@ class GpuServer:
             while not self._stop.is_set() and not conn.finished.is_set():
                 self._wait(self._wake_r)
         finally:
-            with self._conn_lock:
-                self._conn = None
             self.device.attach(None)
             conn.close()
             self.device.irqs.close_all()  # the client's eventfds die with it
             self.internal_errors += conn.internal_errors
+            with self._conn_lock:
+                self._conn = None  # last: "no connection" means fully cleaned up
             log.info("%s gone; waiting for the next client", conn.name)
 
     def _poke(self) -> None:
