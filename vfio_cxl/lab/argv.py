@@ -16,6 +16,7 @@ SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
 LINK_NIC_MAC = "52:54:00:1c:00:{:02x}"
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
 GPU_ROOT_PORT = "gpu_port"
+SPARE_ROOT_PORT = "spare_port"
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,10 @@ def _cxl(vm: VmSpec, res: VmResources) -> list[str]:
 
 
 def _gpu(vm: VmSpec, res: VmResources) -> list[str]:
-    # The root port is always there (the "free" port a GPU can be plugged into);
-    # the vfio-user GPU sits on it when the VM has one.
-    args = ["-device", f"pcie-root-port,id={GPU_ROOT_PORT},bus=pcie.0,chassis=1,slot=1"]
+    # The GPU's root port is always there; the vfio-user GPU sits on it when
+    # the VM has one.  The spare port stays free for hot-plug experiments.
+    args = ["-device", f"pcie-root-port,id={GPU_ROOT_PORT},bus=pcie.0,chassis=1,slot=1",
+            "-device", f"pcie-root-port,id={SPARE_ROOT_PORT},bus=pcie.0,chassis=1,slot=2"]
     if vm.gpu and res.gpu_socket:
         device = {"driver": "vfio-user-pci", "id": "gpu0", "bus": GPU_ROOT_PORT,
                   "socket": {"type": "unix", "path": str(res.gpu_socket)}}
@@ -132,7 +134,9 @@ def _storage(res: VmResources) -> list[str]:
 
 
 def _boot(vm: VmSpec, res: VmResources) -> list[str]:
-    cmdline = (f"console=ttyS0 intel_iommu=on panic=-1 quiet loglevel=4 "
+    # mitigations=off: a lab VM runs only our code, and under TCG every
+    # patched-in mitigation is emulated work.
+    cmdline = (f"console=ttyS0 intel_iommu=on mitigations=off panic=-1 quiet loglevel=4 "
                f"vfio_cxl.name={vm.name}")
     return ["-kernel", str(res.kernel), "-initrd", str(res.initrd), "-append", cmdline]
 

@@ -1,0 +1,59 @@
+"""Guest-side CXL/devdax tool, driven by the lab over SSH (JSON out, base64 data).
+
+    python3 -m vfio_cxl.guest.cxltool list             discovery (pyudev) + cxl list
+    python3 -m vfio_cxl.guest.cxltool up [MEMDEV]      RAM region as devdax (idempotent)
+    python3 -m vfio_cxl.guest.cxltool down REGION      destroy a region
+    python3 -m vfio_cxl.guest.cxltool write DAX OFFSET < base64
+    python3 -m vfio_cxl.guest.cxltool read DAX OFFSET LENGTH > base64
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import sys
+
+from . import cxl
+from .dax import open_dax
+
+
+def _json(obj) -> str:
+    def default(o):
+        return str(o) if not dataclasses.is_dataclass(o) else dataclasses.asdict(o)
+    return json.dumps(obj, default=default)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    command, args = argv[0], argv[1:]
+    try:
+        if command == "list":
+            print(_json({"memdevs": cxl.memdevs(), "switches": cxl.switches(),
+                         "root_decoders": cxl.root_decoders(), "regions": cxl.regions(),
+                         "cxl_list": cxl.cxl_list()}))
+        elif command == "up":
+            print(_json(cxl.ensure_ram_devdax(args[0] if args else None)))
+        elif command == "down":
+            cxl.destroy_region(args[0])
+        elif command == "write":
+            data = base64.b64decode(sys.stdin.read())
+            with open_dax(args[0]) as dax:
+                dax.write(int(args[1], 0), data)
+            print(len(data))
+        elif command == "read":
+            with open_dax(args[0]) as dax:
+                print(base64.b64encode(dax.read(int(args[1], 0), int(args[2], 0))).decode())
+        else:
+            print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
+            return 2
+    except cxl.CxlError as err:
+        print(f"cxltool: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
