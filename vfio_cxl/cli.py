@@ -59,9 +59,9 @@ def _vm_up(args) -> int:
             for vm in lab.vms.values():
                 print(vm.run(args.run, check=False).stdout, end="")
             return 0
-        print("lab running; Ctrl-C stops it")
-        signal.sigwait({signal.SIGINT, signal.SIGTERM})
-    return 0
+        print("lab running; Ctrl-C stops it", flush=True)
+        while True:
+            signal.pause()   # Ctrl-C/SIGTERM raise KeyboardInterrupt; leaving `with` stops the lab
 
 
 def _demo(args) -> int:

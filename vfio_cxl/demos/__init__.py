@@ -1,0 +1,20 @@
+"""Demos, run from the host: each boots what it needs and drives the guests over SSH.
+
+    vfio-cxl demo tour    what the single-host lab's guest sees
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import LabError
+
+DEMOS = {
+    "tour": "vfio_cxl.demos.tour",
+}
+
+
+def run_demo(name: str, argv: list[str]) -> int:
+    if name not in DEMOS:
+        raise LabError(f"unknown demo {name!r}", f"use one of: {', '.join(DEMOS)}")
+    return importlib.import_module(DEMOS[name]).main(argv)

@@ -11,6 +11,7 @@ directory.  Ports and paths are chosen per lab, so labs can run side by side.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import tempfile
@@ -39,6 +40,18 @@ def check_port_free(port: int) -> None:
         except OSError:
             raise LabError(f"port {port} on 127.0.0.1 is already in use",
                            "choose another --ssh-port, or leave it out to pick a free one") from None
+
+
+def remove_stale_rundirs() -> None:
+    """Remove run directories whose lab process is gone (it was SIGKILLed:
+    its VMs died with it, but nothing could remove its files)."""
+    for rundir in runtime_root().glob("vfio-cxl-*"):
+        try:
+            pid = int((rundir / "lab.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(rundir, ignore_errors=True)
 
 
 class Lab:
@@ -94,12 +107,14 @@ class Lab:
         return vms
 
     def start(self, timeout: float = 180) -> "Lab":
-        self.runtime = self.runtime or find_runtime(log=self.log)
-        self.image = self.image or find_image(log=self.log)
         if self.ssh_port is not None:
             for i in range(len(self.topology.vms)):
                 check_port_free(self.ssh_port + i)
+        self.runtime = self.runtime or find_runtime(log=self.log)
+        self.image = self.image or find_image(log=self.log)
+        remove_stale_rundirs()
         self.rundir = Path(tempfile.mkdtemp(prefix="vfio-cxl-", dir=runtime_root()))
+        (self.rundir / "lab.pid").write_text(str(os.getpid()))
         try:
             for backend in self.topology.backends.values():
                 with open(self.backend_file(backend.name), "wb") as f:

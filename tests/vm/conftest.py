@@ -1,0 +1,68 @@
+"""VM tests: real QEMU, the real guest kernel, real SSH.
+
+One lab runs at a time (two cores under TCG): the ``labs`` pool keeps the lab
+of the topology the current test needs and stops the previous one.  Tests are
+ordered by topology so each boots once per session.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vfio_cxl.lab import topology
+from vfio_cxl.lab.image import find_image
+from vfio_cxl.lab.lab import Lab
+from vfio_cxl.lab.qemu_runtime import find_runtime
+
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1}
+
+
+class LabPool:
+    def __init__(self):
+        self.runtime = find_runtime()
+        self.image = find_image()
+        self.current: Lab | None = None
+
+    def get(self, name: str) -> Lab:
+        if self.current and self.current.topology.name == name:
+            return self.current
+        self.close()
+        lab = Lab(topology.load(name), runtime=self.runtime, image=self.image)
+        self.current = lab.start()
+        return lab
+
+    def close(self) -> None:
+        if self.current:
+            self.current.stop()
+            self.current = None
+
+
+@pytest.fixture(scope="session")
+def labs():
+    pool = LabPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def single_lab(labs) -> Lab:
+    return labs.get("single")
+
+
+@pytest.fixture
+def shared_lab(labs) -> Lab:
+    return labs.get("shared")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        fixtures = getattr(item, "fixturenames", ())
+        ranks = [TOPOLOGY_ORDER[f] for f in fixtures if f in TOPOLOGY_ORDER]
+        return min(ranks) if ranks else len(TOPOLOGY_ORDER)
+    items.sort(key=rank)   # stable: file order within a topology
+
+
+def guest_json(vm, command: str):
+    return json.loads(vm.run(command).stdout)

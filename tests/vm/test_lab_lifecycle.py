@@ -1,0 +1,68 @@
+"""Stopping a lab -- normally or with Ctrl-C -- leaves no process, socket or file."""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vfio_cxl.lab import topology
+from vfio_cxl.lab.lab import Lab
+from vfio_cxl.paths import REPO_ROOT
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and proc.name != str(os.getpid()):
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                found.append(f"{proc.name}: {cmdline[:120]}")
+    return found
+
+
+def test_stop_leaves_nothing_behind(labs):
+    labs.close()   # one lab at a time
+    lab = Lab(topology.load("single"), runtime=labs.runtime, image=labs.image).start()
+    rundir = lab.rundir
+    vm = lab["host0"]
+    pids = [vm.process.pid, lab.gpu_servers["host0"].process.pid]
+    assert processes_mentioning(str(rundir))
+    assert vm.run("hostname").stdout.strip() == "host0"
+    lab.stop()
+    assert not rundir.exists()
+    assert processes_mentioning(str(rundir)) == []
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists(), f"process {pid} still exists"
+
+
+def test_ctrl_c_stops_the_lab(labs):
+    labs.close()
+    cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single"], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)
+    try:
+        deadline = time.monotonic() + 180
+        output = ""
+        while "lab running" not in output:
+            ready, _, _ = select.select([cli.stdout], [], [], max(deadline - time.monotonic(), 0))
+            assert ready, f"lab not running after 180 s: {output}"
+            chunk = os.read(cli.stdout.fileno(), 4096).decode()   # raw: select() sees no Python buffer
+            assert chunk, f"vm up exited early: {cli.stderr.read()}"
+            output += chunk
+        rundirs = [w for w in output.split() if w.startswith("/tmp/vfio-cxl-")]
+        rundir = Path(rundirs[0]).parent.parent   # .../vfio-cxl-XXXX/host0/console.log
+        assert rundir.exists()
+        cli.send_signal(signal.SIGINT)
+        assert cli.wait(60) == 130
+        assert "lab stopped" in cli.stderr.read()
+        assert not rundir.exists()
+        assert processes_mentioning(str(rundir)) == []
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
