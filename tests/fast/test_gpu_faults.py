@@ -176,6 +176,7 @@ def test_reset_clears_the_fault_and_every_register(gpu_server, how):
     try:
         c.reg_write(regs.REG_SCRATCH, 0x1234)
         run_faulting(rig, pack_descriptor(Op.VRAM_TO_HOST, 0, UNMAPPED, 4096, cookie=2))
+        assert eventfd_count(rig.efds[regs.VEC_DMA_DONE]) == 1  # drain: the good first one
         c.reg_write(regs.REG_RING_TAIL, 2)  # halted: the doorbell does nothing
         assert c.reg_read(regs.REG_RING_HEAD) == 1
         if how == "control-reset":

@@ -36,17 +36,24 @@ Handler = Callable[[wire.Header, bytearray, list], tuple[list, list]]
 
 
 class _Pending:
-    __slots__ = ("command", "iova", "into", "done", "errno", "aborted")
+    """One DMA request in flight; the reader thread finishes it exactly once."""
+
+    __slots__ = ("command", "iova", "into", "_done", "errno", "aborted")
 
     def __init__(self, command: int, iova: int, into: memoryview | None):
         self.command, self.iova, self.into = command, iova, into
-        self.done = threading.Event()
+        # a bare lock as a one-shot signal: cheaper than an Event (no Condition)
+        self._done = threading.Lock()
+        self._done.acquire()
         self.errno = 0
         self.aborted = False
 
     def finish(self, err: int = 0, aborted: bool = False) -> None:
         self.errno, self.aborted = err, aborted
-        self.done.set()
+        self._done.release()
+
+    def wait(self, timeout: float) -> bool:
+        return self._done.acquire(timeout=timeout)
 
 
 class Connection:
@@ -181,12 +188,11 @@ class Connection:
             if body != wire.DMA_ACCESS.size + len(p.into):
                 self.transport.discard(body, fds)
                 return p.finish(errno.EIO)
+            # address, count and data in one scatter read, the data straight into VRAM
             meta = bytearray(wire.DMA_ACCESS.size)
-            self.transport.recv_into(memoryview(meta), fds)
+            self.transport.recv_scatter([memoryview(meta), p.into], fds)
             if wire.DMA_ACCESS.unpack(meta) != (p.iova, len(p.into)):
-                self.transport.discard(len(p.into), fds)
                 return p.finish(errno.EIO)
-            self.transport.recv_into(p.into, fds)  # straight into VRAM
         else:
             self.transport.discard(body, fds)
         p.finish()
@@ -220,7 +226,7 @@ class Connection:
             with self._lock:
                 self._pending.pop(msg_id, None)
             raise DmaFault(Status.DMA_ABORTED, iova, errno.ECONNRESET, str(exc)) from None
-        if not p.done.wait(self.dma_timeout):
+        if not p.wait(self.dma_timeout):
             with self._lock:
                 self._pending.pop(msg_id, None)
             raise DmaFault(Status.DMA_TIMEOUT, iova, errno.ETIMEDOUT,

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m vfio_cxl.bench NAME [args]`` (see __main__.SUBCOMMANDS)."""

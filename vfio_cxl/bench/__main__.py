@@ -1,0 +1,23 @@
+"""``python -m vfio_cxl.bench NAME [args...]``: run one benchmark's main(argv)."""
+
+import importlib
+import sys
+
+# subcommand -> module with a main(argv) -> int
+SUBCOMMANDS = {
+    "gpu-server": "vfio_cxl.bench.gpu_server",
+    "boot": "vfio_cxl.bench.boot",
+}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in SUBCOMMANDS:
+        print("usage: python -m vfio_cxl.bench {" + ",".join(SUBCOMMANDS) + "} [args...]",
+              file=sys.stderr)
+        return 2
+    return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
