@@ -1,0 +1,203 @@
+"""The GPU's userspace driver: VFIO (vfio_cxl.guest.vfio) + the register map (vfio_cxl.gpu.regs).
+
+    with GpuDriver.open() as gpu:
+        with gpu.map(dax_mapping.map, iova=GpuDriver.DATA_IOVA):
+            gpu.vram_write(0, b"hello")
+            gpu.run([Transfer(Op.VRAM_TO_HOST, src=0, dst=GpuDriver.DATA_IOVA, length=5)])
+
+Set-up: reset the device, allocate the descriptor ring and the completion
+area in one page-aligned buffer, DMA-map it, program the ring registers,
+enable MSI-X (vector 0 = DMA done, 1 = error) and the ring.  ``run`` writes
+descriptors, rings the tail doorbell and waits on the eventfds; a device
+error becomes a ``GpuDmaError`` naming the failed descriptor, and the ring is
+reset so the driver stays usable.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from dataclasses import dataclass
+
+from ..gpu import regs
+from ..gpu.regs import Op, Status
+from .vfio import DmaMapping, VfioPciDevice, find_pci_devices
+from .vfio.errors import VfioError
+
+
+PCI_COMMAND = 0x04
+PCI_COMMAND_MEMORY = 0x2
+PCI_COMMAND_MASTER = 0x4
+
+
+class GpuError(VfioError):
+    pass
+
+
+class GpuDmaError(GpuError):
+    def __init__(self, index: int, cookie: int, status: int, address: int, errno: int):
+        self.index, self.cookie, self.status, self.address, self.errno = index, cookie, status, address, errno
+        name = Status(status).name if status in Status._value2member_map_ else str(status)
+        super().__init__(
+            f"GPU descriptor {index} (cookie {cookie:#x}) failed: {name} at {address:#x}"
+            + (f" (errno {errno})" if errno else ""),
+            "map the IOVA range with VFIO_IOMMU_MAP_DMA before submitting" if status in
+            (Status.DMA_UNMAPPED, Status.DMA_REFUSED) else "see docs/gpu-device.md for the status code")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    op: Op
+    src: int
+    dst: int
+    length: int
+    cookie: int = 0
+
+
+class GpuDriver:
+    RING_ENTRIES = 256
+    CONTROL_IOVA = 0x0010_0000      # ring + completion area
+    BOUNCE_IOVA = 0x1000_0000       # guest RAM buffers (route A)
+    DATA_IOVA = 0x4000_0000         # CXL devdax (route B)
+
+    def __init__(self, device: VfioPciDevice):
+        self.device = device
+        # A userspace driver enables bus mastering itself (vfio-pci leaves it
+        # off): without it QEMU drops the device's MSI-X writes.
+        command = device.config.read16(PCI_COMMAND)
+        device.config.write16(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)
+        self.bar0 = device.bar(regs.BAR_REGS)
+        self.vram = device.bar(regs.BAR_VRAM)
+        self.vram_size = self.bar0.read32(regs.REG_VRAM_SIZE_LO) | self.bar0.read32(regs.REG_VRAM_SIZE_HI) << 32
+        ring_bytes = self.RING_ENTRIES * regs.DESC_SIZE
+        self._control = mmap.mmap(-1, 2 * ring_bytes)
+        self._control_view = memoryview(self._control)
+        self._control_dma = device.map_dma(self._control, self.CONTROL_IOVA)
+        self._ring = self._control_view[:ring_bytes]
+        self._completions = self._control_view[ring_bytes:]
+        self.vectors = device.msix(regs.MSIX_VECTORS)
+        self._tail = 0
+        self._cookie = 0
+        self.reset()
+
+    @classmethod
+    def open(cls, bdf: str | None = None) -> "GpuDriver":
+        if bdf is None:
+            found = find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
+            if not found:
+                raise GpuError(f"no GPU [{regs.PCI_VENDOR_ID:04x}:{regs.PCI_DEVICE_ID:04x}] in this VM",
+                               "boot a topology with gpu = true (vfio-cxl vm up single)")
+            bdf = found[0]
+        device = VfioPciDevice.open(bdf)
+        try:
+            if device.bar(regs.BAR_REGS).read32(regs.REG_ID) != regs.ID_MAGIC:
+                raise GpuError(f"{bdf} does not answer with the GPU's ID register", "is it the vfio-cxl GPU?")
+            return cls(device)
+        except BaseException:
+            device.close()
+            raise
+
+    # -- set-up ---------------------------------------------------------------
+    def reset(self) -> None:
+        """Device reset, then program the ring and enable it (also after an error)."""
+        self.bar0.write32(regs.REG_CONTROL, regs.CONTROL_RESET)
+        ring_bytes = self.RING_ENTRIES * regs.DESC_SIZE
+        compl = self.CONTROL_IOVA + ring_bytes
+        self._control_view[:] = bytes(len(self._control_view))
+        for reg, value in ((regs.REG_RING_BASE_LO, self.CONTROL_IOVA & 0xFFFFFFFF),
+                           (regs.REG_RING_BASE_HI, self.CONTROL_IOVA >> 32),
+                           (regs.REG_RING_SIZE, self.RING_ENTRIES),
+                           (regs.REG_COMPL_BASE_LO, compl & 0xFFFFFFFF),
+                           (regs.REG_COMPL_BASE_HI, compl >> 32),
+                           (regs.REG_CONTROL, regs.CONTROL_ENABLE)):
+            self.bar0.write32(reg, value)
+        if not self.bar0.read32(regs.REG_STATUS) & regs.STATUS_ENABLED:
+            raise GpuError("the GPU refused the ring configuration",
+                           f"ERR_STATUS={self.bar0.read32(regs.REG_ERR_STATUS)}")
+        self._tail = 0
+        for vector in (regs.VEC_DMA_DONE, regs.VEC_ERROR):
+            self.vectors.pending(vector)   # drain stale events
+
+    def map(self, buffer, iova: int) -> DmaMapping:
+        """DMA-map ``buffer`` (an mmap: devdax, anonymous, ...) at ``iova`` for the GPU."""
+        return self.device.map_dma(buffer, iova)
+
+    # -- VRAM ----------------------------------------------------------------
+    def vram_write(self, offset: int, data: bytes) -> None:
+        self.vram.write(offset, data)
+
+    def vram_read(self, offset: int, length: int) -> bytes:
+        return self.vram.read(offset, length)
+
+    # -- transfers -------------------------------------------------------------
+    def submit(self, transfers: list[Transfer]) -> list[int]:
+        """Queue transfers (interrupt on the last) and ring the doorbell; returns ring indices."""
+        if not 0 < len(transfers) < self.RING_ENTRIES:
+            raise GpuError(f"{len(transfers)} transfers do not fit the {self.RING_ENTRIES}-entry ring",
+                           "submit fewer at a time")
+        indices = []
+        for i, t in enumerate(transfers):
+            index = self._tail
+            flags = regs.DESC_FLAG_INTERRUPT if i == len(transfers) - 1 else 0
+            start = index * regs.DESC_SIZE
+            self._ring[start:start + regs.DESC_SIZE] = regs.pack_descriptor(
+                t.op, t.src, t.dst, t.length, flags, t.cookie or index + 1)
+            indices.append(index)
+            self._tail = (index + 1) % self.RING_ENTRIES
+        self.bar0.write32(regs.REG_RING_TAIL, self._tail)   # the doorbell
+        return indices
+
+    def completion(self, index: int) -> dict:
+        start = index * regs.COMPL_SIZE
+        return regs.unpack_completion(self._completions[start:start + regs.COMPL_SIZE])
+
+    def wait(self, indices: list[int], timeout: float = 10) -> list[dict]:
+        """Wait for the MSI-X of the last transfer (or the error vector); returns completions."""
+        fired = self.vectors.wait_any(timeout)
+        if fired.get(regs.VEC_ERROR):
+            self._raise_device_error()
+        if not fired.get(regs.VEC_DMA_DONE):
+            raise GpuError(f"no MSI-X from the GPU within {timeout} s", "is the GPU server alive?")
+        done = [self.completion(i) for i in indices]
+        bad = [c for c in done if c["status"] != Status.OK]
+        if bad:
+            raise GpuDmaError(bad[0]["index"], bad[0]["cookie"], bad[0]["status"], 0, 0)
+        return done
+
+    def run(self, transfers: list[Transfer], timeout: float = 10) -> list[dict]:
+        return self.wait(self.submit(transfers), timeout)
+
+    def _raise_device_error(self) -> None:
+        index = self.bar0.read32(regs.REG_ERR_DESC_INDEX)
+        error = GpuDmaError(index, self.completion(index)["cookie"], self.bar0.read32(regs.REG_ERR_STATUS),
+                            self.bar0.read32(regs.REG_ERR_ADDR_LO) | self.bar0.read32(regs.REG_ERR_ADDR_HI) << 32,
+                            self.bar0.read32(regs.REG_ERR_ERRNO))
+        self.reset()   # the ring halts on an error until reset
+        raise error
+
+    # -- teardown ----------------------------------------------------------------
+    def close(self) -> None:
+        if self.device is None:
+            return
+        try:
+            self.bar0.write32(regs.REG_CONTROL, regs.CONTROL_RESET)
+        finally:
+            self._ring.release()
+            self._completions.release()
+            self._control_dma.close()
+            self._control_view.release()
+            self.device.close()
+            self._control.close()
+            self.device = None
+
+    def __enter__(self) -> "GpuDriver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
