@@ -322,3 +322,18 @@ def test_cli_rejects_bad_arguments(tmp_path):
     proc = start_cli(tmp_path / "s", "--vendor-id", "0x10000")
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 2 and "16-bit" in err
+
+
+def test_top_level_cli_forwards_to_the_gpu_server(tmp_path):
+    sock = tmp_path / "gpu.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "gpu", "serve", "--socket", str(sock)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert read_line(proc.stdout) == f"READY {sock}\n"
+        proc.terminate()
+        proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and not sock.exists()

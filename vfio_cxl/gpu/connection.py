@@ -4,13 +4,16 @@ A single reader thread owns the receive side and demultiplexes:
 
 * **requests** from the client are handed to the dispatcher, which answers
   at once (it never waits for anything the client must do first);
-* **replies** to our DMA_READ / DMA_WRITE requests wake the engine thread
-  waiting for them.  A DMA_READ reply is received straight into its
-  destination (VRAM), so the payload is never copied in Python.
+* **replies** to our DMA_READ / DMA_WRITE requests advance the transfer they
+  belong to.  A DMA_READ reply is received straight into its destination
+  (VRAM), so the payload is never copied in Python.
 
 Limits that keep QEMU 11.1 happy (lab notes): DMA_READ replies larger than
-about one socket buffer arrive cut, so reads go out in 64 KiB pieces, one at
-a time; DMA_WRITE pieces stay within the client's max_data_xfer_size.
+about one socket buffer arrive cut, so reads go out in 64 KiB pieces;
+DMA_WRITE pieces stay within the client's max_data_xfer_size.  Exactly one
+request is in flight per transfer: the reader sends the next piece as soon
+as the previous reply is in (it only sends, never waits), and wakes the
+engine thread once, when the whole transfer is done or has failed.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import threading
 from typing import Callable
 
 from . import wire
-from .dma import DmaFault, DmaTable
+from .dma import DmaAborted, DmaFault, DmaTable
 from .regs import Status
 from .transport import ConnectionClosed, MessageTimeout, Transport, close_fds
 
@@ -35,25 +38,28 @@ DISCARD_LIMIT = 64 << 20  # larger claimed sizes mean a broken stream: hang up
 Handler = Callable[[wire.Header, bytearray, list], tuple[list, list]]
 
 
-class _Pending:
-    """One DMA request in flight; the reader thread finishes it exactly once."""
+def _never() -> None:
+    pass
 
-    __slots__ = ("command", "iova", "into", "_done", "errno", "aborted")
 
-    def __init__(self, command: int, iova: int, into: memoryview | None):
-        self.command, self.iova, self.into = command, iova, into
+class _Transfer:
+    """A run of DMA_READ or DMA_WRITE pieces over one buffer, one piece in flight."""
+
+    __slots__ = ("command", "iova", "buf", "chunk", "pos", "inflight", "msg_id", "abort",
+                 "finished", "errno", "outcome", "_done")
+
+    def __init__(self, command: int, iova: int, buf: memoryview, chunk: int, abort):
+        self.command, self.iova, self.buf, self.chunk = command, iova, buf, chunk
+        self.abort = abort
+        self.pos = 0  # bytes completed; only the thread handling the reply moves it
+        self.inflight = 0
+        self.msg_id = -1
+        self.finished = False
+        self.errno = 0
+        self.outcome = "ok"  # ok | refused | closed | timeout | aborted
         # a bare lock as a one-shot signal: cheaper than an Event (no Condition)
         self._done = threading.Lock()
         self._done.acquire()
-        self.errno = 0
-        self.aborted = False
-
-    def finish(self, err: int = 0, aborted: bool = False) -> None:
-        self.errno, self.aborted = err, aborted
-        self._done.release()
-
-    def wait(self, timeout: float) -> bool:
-        return self._done.acquire(timeout=timeout)
 
 
 class Connection:
@@ -68,7 +74,7 @@ class Connection:
         self.internal_errors = 0
         self.messages_in = 0
         self._handler: Handler | None = None
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, _Transfer] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -109,8 +115,8 @@ class Connection:
         with self._lock:
             self._dma_closed = True
             pending, self._pending = self._pending, {}
-        for p in pending.values():
-            p.finish(errno.ECONNRESET, aborted=True)
+        for t in pending.values():
+            self._finish(t, errno.ECONNRESET, "closed")
 
     # ------------------------------------------------------------ reader
     def _reader(self) -> None:
@@ -164,73 +170,118 @@ class Connection:
         if header.no_reply:
             return
         size = sum(len(p) for p in parts)
+        if self._debug:
+            log.debug("-> reply %s size=%d%s", wire.COMMAND_NAMES.get(header.command),
+                      wire.HEADER_SIZE + size, f" fds={len(out_fds)}" if out_fds else "")
         self.transport.send([wire.reply_header(header, size), *parts], out_fds)
 
     def _reply_error(self, header: wire.Header, err: int, why: str) -> None:
-        log.debug("%s: %s refused: %s", self.name, header.describe(), why)
+        log.debug("-> error %s for %s: %s", errno.errorcode.get(err, err), header.describe(), why)
         if not header.no_reply:
             self.transport.send([wire.error_header(header, err)])
 
     def _on_reply(self, header: wire.Header, fds: list[int]) -> None:
         body = max(header.size - wire.HEADER_SIZE, 0)
         with self._lock:
-            p = self._pending.pop(header.msg_id, None)
-        if p is None or p.command != header.command:
+            t = self._pending.pop(header.msg_id, None)
+        if t is None or t.command != header.command:
             log.warning("%s: unexpected reply %s", self.name, header.describe())
             self.transport.discard(body, fds)
-            if p is not None:
-                p.finish(errno.EIO)
+            if t is not None:
+                self._finish(t, errno.EIO, "refused")
             return
         if header.is_error:
             self.transport.discard(body, fds)
-            return p.finish(header.error or errno.EIO)
-        if p.command == wire.DMA_READ:
-            if body != wire.DMA_ACCESS.size + len(p.into):
+            return self._finish(t, header.error or errno.EIO, "refused")
+        n, at = t.inflight, t.iova + t.pos
+        if t.command == wire.DMA_READ:
+            if body != wire.DMA_ACCESS.size + n:
                 self.transport.discard(body, fds)
-                return p.finish(errno.EIO)
+                return self._finish(t, errno.EIO, "refused")
             # address, count and data in one scatter read, the data straight into VRAM
             meta = bytearray(wire.DMA_ACCESS.size)
-            self.transport.recv_scatter([memoryview(meta), p.into], fds)
-            if wire.DMA_ACCESS.unpack(meta) != (p.iova, len(p.into)):
-                return p.finish(errno.EIO)
+            self.transport.recv_scatter([memoryview(meta), t.buf[t.pos:t.pos + n]], fds)
+            if wire.DMA_ACCESS.unpack(meta) != (at, n):
+                return self._finish(t, errno.EIO, "refused")
         else:
             self.transport.discard(body, fds)
-        p.finish()
+        t.pos += n
+        if t.pos >= len(t.buf):
+            return self._finish(t)
+        if t.abort():
+            return self._finish(t, 0, "aborted")
+        self._send_next(t)  # sends only: the reply will come back to this thread
 
     # ------------------------------------------------------------ our DMA requests
-    def dma_write(self, iova: int, data: memoryview) -> None:
-        """One DMA_WRITE message (len(data) <= max_write); waits for the reply."""
-        meta = wire.DMA_ACCESS.pack(iova, len(data))
-        self._round_trip(wire.DMA_WRITE, iova, None, [meta, data], len(meta) + len(data))
+    def dma_write(self, iova: int, data: memoryview, abort: Callable[[], bool] = _never) -> None:
+        """Device -> client memory through DMA_WRITE messages of <= max_write bytes."""
+        self._run(_Transfer(wire.DMA_WRITE, iova, data, self.max_write, abort))
 
-    def dma_read(self, iova: int, into: memoryview) -> None:
-        """One DMA_READ message (len(into) <= max_read); the reply lands in ``into``."""
-        meta = wire.DMA_ACCESS.pack(iova, len(into))
-        self._round_trip(wire.DMA_READ, iova, into, [meta], len(meta))
+    def dma_read(self, iova: int, into: memoryview, abort: Callable[[], bool] = _never) -> None:
+        """Client memory -> ``into`` through DMA_READ messages of <= max_read bytes."""
+        self._run(_Transfer(wire.DMA_READ, iova, into, self.max_read, abort))
 
-    def _round_trip(self, command, iova, into, parts, payload_size) -> None:
-        p = _Pending(command, iova, into)
+    def _run(self, t: _Transfer) -> None:
+        """Start a transfer and wait for it; raise DmaFault (``progress`` set) on failure."""
+        if not len(t.buf):
+            return
+        self._send_next(t)
+        last = 0
+        while not t._done.acquire(timeout=self.dma_timeout):
+            with self._lock:
+                if t.finished or t.pos != last:  # finishing right now, or still moving
+                    last = t.pos
+                    continue
+                self._pending.pop(t.msg_id, None)
+                t.finished, t.errno, t.outcome = True, errno.ETIMEDOUT, "timeout"
+            break
+        if t.outcome == "ok":
+            return
+        if t.outcome == "aborted":
+            raise DmaAborted()
+        status = {"refused": Status.DMA_REFUSED, "timeout": Status.DMA_TIMEOUT,
+                  "closed": Status.DMA_ABORTED}[t.outcome]
+        # raised without a local name: a frame holding its own exception would keep
+        # the VRAM slices it references alive until the cyclic GC runs
+        raise DmaFault(status, t.iova + t.pos, t.errno,
+                       f"{wire.COMMAND_NAMES[t.command]}: {t.outcome}, errno {t.errno}", t.pos)
+
+    def _send_next(self, t: _Transfer) -> None:
+        n = min(t.chunk, len(t.buf) - t.pos)
+        at = t.iova + t.pos
         with self._lock:
+            if t.finished:
+                return
             if self._dma_closed:
-                raise DmaFault(Status.DMA_ABORTED, iova, errno.ECONNRESET, "client gone")
-            msg_id = next(self._ids) & 0xFFFF
-            while msg_id in self._pending:
+                closed = True
+            else:
+                closed = False
                 msg_id = next(self._ids) & 0xFFFF
-            self._pending[msg_id] = p
+                while msg_id in self._pending:
+                    msg_id = next(self._ids) & 0xFFFF
+                t.msg_id, t.inflight = msg_id, n
+                self._pending[msg_id] = t
+        if closed:
+            return self._finish(t, errno.ECONNRESET, "closed")
+        meta = wire.DMA_ACCESS.pack(at, n)
+        if t.command == wire.DMA_WRITE:
+            parts, size = [meta, t.buf[t.pos:t.pos + n]], len(meta) + n
+        else:
+            parts, size = [meta], len(meta)
         if self._debug:
-            log.debug("-> %s id=%d iova=%#x count=%d", wire.COMMAND_NAMES[command], msg_id,
-                      iova, len(into) if into is not None else payload_size - 16)
+            log.debug("-> %s id=%d iova=%#x count=%d", wire.COMMAND_NAMES[t.command], msg_id, at, n)
         try:
-            self.transport.send([wire.request_header(msg_id, command, payload_size), *parts])
+            self.transport.send([wire.request_header(msg_id, t.command, size), *parts])
         except (ConnectionClosed, MessageTimeout) as exc:
+            log.warning("%s: DMA request not sent: %s", self.name, exc)
             with self._lock:
                 self._pending.pop(msg_id, None)
-            raise DmaFault(Status.DMA_ABORTED, iova, errno.ECONNRESET, str(exc)) from None
-        if not p.wait(self.dma_timeout):
-            with self._lock:
-                self._pending.pop(msg_id, None)
-            raise DmaFault(Status.DMA_TIMEOUT, iova, errno.ETIMEDOUT,
-                           f"no reply in {self.dma_timeout}s")
-        if p.errno:
-            status = Status.DMA_ABORTED if p.aborted else Status.DMA_REFUSED
-            raise DmaFault(status, iova, p.errno, f"client answered errno {p.errno}")
+            self._finish(t, errno.ECONNRESET, "closed")
+
+    def _finish(self, t: _Transfer, err: int = 0, outcome: str = "ok") -> None:
+        """Settle a transfer exactly once and wake the engine waiting for it."""
+        with self._lock:
+            if t.finished:
+                return
+            t.finished, t.errno, t.outcome = True, err, outcome
+        t._done.release()

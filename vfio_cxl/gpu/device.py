@@ -14,6 +14,7 @@ descriptor it was working on without writing anything more.
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
@@ -94,7 +95,11 @@ class GpuDevice:
         self.stop()
         self.irqs.close_all()
         self.vram.release()
-        self._vram_mm.close()
+        try:
+            self._vram_mm.close()
+        except BufferError:  # a VRAM slice kept alive by a reference cycle (a traceback)
+            gc.collect()
+            self._vram_mm.close()
         os.close(self.vram_fd)
 
     def attach(self, port: DmaPort | None) -> None:

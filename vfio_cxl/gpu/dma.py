@@ -37,11 +37,11 @@ PAGE = mmap.ALLOCATIONGRANULARITY
 class DmaFault(Exception):
     """A transfer failed; ``status`` is a regs.Status, ``addr`` the failing IOVA."""
 
-    def __init__(self, status: int, addr: int, err: int = 0, why: str = ""):
+    def __init__(self, status: int, addr: int, err: int = 0, why: str = "", done: int = 0):
         self.status = Status(status)
         self.addr = addr
         self.errno = err
-        self.done = 0  # bytes of the transfer that completed before the fault
+        self.done = done  # bytes of the transfer that completed before the fault
         super().__init__(f"{self.status.name} at {addr:#x}: {why}")
 
 
@@ -218,13 +218,22 @@ class DmaTable:
 
 
 class MessagePath(Protocol):
-    """What the connection offers for IOVAs without an fd (one message each)."""
+    """What the connection offers for IOVAs without an fd: it splits the range
+    into DMA_WRITE / DMA_READ messages itself and raises DmaFault (with
+    ``done``) or DmaAborted; ``stopped()`` is polled between messages."""
 
-    max_write: int
-    max_read: int
+    def dma_write(self, iova: int, data: memoryview, stopped: Callable[[], bool]) -> None: ...
+    def dma_read(self, iova: int, into: memoryview, stopped: Callable[[], bool]) -> None: ...
 
-    def dma_write(self, iova: int, data: memoryview) -> None: ...
-    def dma_read(self, iova: int, into: memoryview) -> None: ...
+
+def _as_predicate(abort: Callable[[], None]) -> Callable[[], bool]:
+    def stopped() -> bool:
+        try:
+            abort()
+        except DmaAborted:
+            return True
+        return False
+    return stopped
 
 
 class DmaPort:
@@ -278,15 +287,17 @@ class DmaPort:
                     pos += n
                     done[0] = pos
                     continue
-            # message path, outside the table lock: the reply comes via the reader thread
+            # message path, outside the table lock: the replies come via the reader thread
             if self.messages is None:
                 raise DmaFault(Status.DMA_ABORTED, at, errno.ENOTCONN, "no client connected")
-            if to_host:
-                n = min(room, self.messages.max_write)
-                self.messages.dma_write(at, buf[pos:pos + n])
-            else:
-                n = min(room, self.messages.max_read)
-                self.messages.dma_read(at, buf[pos:pos + n])
-            self.message_bytes += n
-            pos += n
+            try:
+                if to_host:
+                    self.messages.dma_write(at, buf[pos:pos + room], _as_predicate(abort))
+                else:
+                    self.messages.dma_read(at, buf[pos:pos + room], _as_predicate(abort))
+            except DmaFault as fault:
+                done[0] = pos + fault.done
+                raise
+            self.message_bytes += room
+            pos += room
             done[0] = pos
