@@ -2,7 +2,6 @@
 
 import ast
 import hashlib
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path

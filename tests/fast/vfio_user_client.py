@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from vfio_cxl.gpu import regs, wire
+from vfio_cxl.gpu import regs
 from vfio_cxl.gpu.client import (  # noqa: F401  (re-exported for the tests)
     Area, GuestMemory, Reply, VfioUserClient, eventfd_count, wait_eventfd,
 )

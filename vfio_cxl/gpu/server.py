@@ -17,7 +17,7 @@ import socket
 import stat
 import threading
 
-from . import regs, wire
+from . import wire
 from .connection import Connection
 from .device import GpuDevice
 from .dma import DmaPort
