@@ -1,6 +1,7 @@
 """Demos, run from the host: each boots what it needs and drives the guests over SSH.
 
     vfio-cxl demo tour    what the single-host lab's guest sees
+    vfio-cxl demo dma     the GPU DMAs into CXL devdax through VFIO (route B)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from ..errors import LabError
 
 DEMOS = {
     "tour": "vfio_cxl.demos.tour",
+    "dma": "vfio_cxl.demos.dma",
 }
 
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import base64
+import logging
 import time
 
 import paramiko
 from fabric import Connection
 
 from ..errors import LabError
+
+# paramiko logs every refused attempt while sshd comes up; connect() reports failure itself.
+logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 
 
 class GuestCommandError(LabError):
