@@ -46,12 +46,28 @@ def assert_halted_after(rig, status, addr, err=0):
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "message"])
-def test_dma_to_an_unmapped_iova_faults_without_writing(gpu_server, direct):
+def test_dma_to_an_unmapped_iova_is_refused_by_the_iommu(gpu_server, direct):
+    # Nothing mapped there: the server still asks the client, as a device's DMA
+    # would reach the IOMMU; QEMU's vIOMMU refuses (and the guest logs a DMAR fault).
     rig = Rig(gpu_server, direct=direct)
     try:
         run_faulting(rig, pack_descriptor(Op.VRAM_TO_HOST, 0, UNMAPPED, 4096, IRQ, cookie=2))
-        assert_halted_after(rig, Status.DMA_UNMAPPED, UNMAPPED)
-        assert rig.client.stats.refused == 0  # the server knew: nothing was even sent
+        assert_halted_after(rig, Status.DMA_REFUSED, UNMAPPED, errno.ENODEV)
+        assert rig.client.stats.refused == 1 and rig.client.stats.writes == (0 if direct else 2)
+    finally:
+        rig.close()
+
+
+def test_the_client_is_the_authority_for_iovas_the_server_never_saw(gpu_server):
+    # e.g. a peer device's BAR: QEMU can reach it though it sent no DMA_MAP for it
+    rig = Rig(gpu_server, direct=True)
+    try:
+        peer = rig.memory.add(UNMAPPED, 1 << 20, shared=False)
+        peer.mapped = True  # the client serves it, the server was never told
+        rig.submit([pack_descriptor(Op.FILL_PRNG, 8, 0, 100_000),
+                    pack_descriptor(Op.VRAM_TO_HOST, 0, UNMAPPED, 100_000, IRQ)])
+        rig.wait_vector(regs.VEC_DMA_DONE)
+        assert bytes(peer.view[:100_000]) == regs.prng_bytes(8, 100_000)
     finally:
         rig.close()
 
@@ -128,7 +144,7 @@ def test_ring_outside_mapped_memory(gpu_server):
         c.reg_write(regs.REG_CONTROL, regs.CONTROL_ENABLE)
         c.reg_write(regs.REG_RING_TAIL, 3)
         rig.wait_vector(regs.VEC_ERROR)
-        assert err_regs(c) == (Status.RING_FETCH, 0, UNMAPPED, 0)
+        assert err_regs(c) == (Status.RING_FETCH, 0, UNMAPPED, errno.ENODEV)
         assert c.reg_read(regs.REG_RING_HEAD) == 0
     finally:
         rig.close()
@@ -143,7 +159,7 @@ def test_unwritable_completion_area(gpu_server):
         c.reg_write(regs.REG_CONTROL, regs.CONTROL_ENABLE)
         rig.submit([pack_descriptor(Op.FILL_PATTERN, 0x42, 0, 64, IRQ)])
         rig.wait_vector(regs.VEC_ERROR)
-        assert err_regs(c) == (Status.COMPLETION_WRITE, 0, UNMAPPED, 0)
+        assert err_regs(c) == (Status.COMPLETION_WRITE, 0, UNMAPPED, errno.ENODEV)
         assert eventfd_count(rig.efds[regs.VEC_DMA_DONE]) == 0
     finally:
         rig.close()
@@ -202,7 +218,8 @@ def test_dma_after_unmap_faults(gpu_server):
         assert rig.client.dma_unmap(DATA_IOVA, rig.data.size).ok
         rig.submit([pack_descriptor(Op.VRAM_TO_HOST, 0, DATA_IOVA, 4096)])
         rig.wait_vector(regs.VEC_ERROR)
-        assert err_regs(rig.client)[:3] == (Status.DMA_UNMAPPED, 0, DATA_IOVA)
+        assert err_regs(rig.client) == (Status.DMA_REFUSED, 0, DATA_IOVA, errno.ENODEV)
+        assert rig.host(DATA_IOVA, 4096) == bytes(4096)
     finally:
         rig.close()
 

@@ -4,8 +4,9 @@ It speaks the same wire format QEMU 11.1 does, hands over eventfds and
 memfds with SCM_RIGHTS, and answers the server's DMA_READ / DMA_WRITE from
 a ``GuestMemory`` of local buffers -- so both the server's direct path
 (memfd areas, passed with DMA_MAP) and its message path (plain areas) can
-be exercised without a VM.  IOVAs the memory does not back are refused with
-ENODEV, as QEMU does when the vIOMMU has no translation.
+be exercised without a VM.  IOVAs the memory does not back, or that the client
+has not DMA-mapped (or has unmapped), are refused with ENODEV, as QEMU does
+when the vIOMMU has no translation.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Area:
 
     def __init__(self, iova: int, size: int, shared: bool, writable: bool = True):
         self.iova, self.size, self.writable = iova, size, writable
+        self.mapped = False  # DMA-mapped for the server: only then are DMA messages served
         if shared:
             self.fd = os.memfd_create(f"guest-{iova:#x}", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, size)
@@ -75,11 +77,19 @@ class GuestMemory:
         self.areas.append(area)
         return area
 
-    def view(self, iova: int, length: int, write: bool = False) -> memoryview | None:
+    def view(self, iova: int, length: int, write: bool = False,
+             mapped_only: bool = False) -> memoryview | None:
         for a in self.areas:
-            if a.iova <= iova and iova + length <= a.end and (a.writable or not write):
+            if (a.iova <= iova and iova + length <= a.end and (a.writable or not write)
+                    and (a.mapped or not mapped_only)):
                 return a.view[iova - a.iova:iova - a.iova + length]
         return None
+
+    def unmapped(self, iova: int, size: int) -> None:
+        """The client unmapped [iova, iova+size): areas it touches stop serving DMA."""
+        for a in self.areas:
+            if a.iova < iova + size and iova < a.end:
+                a.mapped = False
 
     def close(self) -> None:
         for a in self.areas:
@@ -200,7 +210,8 @@ class VfioUserClient:
         self.transport.recv_into(memoryview(meta), [])
         addr, count = wire.DMA_ACCESS.unpack(meta)
         if header.command == wire.DMA_WRITE:
-            view = self.memory.view(addr, count, write=True) if body == 16 + count else None
+            view = (self.memory.view(addr, count, write=True, mapped_only=True)
+                    if body == 16 + count else None)
             if view is None:
                 self.transport.discard(body - 16, [])
                 return self._answer_error(header, errno.ENODEV)
@@ -211,7 +222,7 @@ class VfioUserClient:
             reply = [wire.reply_header(header, 16), meta]
         else:
             self.transport.discard(body - 16, [])
-            view = self.memory.view(addr, count)
+            view = self.memory.view(addr, count, mapped_only=True)
             if view is None:
                 return self._answer_error(header, errno.ENODEV)
             self.stats.reads += 1
@@ -311,8 +322,14 @@ class VfioUserClient:
         """DMA_MAP a memory area: with its memfd (direct path) or without (message path)."""
         flags = wire.DMA_MAP_FLAG_READ | (wire.DMA_MAP_FLAG_WRITE if area.writable else 0)
         self._ok(self.dma_map(area.iova, area.size, fd=area.fd if direct else None, flags=flags))
+        area.mapped = True
 
     def dma_unmap(self, iova: int, size: int, flags: int = 0) -> Reply:
+        # like QEMU's vIOMMU: once unmapped, DMA messages for it are refused
+        if flags & wire.DMA_UNMAP_FLAG_ALL:
+            self.memory.unmapped(0, 1 << 64)
+        else:
+            self.memory.unmapped(iova, size)
         return self.request(wire.DMA_UNMAP, wire.DMA_UNMAP_REQ.pack(24, flags, iova, size))
 
     def reset(self) -> None:

@@ -7,8 +7,10 @@
   VFIO_USER_DMA_READ / DMA_WRITE message and QEMU does the copy, translating
   through the vIOMMU on its side.
 
-The table is the authority on what is mapped: a transfer whose IOVA range
-is not fully covered faults before a single byte moves.  DMA_UNMAP takes the
+A transfer whose range is only partly mapped faults before a single byte
+moves; one with no mapping at all is sent as messages anyway, because the
+client's vIOMMU has the last word (it refuses, and the guest sees the DMAR
+fault, as with a real device).  DMA_UNMAP takes the
 table lock, which direct copies hold only per bounded chunk, so an unmap
 waits at most for one chunk and never for a socket round trip.
 """
@@ -216,6 +218,13 @@ class DmaTable:
                     raise DmaFault(Status.DMA_PERMISSION, pos, why=f"{m!r} lacks flags {need}")
                 pos = m.end
 
+    def untouched(self, iova: int, length: int) -> bool:
+        """True if no mapping overlaps [iova, iova+length)."""
+        end = iova + length
+        with self.lock:
+            i = bisect.bisect_left(self._starts, end) - 1
+            return i < 0 or self._maps[i].end <= iova
+
 
 class MessagePath(Protocol):
     """What the connection offers for IOVAs without an fd: it splits the range
@@ -254,13 +263,31 @@ class DmaPort:
         self._transfer(iova, memoryview(into).cast("B"), wire.DMA_MAP_FLAG_READ, abort)
 
     def _transfer(self, iova: int, buf: memoryview, need: int, abort) -> None:
-        self.table.check(iova, len(buf), need)
+        try:
+            self.table.check(iova, len(buf), need)
+        except DmaFault as fault:
+            # Nothing mapped there at all: ask the client anyway, as a real device's
+            # DMA would reach the IOMMU.  QEMU's vIOMMU refuses it (ENODEV) and the
+            # guest sees the DMAR fault.  A range only partly mapped faults here,
+            # before a byte moves.
+            if (fault.status != Status.DMA_UNMAPPED or self.messages is None
+                    or not self.table.untouched(iova, len(buf))):
+                raise
+            self._unmapped(iova, buf, need, abort)
+            return
         done = [0]
         try:
             self._move(iova, buf, need, abort, done)
         except DmaFault as fault:
             fault.done = done[0]
             raise
+
+    def _unmapped(self, iova: int, buf: memoryview, need: int, abort) -> None:
+        if need == wire.DMA_MAP_FLAG_WRITE:
+            self.messages.dma_write(iova, buf, _as_predicate(abort))
+        else:
+            self.messages.dma_read(iova, buf, _as_predicate(abort))
+        self.message_bytes += len(buf)
 
     def _move(self, iova: int, buf: memoryview, need: int, abort, done: list) -> None:
         length = len(buf)
