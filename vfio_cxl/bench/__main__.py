@@ -7,6 +7,7 @@ import sys
 SUBCOMMANDS = {
     "gpu-server": "vfio_cxl.bench.gpu_server",
     "boot": "vfio_cxl.bench.boot",
+    "routes": "vfio_cxl.bench.routes",
 }
 
 
