@@ -1,0 +1,608 @@
+"""A single-producer/single-consumer channel in shared CXL memory (stdlib only).
+
+VM a (producer) and VM b (consumer) map the same memory -- ``/dev/dax0.0`` in
+the guests, any writable buffer (an mmap of a file) elsewhere.  Payloads are
+placed in the shared data area (by the CPU, or by a GPU's DMA) and announced by
+records in a ring; the consumer reads them in place, with no copy.
+
+    # VM a                                        # VM b
+    p = Producer.create(dax.map)                  c = Consumer.open(dax.map, wait=30)
+    r = p.reserve(n)        # where to put it     rec = c.receive(timeout=5)
+    gpu DMAs n bytes to IOVA_BASE + r.offset      use(rec.view)   # zero copy
+    seq = p.publish(r.offset, r.length)           c.ack(rec)      # frees its space
+    p.send(b"small things are copied in")
+
+Offsets are relative to the start of the buffer handed to ``create``/``open``
+(the devdax offset when the whole device is the channel).
+
+Memory layout (little endian; every line is 64 bytes, one cache line)
+----------------------------------------------------------------------
+::
+
+    0    header, written once by Producer.create (magic last)
+         0 magic b"VCXLCHAN" | 8 u32 version | 12 u32 ring entries N
+         16 u32 record size (64) | 20 u32 flags (0) | 24 u64 ring offset (192)
+         32 u64 data offset | 40 u64 data size | 48 u64 epoch (random, per create)
+         56 u32 reserved | 60 u32 CRC32 of bytes 8..60
+    64   producer line (only the producer writes it)
+         64 u64 records published (= next seq) | 72 u64 data head (bytes allocated)
+    128  consumer line (only the consumer writes it)
+         128 u64 records acked (= oldest unreleased seq) | 136 u64 data tail (bytes freed)
+    192  record ring: N records of 64 bytes, record ``seq`` in slot ``seq % N``
+         +0 u64 seq | +8 u64 payload offset | +16 u64 length | +24 u64 end
+         +32 u32 payload CRC32 | +36 u32 CRC32 of +0..+36 (seeded with the epoch)
+         +40..+56 reserved | +56 u64 commit word = (epoch & 0xffffffff) << 32 | (seq + 1) & 0xffffffff
+    data offset (4 KiB aligned, after the ring) .. end: the data area
+
+The data area is a circular byte buffer addressed by monotonic positions:
+``head`` (producer) and ``tail`` (consumer) only grow; position ``p`` lives at
+``data_offset + p % data_size``.  A payload is never split: if it does not fit
+before the end of the area, the producer skips to the start of the next lap
+(the skipped bytes are freed with the record).  A record's ``end`` is the
+position just after its payload; acking it moves ``tail`` to ``end``.  Space is
+reused only when ``end - tail <= data_size`` (back-pressure); ring slots only
+when fewer than N records are unacked.  Acks are cumulative.
+
+The commit word tells the consumer that *this* seq (of *this* channel
+incarnation) is complete; a slot still holding the previous lap's record, a
+zeroed slot or a slot from before a re-create never matches.
+
+Ordering rules
+--------------
+Producer: payload bytes -> record fields (+0..+40) -> commit word (+56) ->
+published count.  Consumer: commit word -> record fields -> payload; it
+validates the field CRC, the seq, the bounds (offset/length inside the data
+area and consistent with ``end``) and the payload CRC, and raises
+``CorruptRecord`` instead of ever delivering bad data.  Consumer ack: data tail,
+then acked count.  8-byte words (commit, counters) are single aligned stores
+and loads through a ``memoryview.cast("Q")``.
+
+In the lab both guests map the same host file through QEMU, and host memory is
+coherent (x86 TSO, one host), so program order of these stores is enough and
+``_flush``/``_invalidate``/``_fence`` below are documented no-ops.
+
+On real CXL 2.0 hardware shared between two hosts there is **no** hardware
+coherence for this memory: each host may cache lines the other has changed.
+Then (x86 names):
+
+* producer: CLWB/CLFLUSHOPT the payload lines and the record lines, SFENCE,
+  store the commit word, CLWB its line, SFENCE -- otherwise the consumer may see
+  the commit flag in memory before the payload or fields got there;
+* before handing a reserved range to a DMA engine the producer must write back
+  and invalidate (CLFLUSHOPT) its lines over that range, so no dirty line of
+  the producer CPU is evicted later on top of the DMA-written payload;
+* consumer: CLFLUSH (invalidate) the record line before each poll of the commit
+  word and the payload lines before reading them, because its cache may hold
+  stale copies from an earlier lap; likewise the producer invalidates the
+  consumer line before reading the consumer's ack, and each side flushes the
+  line it writes (producer/consumer counters, header).
+
+Every place this applies calls one of the hooks, so a port to such hardware
+(e.g. through a small C extension) replaces three functions.
+
+Notification: ``Producer(on_publish=callback)`` calls ``callback(seq, offset,
+length)`` after the commit is visible (e.g. to send "record N ready" over a
+socket); the consumer can ``wait_for(seq)`` by polling, or be told a seq and call
+``receive(expect=seq)`` which validates it is the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+import zlib
+from collections import deque
+
+MAGIC = b"VCXLCHAN"
+VERSION = 1
+LINE = 64
+RECORD_SIZE = 64
+PRODUCER_LINE = 64
+CONSUMER_LINE = 128
+RING_OFFSET = 192
+DATA_ALIGN = 4096
+
+HEADER = struct.Struct("<8sIIIIQQQQII")     # 64 bytes
+RECORD = struct.Struct("<QQQQII")           # 40 bytes of fields; commit word at +56
+COMMIT_AT = 56
+# indices of the 8-byte words in the control area (memoryview.cast("Q"))
+W_PUBLISHED, W_HEAD = PRODUCER_LINE // 8, PRODUCER_LINE // 8 + 1
+W_ACKED, W_TAIL = CONSUMER_LINE // 8, CONSUMER_LINE // 8 + 1
+
+
+# --- coherence hooks: no-ops on coherent memory (see "Ordering rules") ---------
+
+def _flush(view: memoryview, start: int, end: int) -> None:
+    """Write back the cache lines over ``view[start:end]`` (CLWB/CLFLUSHOPT).  No-op here."""
+
+
+def _invalidate(view: memoryview, start: int, end: int) -> None:
+    """Drop this CPU's cached copies of ``view[start:end]`` (CLFLUSH).  No-op here."""
+
+
+def _fence() -> None:
+    """Order the flushes before the stores that follow (SFENCE).  No-op here."""
+
+
+# --- errors --------------------------------------------------------------------
+
+class ChannelError(Exception):
+    """A channel problem; the message says what is wrong and what to do."""
+
+    def __init__(self, what: str, fix: str = ""):
+        self.what, self.fix = what, fix
+        super().__init__(f"{what}{' -- ' + fix if fix else ''}")
+
+
+class NoChannel(ChannelError):
+    """No channel header (yet) at offset 0: the producer has not created it."""
+
+
+class BadMagic(NoChannel):
+    """Offset 0 holds something that is not a channel header."""
+
+
+class VersionMismatch(ChannelError):
+    """The header was written by another version of this module."""
+
+
+class BadHeader(ChannelError):
+    """The header is torn, corrupt, or its geometry does not fit the buffer."""
+
+
+class ChannelFull(ChannelError):
+    """No ring slot or data space until the consumer acks (back-pressure)."""
+
+
+class ChannelTimeout(ChannelError, TimeoutError):
+    """Nothing arrived in time."""
+
+
+class CorruptRecord(ChannelError):
+    """A committed record failed validation; it was not delivered."""
+
+    def __init__(self, seq: int, reason: str):
+        self.seq, self.reason = seq, reason
+        super().__init__(f"record {seq} rejected: {reason}",
+                         "it was not delivered; call skip() to move past it, or reopen the channel")
+
+
+# --- shared helpers --------------------------------------------------------------
+
+def _poll(ready, timeout: float | None) -> bool:
+    """Call ``ready()`` until it is true or ``timeout`` seconds passed (None: forever)."""
+    if ready():
+        return True
+    deadline = None if timeout is None else time.monotonic() + timeout
+    spins, delay = 0, 0.0
+    while True:
+        if deadline is not None and time.monotonic() >= deadline:
+            return ready()
+        if spins < 200:
+            spins += 1
+        else:
+            time.sleep(delay)
+            delay = min(max(delay * 2, 10e-6), 1e-3)
+        if ready():
+            return True
+
+
+def _release(view: memoryview) -> None:
+    try:
+        view.release()
+    except BufferError:         # the caller still exports it (e.g. numpy); it goes with its last user
+        pass
+
+
+def _marker(epoch: int, seq: int) -> int:
+    return (epoch & 0xFFFF_FFFF) << 32 | (seq + 1) & 0xFFFF_FFFF
+
+
+def _record_bytes(epoch: int, seq: int, offset: int, length: int, end: int, crc: int) -> bytes:
+    """The 40 field bytes of a record, with their own CRC (seeded with the epoch)."""
+    head = RECORD.pack(seq, offset, length, end, crc, 0)[:36]
+    return head + struct.pack("<I", zlib.crc32(head, epoch & 0xFFFF_FFFF))
+
+
+class Geometry:
+    """The header's contents, read back and checked against the buffer size."""
+
+    __slots__ = ("ring_entries", "data_offset", "data_size", "epoch")
+
+    def __init__(self, ring_entries: int, data_offset: int, data_size: int, epoch: int):
+        self.ring_entries, self.data_offset, self.data_size, self.epoch = ring_entries, data_offset, data_size, epoch
+
+    def __repr__(self) -> str:
+        return (f"Geometry(ring_entries={self.ring_entries}, data_offset={self.data_offset:#x}, "
+                f"data_size={self.data_size:#x}, epoch={self.epoch:#x})")
+
+
+def _as_view(buf) -> memoryview:
+    view = memoryview(buf)
+    if view.readonly or view.format not in ("B", "b", "c") or not view.c_contiguous:
+        view.release()
+        raise ChannelError("the channel buffer must be a writable, contiguous byte buffer",
+                           "pass an mmap opened with PROT_READ|PROT_WRITE and MAP_SHARED")
+    return view.cast("B")
+
+
+def read_header(view: memoryview) -> Geometry:
+    """Validate the header at offset 0 of ``view``; raise a ChannelError subclass if unusable."""
+    _invalidate(view, 0, LINE)
+    if len(view) < HEADER.size:
+        raise BadHeader(f"the buffer is {len(view)} bytes, too small for a channel header", "map the whole device")
+    magic, version, entries, rec_size, _flags, ring_off, data_off, data_size, epoch, _r, crc = \
+        HEADER.unpack_from(view, 0)
+    if magic == bytes(8):
+        raise NoChannel("no channel header at offset 0 (all zero): the producer has not created the channel yet",
+                        "start the producer first (Producer.create), or pass wait=SECONDS to Consumer.open; "
+                        "check both sides map the same memory")
+    if magic != MAGIC:
+        raise BadMagic(f"offset 0 does not hold a channel header: magic is {magic!r}, expected {MAGIC!r}",
+                       "something else uses this memory or the offset is wrong; "
+                       "recreate the channel with Producer.create")
+    if version != VERSION:
+        raise VersionMismatch(f"the channel has version {version}, this code speaks version {VERSION}",
+                              "run the same vfio_cxl version on producer and consumer, or recreate the channel")
+    if zlib.crc32(view[8:60]) != crc:
+        raise BadHeader("the channel header fails its checksum (torn or overwritten)",
+                        "recreate the channel with Producer.create")
+    ring_end = RING_OFFSET + entries * RECORD_SIZE
+    if (rec_size != RECORD_SIZE or ring_off != RING_OFFSET or entries < 1 or data_off < ring_end
+            or data_off % DATA_ALIGN or data_size < LINE or data_off + data_size > len(view)):
+        raise BadHeader(f"the header's geometry (ring {entries} x {rec_size} B at {ring_off}, data {data_size} B "
+                        f"at {data_off}) does not fit this {len(view)}-byte buffer",
+                        "map the same memory, with the same size, on both sides")
+    return Geometry(entries, data_off, data_size, epoch)
+
+
+class _Side:
+    """What producer and consumer share: the buffer views and the geometry."""
+
+    def __init__(self, view: memoryview, geo: Geometry):
+        self._view, self.geometry = view, geo
+        self._words = view[:geo.data_offset].cast("Q")
+
+    def _slot(self, seq: int) -> int:
+        return RING_OFFSET + (seq % self.geometry.ring_entries) * RECORD_SIZE
+
+    def _word(self, index: int, invalidate: bool = True) -> int:
+        if invalidate:
+            _invalidate(self._view, index * 8, index * 8 + 8)
+        return self._words[index]
+
+    def _store(self, index: int, value: int) -> None:
+        self._words[index] = value
+        _flush(self._view, index * 8, index * 8 + 8)
+
+    def close(self) -> None:
+        """Release the views of the buffer (the caller can then close its mmap)."""
+        self._words.release()
+        self._view.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Reservation:
+    """Space for one payload: bytes ``offset .. offset+length`` of the buffer."""
+
+    __slots__ = ("offset", "length", "end", "view")
+
+    def __init__(self, offset: int, length: int, end: int, view: memoryview):
+        self.offset, self.length, self.end, self.view = offset, length, end, view
+
+    def __repr__(self) -> str:
+        return f"Reservation(offset={self.offset:#x}, length={self.length})"
+
+
+class Producer(_Side):
+    """The writing side.  Create the channel with ``Producer.create(buf)``."""
+
+    def __init__(self, view: memoryview, geo: Geometry, on_publish=None):
+        super().__init__(view, geo)
+        self.on_publish = on_publish
+        self._seq = self._word(W_PUBLISHED)
+        self._head = self._word(W_HEAD)
+        self._pending: deque[Reservation] = deque()
+
+    @classmethod
+    def create(cls, buf, *, ring_entries: int = 256, on_publish=None) -> "Producer":
+        """Write a fresh header (new epoch) and empty ring over ``buf``; the data area is the rest."""
+        view = _as_view(buf)
+        data_off = -(-(RING_OFFSET + ring_entries * RECORD_SIZE) // DATA_ALIGN) * DATA_ALIGN
+        data_size = (len(view) - data_off) // LINE * LINE
+        if not 1 <= ring_entries < 2**31 or data_size < LINE:
+            view.release()
+            raise ChannelError(f"a {len(view)}-byte buffer cannot hold a channel with {ring_entries} ring entries "
+                               f"(the data area would start at {data_off})",
+                               "use a bigger buffer or fewer ring entries")
+        epoch = int.from_bytes(os.urandom(8), "little") | 1
+        view[0:8] = bytes(8)                          # invalidate the old header first
+        _flush(view, 0, 8)
+        _fence()
+        view[8:data_off] = bytes(data_off - 8)        # counters and ring
+        view[8:60] = HEADER.pack(MAGIC, VERSION, ring_entries, RECORD_SIZE, 0, RING_OFFSET,
+                                 data_off, data_size, epoch, 0, 0)[8:60]
+        view[60:64] = struct.pack("<I", zlib.crc32(view[8:60]))
+        _flush(view, 8, data_off)
+        _fence()
+        view[0:8] = MAGIC                             # the header's commit: written last
+        _flush(view, 0, 8)
+        _fence()
+        return cls(view, read_header(view), on_publish)
+
+    @classmethod
+    def attach(cls, buf, *, on_publish=None) -> "Producer":
+        """Resume producing on an existing channel (e.g. after a producer restart)."""
+        view = _as_view(buf)
+        try:
+            geo = read_header(view)
+        except ChannelError:
+            view.release()
+            raise
+        return cls(view, geo, on_publish)
+
+    def reserve(self, length: int, *, align: int = LINE, timeout: float | None = None) -> Reservation:
+        """Space for a ``length``-byte payload; the caller (or its DMA engine) fills it, then publish().
+
+        Waits up to ``timeout`` seconds (None: forever, 0: not at all) for the
+        consumer to free space, then raises ChannelFull.  Several reservations
+        may be outstanding; publish them in the order they were reserved.
+        """
+        geo = self.geometry
+        size = geo.data_size
+        if length < 0 or align < 1 or align & (align - 1) or align > DATA_ALIGN:
+            raise ValueError(f"bad length {length} or align {align} (a power of two <= {DATA_ALIGN})")
+        if length > size:
+            raise ChannelError(f"a {length}-byte payload can never fit the {size}-byte data area",
+                               "split the payload or create the channel over more memory")
+        pos = self._head
+        lap = pos - pos % size
+        start = lap + -(-(pos % size) // align) * align
+        if start - lap + max(length, 1) > size:       # not before the end of the area: next lap
+            start = lap + size
+        end = start + length
+        state = {}
+
+        def room() -> bool:
+            state["acked"], state["tail"] = self._word(W_ACKED), self._word(W_TAIL)
+            return self._seq + len(self._pending) - state["acked"] < geo.ring_entries and end - state["tail"] <= size
+
+        if not _poll(room, timeout):
+            if self._seq + len(self._pending) - state["acked"] >= geo.ring_entries:
+                what = (f"all {geo.ring_entries} ring records are in use ({len(self._pending)} reserved, "
+                        f"consumer acked up to seq {state['acked']})")
+            else:
+                what = (f"the data area has no room for {length} bytes "
+                        f"({end - state['tail'] - size} more must be freed; {size} bytes in all)")
+            raise ChannelFull(f"channel full after {timeout}s: {what}",
+                              "the consumer must receive() and ack(); wait longer or use a bigger channel")
+        offset = geo.data_offset + start % size
+        # Real CXL: write back + invalidate this CPU's lines over the range before a DMA engine fills it.
+        _flush(self._view, offset, offset + length)
+        self._head = end
+        res = Reservation(offset, length, end, self._view[offset:offset + length])
+        self._pending.append(res)
+        return res
+
+    def publish(self, offset: int, length: int, checksum: int | None = None) -> int:
+        """Publish the oldest reservation, whose bytes are now in place; returns its seq.
+
+        ``checksum`` is the payload's ``zlib.crc32`` if the caller already has
+        it; otherwise it is computed here from the bytes in shared memory.
+        """
+        if not self._pending or (self._pending[0].offset, self._pending[0].length) != (offset, length):
+            oldest = self._pending[0] if self._pending else "none"
+            raise ChannelError(f"publish({offset:#x}, {length}) does not match the oldest reservation ({oldest})",
+                               "publish reservations in the order reserve() returned them")
+        res = self._pending[0]
+        seq, epoch = self._seq, self.geometry.epoch
+        if checksum is None:
+            _invalidate(self._view, offset, offset + length)     # DMA-written bytes: read them from memory
+            checksum = zlib.crc32(res.view)
+        slot = self._slot(seq)
+        _flush(self._view, offset, offset + length)              # 1. payload in memory
+        self._view[slot:slot + RECORD.size] = _record_bytes(epoch, seq, offset, length, res.end, checksum)
+        _flush(self._view, slot, slot + RECORD.size)             # 2. record fields in memory
+        _fence()
+        self._store((slot + COMMIT_AT) // 8, _marker(epoch, seq))  # 3. commit word, last (and flushed)
+        _fence()
+        self._store(W_HEAD, res.end)
+        self._store(W_PUBLISHED, seq + 1)
+        self._pending.popleft()
+        _release(res.view)
+        self._seq = seq + 1
+        if self.on_publish is not None:
+            self.on_publish(seq, offset, length)
+        return seq
+
+    def send(self, data, *, timeout: float | None = None) -> int:
+        """Copy ``data`` into the channel and publish it; returns its seq."""
+        res = self.reserve(len(data), timeout=timeout)
+        res.view[:] = data
+        return self.publish(res.offset, res.length, zlib.crc32(data))
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def close(self) -> None:
+        for res in self._pending:
+            _release(res.view)
+        self._pending.clear()
+        super().close()
+
+
+class Record:
+    """One delivered payload: ``view`` is the shared memory itself, valid until ack()."""
+
+    __slots__ = ("seq", "offset", "length", "checksum", "view", "_end")
+
+    def __init__(self, seq: int, offset: int, length: int, checksum: int, view: memoryview, end: int):
+        self.seq, self.offset, self.length, self.checksum, self.view, self._end = seq, offset, length, checksum, view, end
+
+    def tobytes(self) -> bytes:
+        return self.view.tobytes()
+
+    def __repr__(self) -> str:
+        return f"Record(seq={self.seq}, offset={self.offset:#x}, length={self.length})"
+
+
+class Consumer(_Side):
+    """The reading side.  Open with ``Consumer.open(buf, wait=seconds)``."""
+
+    def __init__(self, view: memoryview, geo: Geometry):
+        super().__init__(view, geo)
+        self._next = self._acked = self._word(W_ACKED)
+        self._tail = self._last_end = self._word(W_TAIL)
+        self._outstanding: deque[Record | tuple[int, int | None]] = deque()
+        self._rejected: tuple[int, int | None] | None = None
+
+    @classmethod
+    def open(cls, buf, *, wait: float | None = 0) -> "Consumer":
+        """Attach to the channel at offset 0 of ``buf``, resuming after the last ack.
+
+        ``wait``: seconds to poll for the producer to create the channel
+        (None: forever).  A wrong version fails at once.
+        """
+        view = _as_view(buf)
+        last: list[ChannelError] = []
+
+        def valid() -> bool:
+            try:
+                last[:] = [read_header(view)]
+                return True
+            except (NoChannel, BadHeader) as e:
+                last[:] = [e]
+                return False
+            except ChannelError:
+                view.release()
+                raise
+
+        if not _poll(valid, wait):
+            view.release()
+            e = last[0]
+            if wait:
+                raise type(e)(f"no valid channel after waiting {wait}s: {e.what}", e.fix)
+            raise e
+        return cls(view, last[0])
+
+    @property
+    def next_seq(self) -> int:
+        """The seq receive() returns next."""
+        return self._next
+
+    def _committed(self, seq: int) -> bool:
+        index = (self._slot(seq) + COMMIT_AT) // 8
+        return self._word(index) == _marker(self.geometry.epoch, seq)
+
+    def _timeout(self, seq: int, timeout: float | None) -> ChannelTimeout:
+        try:
+            current = read_header(self._view).epoch
+        except ChannelError as e:
+            return ChannelTimeout(f"no record {seq} within {timeout}s, and the header is gone: {e.what}",
+                                  "the producer is re-creating the channel; reopen the consumer")
+        if current != self.geometry.epoch:
+            return ChannelTimeout(f"no record {seq} within {timeout}s: the producer re-created the channel",
+                                  "reopen the consumer (Consumer.open)")
+        return ChannelTimeout(f"no record {seq} within {timeout}s (the producer has published "
+                              f"{self._word(W_PUBLISHED)} records)",
+                              "is the producer running and publishing? wait longer")
+
+    def wait_for(self, seq: int, timeout: float | None = None) -> None:
+        """Poll until record ``seq`` is committed (already received: return at once)."""
+        if seq < self._next:
+            return
+        if seq >= self._acked + self.geometry.ring_entries:
+            raise ChannelError(f"record {seq} cannot be published before records up to "
+                               f"{seq - self.geometry.ring_entries} are acked", "ack() what you have received")
+        if not _poll(lambda: self._committed(seq), timeout):
+            raise self._timeout(seq, timeout)
+
+    def receive(self, timeout: float | None = None, *, expect: int | None = None) -> Record:
+        """The next record, validated; its ``view`` is the payload in shared memory.
+
+        Raises ChannelTimeout if none is committed within ``timeout`` seconds
+        (None: wait forever, 0: just look), CorruptRecord if the committed
+        record fails a check (it stays the next record until skip()).  With
+        ``expect`` (a seq announced out of band) it must be the next record.
+        """
+        seq, geo = self._next, self.geometry
+        if expect is not None and expect != seq:
+            raise ChannelError(f"told that record {expect} is ready, but the next record in order is {seq}",
+                               "a notification was lost or repeated; receive in seq order")
+        if not _poll(lambda: self._committed(seq), timeout):
+            raise self._timeout(seq, timeout)
+        slot = self._slot(seq)
+        _invalidate(self._view, slot, slot + RECORD_SIZE)
+        fields = bytes(self._view[slot:slot + RECORD.size])
+        rseq, offset, length, end, crc, meta = RECORD.unpack(fields)
+        self._rejected = (seq, None)
+        if zlib.crc32(fields[:36], geo.epoch & 0xFFFF_FFFF) != meta:
+            raise CorruptRecord(seq, "its fields fail their checksum (torn or overwritten record)")
+        if rseq != seq:
+            raise CorruptRecord(seq, f"its slot holds seq {rseq} (a lost or duplicated record)")
+        start, size = end - length, geo.data_size
+        if not (self._last_end <= start and end - self._tail <= size and length <= size
+                and offset == geo.data_offset + start % size and start % size + length <= size):
+            raise CorruptRecord(seq, f"payload {offset:#x}+{length} (end {end}) is outside the free part of the "
+                                     f"data area {geo.data_offset:#x}+{size:#x}")
+        self._rejected = (seq, end)
+        _invalidate(self._view, offset, offset + length)
+        view = self._view[offset:offset + length]
+        if zlib.crc32(view) != crc:
+            view.release()
+            raise CorruptRecord(seq, f"the {length}-byte payload at {offset:#x} fails its checksum")
+        self._rejected = None
+        record = Record(seq, offset, length, crc, view, end)
+        self._outstanding.append(record)
+        self._next, self._last_end = seq + 1, end
+        return record
+
+    def skip(self) -> int:
+        """Move past the record receive() just rejected, without delivering it; ack() frees it."""
+        if self._rejected is None or self._rejected[0] != self._next:
+            raise ChannelError("there is no rejected record to skip", "call skip() only after CorruptRecord")
+        seq, end = self._rejected
+        self._outstanding.append((seq, end))
+        self._next, self._rejected = seq + 1, None
+        if end is not None:
+            self._last_end = end
+        return seq
+
+    def ack(self, record: Record | None = None) -> None:
+        """Release ``record`` and every record before it (default: all received or skipped).
+
+        Their views are released; the producer may then overwrite the space.
+        """
+        upto = (record.seq if record is not None else self._next - 1)
+        if record is not None and not self._acked <= upto < self._next:
+            raise ChannelError(f"record {upto} is not outstanding (outstanding: {self._acked}..{self._next - 1})",
+                               "ack each received record once")
+        tail = self._tail
+        while self._outstanding and self._seq_of(self._outstanding[0]) <= upto:
+            item = self._outstanding.popleft()
+            end = item._end if isinstance(item, Record) else item[1]
+            if isinstance(item, Record):
+                _release(item.view)
+            if end is not None:
+                tail = max(tail, end)
+        self._tail, self._acked = tail, upto + 1
+        self._store(W_TAIL, tail)                   # tail, then acked count (both only grow)
+        self._store(W_ACKED, upto + 1)
+
+    @staticmethod
+    def _seq_of(item) -> int:
+        return item.seq if isinstance(item, Record) else item[0]
+
+    def close(self) -> None:
+        for item in self._outstanding:
+            if isinstance(item, Record):
+                _release(item.view)
+        self._outstanding.clear()
+        super().close()
