@@ -15,6 +15,24 @@ records in a ring; the consumer reads them in place, with no copy.
 Offsets are relative to the start of the buffer handed to ``create``/``open``
 (the devdax offset when the whole device is the channel).
 
+API
+---
+* ``Producer.create(buf, ring_entries=256, on_publish=None)`` writes a fresh
+  header; ``Producer.attach(buf)`` resumes on an existing channel.
+  ``reserve(length, align=64, timeout=None) -> Reservation`` (``.offset``,
+  ``.length``, ``.view``), ``publish(offset, length, checksum=None) -> seq``,
+  ``send(data, timeout=None) -> seq``.  Several reservations may be
+  outstanding; they are published in reserve order.
+* ``Consumer.open(buf, wait=0)`` (resumes after the last ack),
+  ``receive(timeout=None, expect=None) -> Record`` (``.seq``, ``.offset``,
+  ``.length``, ``.view``, ``.tobytes()``), ``ack(record=None)`` (cumulative),
+  ``skip()`` after a CorruptRecord, ``wait_for(seq, timeout)``, ``published``.
+* Timeouts: None waits forever, 0 looks once.  Errors are ChannelError
+  subclasses: NoChannel (BadMagic), VersionMismatch, BadHeader, ChannelFull,
+  ChannelTimeout (also a TimeoutError), CorruptRecord (``.seq``, ``.reason``).
+* A ``Record.view`` stays valid, and unchanged, until it is acked (the space is
+  not reused before); ack() releases it.  ``close()`` releases the buffer.
+
 Memory layout (little endian; every line is 64 bytes, one cache line)
 ----------------------------------------------------------------------
 ::
@@ -37,11 +55,17 @@ Memory layout (little endian; every line is 64 bytes, one cache line)
 The data area is a circular byte buffer addressed by monotonic positions:
 ``head`` (producer) and ``tail`` (consumer) only grow; position ``p`` lives at
 ``data_offset + p % data_size``.  A payload is never split: if it does not fit
-before the end of the area, the producer skips to the start of the next lap
-(the skipped bytes are freed with the record).  A record's ``end`` is the
+before the end of the area, the producer skips to the start of the next lap.
+A record's ``end`` is the
 position just after its payload; acking it moves ``tail`` to ``end``.  Space is
 reused only when ``end - tail <= data_size`` (back-pressure); ring slots only
-when fewer than N records are unacked.  Acks are cumulative.
+when fewer than N records are unacked.  Acks are cumulative.  (Bytes skipped
+at the end of a lap are freed with the record placed after them, so free space
+is counted conservatively.)
+
+Checksums are zlib's CRC32 (C, GB/s): one over the payload, one over the
+record's fields seeded with the channel's epoch.  They catch torn, stale and
+accidentally corrupted records, not a malicious writer.
 
 The commit word tells the consumer that *this* seq (of *this* channel
 incarnation) is complete; a slot still holding the previous lap's record, a
@@ -72,15 +96,16 @@ Then (x86 names):
   and invalidate (CLFLUSHOPT) its lines over that range, so no dirty line of
   the producer CPU is evicted later on top of the DMA-written payload;
 * consumer: CLFLUSH (invalidate) the record line before each poll of the commit
-  word and the payload lines before reading them, because its cache may hold
-  stale copies from an earlier lap; likewise the producer invalidates the
+  word and the payload lines before reading them (then MFENCE, so no load is
+  served early), because its cache may hold stale copies from an earlier lap;
+  likewise the producer invalidates the
   consumer line before reading the consumer's ack, and each side flushes the
   line it writes (producer/consumer counters, header).
 
 Every place this applies calls one of the hooks, so a port to such hardware
 (e.g. through a small C extension) replaces three functions.
 
-Notification: ``Producer(on_publish=callback)`` calls ``callback(seq, offset,
+Notification: ``Producer.create(buf, on_publish=callback)`` calls ``callback(seq, offset,
 length)`` after the commit is visible (e.g. to send "record N ready" over a
 socket); the consumer can ``wait_for(seq)`` by polling, or be told a seq and call
 ``receive(expect=seq)`` which validates it is the next one.
@@ -122,7 +147,7 @@ def _invalidate(view: memoryview, start: int, end: int) -> None:
 
 
 def _fence() -> None:
-    """Order the flushes before the stores that follow (SFENCE).  No-op here."""
+    """Order flushes before later stores (SFENCE), invalidations before later loads (MFENCE).  No-op here."""
 
 
 # --- errors --------------------------------------------------------------------
@@ -317,8 +342,9 @@ class Producer(_Side):
         data_off = -(-(RING_OFFSET + ring_entries * RECORD_SIZE) // DATA_ALIGN) * DATA_ALIGN
         data_size = (len(view) - data_off) // LINE * LINE
         if not 1 <= ring_entries < 2**31 or data_size < LINE:
+            size = len(view)
             view.release()
-            raise ChannelError(f"a {len(view)}-byte buffer cannot hold a channel with {ring_entries} ring entries "
+            raise ChannelError(f"a {size}-byte buffer cannot hold a channel with {ring_entries} ring entries "
                                f"(the data area would start at {data_off})",
                                "use a bigger buffer or fewer ring entries")
         epoch = int.from_bytes(os.urandom(8), "little") | 1
@@ -444,7 +470,8 @@ class Record:
     __slots__ = ("seq", "offset", "length", "checksum", "view", "_end")
 
     def __init__(self, seq: int, offset: int, length: int, checksum: int, view: memoryview, end: int):
-        self.seq, self.offset, self.length, self.checksum, self.view, self._end = seq, offset, length, checksum, view, end
+        self.seq, self.offset, self.length, self.checksum = seq, offset, length, checksum
+        self.view, self._end = view, end
 
     def tobytes(self) -> bytes:
         return self.view.tobytes()
@@ -497,6 +524,11 @@ class Consumer(_Side):
         """The seq receive() returns next."""
         return self._next
 
+    @property
+    def published(self) -> int:
+        """How many records the producer has published so far (its counter in shared memory)."""
+        return self._word(W_PUBLISHED)
+
     def _committed(self, seq: int) -> bool:
         index = (self._slot(seq) + COMMIT_AT) // 8
         return self._word(index) == _marker(self.geometry.epoch, seq)
@@ -540,6 +572,7 @@ class Consumer(_Side):
             raise self._timeout(seq, timeout)
         slot = self._slot(seq)
         _invalidate(self._view, slot, slot + RECORD_SIZE)
+        _fence()
         fields = bytes(self._view[slot:slot + RECORD.size])
         rseq, offset, length, end, crc, meta = RECORD.unpack(fields)
         self._rejected = (seq, None)
@@ -554,6 +587,7 @@ class Consumer(_Side):
                                      f"data area {geo.data_offset:#x}+{size:#x}")
         self._rejected = (seq, end)
         _invalidate(self._view, offset, offset + length)
+        _fence()
         view = self._view[offset:offset + length]
         if zlib.crc32(view) != crc:
             view.release()
