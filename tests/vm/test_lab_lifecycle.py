@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from vfio_cxl.lab import topology
-from vfio_cxl.lab.lab import Lab
+from vfio_cxl.lab.lab import Lab, remove_stale_rundirs
 from vfio_cxl.paths import REPO_ROOT
 
 
@@ -66,3 +66,27 @@ def test_ctrl_c_stops_the_lab(labs):
         if cli.poll() is None:
             cli.kill()
             cli.wait()
+
+
+def test_a_killed_lab_takes_its_vms_and_gpu_servers_with_it(labs):
+    labs.close()
+    cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single"], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=0)
+    output = ""
+    deadline = time.monotonic() + 180
+    while "lab running" not in output:
+        ready, _, _ = select.select([cli.stdout], [], [], max(deadline - time.monotonic(), 0))
+        assert ready, f"lab not running after 180 s: {output}"
+        chunk = os.read(cli.stdout.fileno(), 4096).decode()
+        assert chunk, "vm up exited early"
+        output += chunk
+    rundir = Path([w for w in output.split() if w.startswith("/tmp/vfio-cxl-")][0]).parent.parent
+    assert len(processes_mentioning(str(rundir))) >= 2   # QEMU (in bwrap) and the GPU server
+    cli.kill()                                          # no chance to clean up
+    cli.wait()
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(rundir)) and time.monotonic() < deadline:
+        time.sleep(0.1)   # SIGKILL delivery to the children is asynchronous; poll with a deadline
+    assert processes_mentioning(str(rundir)) == []
+    remove_stale_rundirs()
+    assert not rundir.exists()

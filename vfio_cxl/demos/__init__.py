@@ -2,6 +2,7 @@
 
     vfio-cxl demo tour    what the single-host lab's guest sees
     vfio-cxl demo dma     the GPU DMAs into CXL devdax through VFIO (route B)
+    vfio-cxl demo share   two hosts, one CXL memory: A's GPU writes, B reads
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ..errors import LabError
 DEMOS = {
     "tour": "vfio_cxl.demos.tour",
     "dma": "vfio_cxl.demos.dma",
+    "share": "vfio_cxl.demos.share",
 }
 
 

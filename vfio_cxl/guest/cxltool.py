@@ -5,11 +5,13 @@
     python3 -m vfio_cxl.guest.cxltool down REGION      destroy a region
     python3 -m vfio_cxl.guest.cxltool write DAX OFFSET < base64
     python3 -m vfio_cxl.guest.cxltool read DAX OFFSET LENGTH > base64
+    python3 -m vfio_cxl.guest.cxltool digest DAX OFFSET LENGTH   sha256 + leading text (JSON)
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import dataclasses
 import json
 import sys
@@ -46,6 +48,13 @@ def main(argv: list[str]) -> int:
         elif command == "read":
             with open_dax(args[0]) as dax:
                 print(base64.b64encode(dax.read(int(args[1], 0), int(args[2], 0))).decode())
+        elif command == "digest":
+            offset, length = int(args[1], 0), int(args[2], 0)
+            with open_dax(args[0]) as dax:
+                data = dax.view[offset:offset + length]
+                print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(),
+                                  "head": bytes(data[:64]).split(b"\0")[0].decode(errors="replace")}))
+                data.release()
         else:
             print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
             return 2

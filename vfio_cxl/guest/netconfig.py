@@ -1,11 +1,12 @@
-"""Guest network set-up with pyroute2 (run by the VM's init at boot).
+"""Guest network set-up with pyroute2 (run by the lab over SSH once a VM is up).
 
 The lab gives each VM NICs with MAC addresses that say what they are for
 (see ``vfio_cxl.lab.argv``):
 
 * ``52:54:00:5c:00:xx`` -- the SSH NIC on QEMU user networking (restrict=on):
-  the guest takes slirp's fixed address 10.0.2.15/24; the host reaches it
-  only through a port forwarded on 127.0.0.1;
+  slirp's fixed address 10.0.2.15/24 (the init sets it at boot with ip(8),
+  since importing pyroute2 costs seconds under TCG; here it is only checked);
+  the host reaches it only through a port forwarded on 127.0.0.1;
 * ``52:54:00:1c:00:xx`` -- a private point-to-point link to another VM: link-local
   addresses only (IPv4 169.254.0.xx/16, derived from the MAC, plus the
   kernel's IPv6 fe80:: address).

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import LabError
 from ..paths import REPO_ROOT
+from .vm import die_with_parent
 
 
 class GpuServerProcess:
@@ -31,7 +32,8 @@ class GpuServerProcess:
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
-                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True)
+                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True,
+                preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         line = b""
         while not line.endswith(b"\n"):

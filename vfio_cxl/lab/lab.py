@@ -131,6 +131,9 @@ class Lab:
                 seconds = vm.wait_ready(timeout)
                 self.log(f"[{vm.name}] ready in {seconds:.1f} s (ssh 127.0.0.1:{vm.res.ssh_port}, "
                          f"console {vm.res.console_log})")
+            for vm in self.vms.values():
+                if vm.res.link_sockets:   # the private VM-to-VM link: pyroute2 in the guest
+                    vm.run("python3 -m vfio_cxl.guest.netconfig up")
         except BaseException:
             self.stop()
             raise

@@ -28,7 +28,8 @@ READY_LINE = b"vfio-cxl-init: ready"
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGKILL when the lab process dies, however it dies."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -79,7 +80,7 @@ class VirtualMachine:
                 self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "TMPDIR": str(self.res.rundir)},
                 start_new_session=True,   # Ctrl-C reaches the lab, which then stops QEMU in order
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def _check_alive(self) -> None:
