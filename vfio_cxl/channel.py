@@ -457,6 +457,11 @@ class Producer(_Side):
     def next_seq(self) -> int:
         return self._seq
 
+    @property
+    def acked(self) -> int:
+        """How many records the consumer has acked (its counter in shared memory)."""
+        return self._word(W_ACKED)
+
     def close(self) -> None:
         for res in self._pending:
             _release(res.view)

@@ -1,8 +1,12 @@
 """Two hosts, one CXL memory: the seed's flow and the private control link."""
 
+import json
+import os
 import re
+import time
 
-from vfio_cxl.demos.share import seed_flow
+from vfio_cxl.demos.share import B_LINK_ADDRESS, STREAM, seed_flow, stream
+from vfio_cxl.guest.stream import CHANNEL_BASE
 
 
 def test_gpu_in_a_writes_what_b_reads_with_no_copy(shared_lab):
@@ -29,3 +33,54 @@ def test_private_link_between_the_guests_is_link_local_only(shared_lab):
     banner = b.run("python3 -c \"import socket; s=socket.create_connection(('169.254.0.1', 22), 5); "
                    "print(s.recv(64).decode())\"").stdout
     assert banner.startswith("SSH-2.0-")
+
+
+def test_1000_records_stream_a_to_b_exactly_once_and_a_corrupt_one_is_rejected(shared_lab):
+    result = stream(shared_lab, 1000, corrupt=(123,), max_size=32 << 10)
+    b = result["b"]
+    assert b["error"] is None
+    assert b["rejected"] == [123]                      # never delivered as good data
+    assert b["delivered"] == [s for s in range(1000) if s != 123]   # no loss, no duplicate, in order
+    assert b["bad_bytes"] == []                        # every payload byte-exact (GPU PRNG stream)
+
+
+def test_notification_over_the_link_delivers_too(shared_lab):
+    result = stream(shared_lab, 100, notify=True, max_size=8 << 10)
+    assert result["b"]["error"] is None
+    assert result["b"]["delivered"] == list(range(100)) and result["b"]["bad_bytes"] == []
+
+
+def test_ring_full_back_pressure(shared_lab):
+    # b holds its first record un-acked until the 8-entry ring is full; a must wait, then finish.
+    result = stream(shared_lab, 40, ring_entries=8, stall_until_full=True, max_size=4096)
+    assert result["a"]["full_waits"] >= 1
+    assert result["b"]["delivered"] == list(range(40)) and result["b"]["error"] is None
+
+
+def test_producer_vm_dying_mid_stream_is_reported_not_hung(shared_lab, labs):
+    a, b = shared_lab["a"], shared_lab["b"]
+    a.run(f"{STREAM} reset")
+    consumer = b.start_command(f"{STREAM} consume --count 100000 --max-size 4096 --timeout 10", timeout=120)
+    producer = a.start_command(f"{STREAM} produce --count 100000 --max-size 4096 --peer {B_LINK_ADDRESS}",
+                               timeout=120)
+    published_at = CHANNEL_BASE + 64   # the producer's published counter (vfio_cxl.channel layout)
+    deadline = time.monotonic() + 120
+    fd = os.open(shared_lab.backend_file("shared"), os.O_RDONLY)
+    try:
+        while True:   # pread: a buffered file object would serve a stale copy
+            if int.from_bytes(os.pread(fd, 8, published_at), "little") >= 50:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the producer never got going: a={producer.join(check=False)} "
+                                     f"b={consumer.join(check=False)}")
+            time.sleep(0.05)   # polling the shared memory from the host; not synchronisation
+    finally:
+        os.close(fd)
+    a.stop()                   # VM a dies mid-stream
+    result = consumer.join(check=False)
+    producer.join(check=False)
+    labs.close()               # the lab lost a VM: the next test gets a fresh one
+    assert result.exited == 3
+    report = json.loads(result.stdout)
+    assert "ChannelTimeout" in report["error"]
+    assert len(report["delivered"]) >= 50 and report["bad_bytes"] == []

@@ -8,6 +8,7 @@ SUBCOMMANDS = {
     "gpu-server": "vfio_cxl.bench.gpu_server",
     "boot": "vfio_cxl.bench.boot",
     "routes": "vfio_cxl.bench.routes",
+    "share": "vfio_cxl.bench.share",
 }
 
 

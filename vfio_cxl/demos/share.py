@@ -33,6 +33,39 @@ def seed_flow(lab: Lab, size: int, offset: int) -> dict:
             "host_match": host == expected}
 
 
+STREAM = "python3 -m vfio_cxl.guest.stream"
+B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.netconfig: 169.254.0.<VM index>
+
+
+def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ...] = (),
+           ring_entries: int = 256, stall_until_full: bool = False, max_size: int = 64 << 10,
+           paced: bool = False, timeout: float = 30) -> dict:
+    """Run the consumer in VM b and the producer in VM a at once; both sides' JSON.
+
+    The producer waits for the consumer (clock echo, notification listener)
+    itself, so the two may start in either order."""
+    a, b = lab["a"], lab["b"]
+    a.run(f"{STREAM} reset")
+    common = f"--count {count} --max-size {max_size} --timeout {timeout}"
+    consumer_cmd = f"{STREAM} consume {common}" + (" --notify" if notify else "") + \
+        (" --stall-until-full" if stall_until_full else "")
+    producer_cmd = f"{STREAM} produce {common} --ring-entries {ring_entries} --peer {B_LINK_ADDRESS}" + \
+        (" --notify" if notify else "") + (" --paced" if paced else "") + \
+        (" --corrupt " + ",".join(map(str, corrupt)) if corrupt else "")
+    consumer = b.start_command(consumer_cmd, timeout=timeout + 600)
+    produced = json.loads(a.run(producer_cmd, timeout=timeout + 600).stdout)
+    consumed = json.loads(consumer.join(check=False).stdout)
+    return {"a": produced, "b": consumed}
+
+
+def latencies_ms(result: dict) -> list[float]:
+    """GPU completion in a -> record visible in b, per record, on a's clock."""
+    offset = result["a"]["clock"]["offset"]
+    done = result["a"]["done_at"]
+    return [(seen - offset - done[seq]) * 1e3
+            for seq, seen in zip(result["b"]["delivered"], result["b"]["seen_at"])]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vfio-cxl demo share", description=__doc__)
     parser.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20)

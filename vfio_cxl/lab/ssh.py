@@ -68,8 +68,29 @@ class GuestShell:
             raise GuestCommandError(self.vm_name, command, result.exited, result.stdout, result.stderr)
         return result
 
+    def start(self, command: str, *, timeout: float = 300) -> "RunningCommand":
+        """Start ``command`` and return at once; ``.join()`` waits for its result."""
+        promise = self.connection.run(command, asynchronous=True, hide=True, warn=True, timeout=timeout,
+                                      in_stream=False)
+        return RunningCommand(self, command, promise)
+
     def put(self, local: str, remote: str) -> None:
         self.connection.put(local, remote)
 
     def close(self) -> None:
         self.connection.close()
+
+
+class RunningCommand:
+    def __init__(self, shell: GuestShell, command: str, promise):
+        self.shell, self.command, self.promise = shell, command, promise
+
+    def join(self, check: bool = True):
+        try:
+            result = self.promise.join()
+        except Exception as err:
+            raise LabError(f"[{self.shell.vm_name}] '{self.command}' failed: {err}",
+                           "see the VM's console log") from None
+        if check and result.exited != 0:
+            raise GuestCommandError(self.shell.vm_name, self.command, result.exited, result.stdout, result.stderr)
+        return result

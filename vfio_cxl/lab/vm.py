@@ -129,6 +129,11 @@ class VirtualMachine:
             raise LabError(f"[{self.name}] is not ready", "call wait_ready() first")
         return self.shell.run(command, **kwargs)
 
+    def start_command(self, command: str, **kwargs):
+        if self.shell is None:
+            raise LabError(f"[{self.name}] is not ready", "call wait_ready() first")
+        return self.shell.start(command, **kwargs)
+
     def stop(self, timeout: float = 10) -> None:
         """QMP quit, then SIGKILL to the whole process group if QEMU lingers."""
         if self.shell:
