@@ -26,6 +26,12 @@ def _json(obj) -> str:
     return json.dumps(obj, default=default)
 
 
+def _printable_prefix(data: bytes) -> str:
+    """The leading run of printable ASCII (the payload's text header)."""
+    end = next((i for i, byte in enumerate(data) if not 32 <= byte < 127), len(data))
+    return data[:end].decode("ascii")
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
@@ -53,7 +59,7 @@ def main(argv: list[str]) -> int:
             with open_dax(args[0]) as dax:
                 data = dax.view[offset:offset + length]
                 print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(),
-                                  "head": bytes(data[:64]).split(b"\0")[0].decode(errors="replace")}))
+                                  "head": _printable_prefix(bytes(data[:64]))}))
                 data.release()
         else:
             print(f"unknown command {command!r}\n{__doc__}", file=sys.stderr)
