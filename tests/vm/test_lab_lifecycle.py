@@ -26,6 +26,24 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def start_vm_up() -> tuple[subprocess.Popen, Path]:
+    """`vfio-cxl vm up single` in a child process, once it says the lab runs; and its run dir."""
+    cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single"], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)
+    deadline = time.monotonic() + 180
+    output = ""
+    while "lab running" not in output:
+        ready, _, _ = select.select([cli.stdout], [], [], max(deadline - time.monotonic(), 0))
+        if not ready:
+            cli.kill()
+            raise AssertionError(f"lab not running after 180 s: {output}")
+        chunk = os.read(cli.stdout.fileno(), 4096).decode()   # raw: select() sees no Python buffer
+        assert chunk, f"vm up exited early: {cli.stderr.read()}"
+        output += chunk
+    console = next(w for w in output.split() if w.startswith("/tmp/vfio-cxl-"))
+    return cli, Path(console).parent.parent   # .../vfio-cxl-XXXX/host0/console.log
+
+
 def test_stop_leaves_nothing_behind(labs):
     labs.close()   # one lab at a time
     lab = Lab(topology.load("single"), runtime=labs.runtime, image=labs.image).start()
@@ -43,19 +61,8 @@ def test_stop_leaves_nothing_behind(labs):
 
 def test_ctrl_c_stops_the_lab(labs):
     labs.close()
-    cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single"], cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)
+    cli, rundir = start_vm_up()
     try:
-        deadline = time.monotonic() + 180
-        output = ""
-        while "lab running" not in output:
-            ready, _, _ = select.select([cli.stdout], [], [], max(deadline - time.monotonic(), 0))
-            assert ready, f"lab not running after 180 s: {output}"
-            chunk = os.read(cli.stdout.fileno(), 4096).decode()   # raw: select() sees no Python buffer
-            assert chunk, f"vm up exited early: {cli.stderr.read()}"
-            output += chunk
-        rundirs = [w for w in output.split() if w.startswith("/tmp/vfio-cxl-")]
-        rundir = Path(rundirs[0]).parent.parent   # .../vfio-cxl-XXXX/host0/console.log
         assert rundir.exists()
         cli.send_signal(signal.SIGINT)
         assert cli.wait(60) == 130
@@ -70,17 +77,7 @@ def test_ctrl_c_stops_the_lab(labs):
 
 def test_a_killed_lab_takes_its_vms_and_gpu_servers_with_it(labs):
     labs.close()
-    cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single"], cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=0)
-    output = ""
-    deadline = time.monotonic() + 180
-    while "lab running" not in output:
-        ready, _, _ = select.select([cli.stdout], [], [], max(deadline - time.monotonic(), 0))
-        assert ready, f"lab not running after 180 s: {output}"
-        chunk = os.read(cli.stdout.fileno(), 4096).decode()
-        assert chunk, "vm up exited early"
-        output += chunk
-    rundir = Path([w for w in output.split() if w.startswith("/tmp/vfio-cxl-")][0]).parent.parent
+    cli, rundir = start_vm_up()
     assert len(processes_mentioning(str(rundir))) >= 2   # QEMU (in bwrap) and the GPU server
     cli.kill()                                          # no chance to clean up
     cli.wait()

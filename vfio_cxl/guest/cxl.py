@@ -63,9 +63,8 @@ class DaxDevice:
     size: int
     align: int
     path: Path           # /dev/dax0.0
-    region: str          # region0
+    region: str          # region0 (it maps its memdev from DPA 0: dax offset == device offset)
     resource: int        # host physical address of the region
-    dpa_base: int        # where the region starts in the memdev's device memory
 
 
 def _cxl_devices(prefix: str) -> list[pyudev.Device]:
@@ -147,7 +146,6 @@ def _dax_of(region: str) -> DaxDevice | None:
                 path=Path("/dev") / dev.name,
                 region=region,
                 resource=int(_read(region_path / "resource"), 0),
-                dpa_base=0,
             )
     return None
 

@@ -63,4 +63,4 @@ def open_dax(path: str | Path) -> DaxMapping:
         raise CxlError(f"{path} is not a dax device", "run: python3 -m vfio_cxl.guest.cxltool up")
     size = int((sysfs / "size").read_text(), 0)
     align = int((sysfs / "align").read_text(), 0) if (sysfs / "align").exists() else 2 << 20
-    return DaxMapping(DaxDevice(path.name, size, align, path, "", 0, 0))
+    return DaxMapping(DaxDevice(path.name, size, align, path, region="", resource=0))

@@ -16,7 +16,6 @@ reset so the driver stays usable.
 from __future__ import annotations
 
 import mmap
-import time
 from dataclasses import dataclass
 
 from ..gpu import regs
@@ -196,8 +195,3 @@ class GpuDriver:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - start

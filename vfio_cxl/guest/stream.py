@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import socket
 import sys
@@ -79,9 +80,11 @@ def measure_clock_offset(host: str, port: int, timeout: float, samples: int = 30
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.settimeout(0.2)
-        i = 0
-        while best is None and time.monotonic() < deadline or 0 < i < samples:
-            i += 1
+        for i in itertools.count():
+            if i >= samples and best is not None:
+                break                                   # enough exchanges
+            if best is None and time.monotonic() > deadline:
+                break                                   # b never answered
             t1 = time.monotonic()
             sock.sendto(b"%d" % i, (host, port))
             try:
@@ -141,13 +144,11 @@ def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, 
                          Transfer(Op.VRAM_TO_HOST, src=0,
                                   dst=GpuDriver.DATA_IOVA + CHANNEL_BASE + reservation.offset, length=length)])
                 done_at.append(time.monotonic())         # the GPU's MSI-X has arrived
+                published = producer.publish(reservation.offset, length)
+                assert published == seq
                 if seq in corrupt:
                     # Injected fault: the payload changes after its checksum was taken.
-                    published = producer.publish(reservation.offset, length)
                     view[reservation.offset] ^= 0xFF
-                else:
-                    published = producer.publish(reservation.offset, length)
-                assert published == seq
                 if paced:   # one record in flight: latency without queueing
                     deadline = time.monotonic() + timeout
                     while producer.acked <= seq:

@@ -21,7 +21,7 @@ class GuestCommandError(LabError):
         self.stdout, self.stderr = stdout, stderr
         output = (stderr.strip() or stdout.strip()).splitlines()[-15:]
         super().__init__(f"[{vm}] '{command}' exited {exited}:\n  " + "\n  ".join(output),
-                         f"see the VM's console log for more")
+                         "see the VM's console log for more")
 
 
 class GuestShell:
