@@ -23,9 +23,7 @@ def test_bytes_written_in_a_are_read_in_b_and_in_the_backend_file(shared_lab):
     assert seen_by_b == payload
 
     # The region covers the memdev from DPA 0, so devdax offset == file offset.
-    with open(shared_lab.backend_file("shared"), "rb") as f:
-        f.seek(offset)
-        assert f.read(4096) == payload
+    assert shared_lab.read_backend("shared", offset, 4096) == payload
 
 
 def test_region_up_is_idempotent(shared_lab):

@@ -1,7 +1,6 @@
 """Two hosts, one CXL memory: the seed's flow and the private control link."""
 
 import json
-import os
 import re
 import time
 
@@ -65,17 +64,11 @@ def test_producer_vm_dying_mid_stream_is_reported_not_hung(shared_lab, labs):
                                timeout=120)
     published_at = CHANNEL_BASE + 64   # the producer's published counter (vfio_cxl.channel layout)
     deadline = time.monotonic() + 120
-    fd = os.open(shared_lab.backend_file("shared"), os.O_RDONLY)
-    try:
-        while True:   # pread: a buffered file object would serve a stale copy
-            if int.from_bytes(os.pread(fd, 8, published_at), "little") >= 50:
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the producer never got going: a={producer.join(check=False)} "
-                                     f"b={consumer.join(check=False)}")
-            time.sleep(0.05)   # polling the shared memory from the host; not synchronisation
-    finally:
-        os.close(fd)
+    while int.from_bytes(shared_lab.read_backend("shared", published_at, 8), "little") < 50:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the producer never got going: a={producer.join(check=False)} "
+                                 f"b={consumer.join(check=False)}")
+        time.sleep(0.05)   # polling the shared memory from the host; not synchronisation
     a.stop()                   # VM a dies mid-stream
     result = consumer.join(check=False)
     producer.join(check=False)

@@ -22,9 +22,7 @@ def run_in_lab(lab: Lab, size: int, offset: int) -> dict:
     result = json.loads(vm.run(f"python3 -m vfio_cxl.guest.demo_dma --json --size {size} --offset {offset}",
                                timeout=300).stdout)
     # The RAM region maps the memdev from DPA 0: devdax offset == backend file offset.
-    with open(lab.backend_file("cxl0"), "rb") as f:
-        f.seek(offset)
-        host_bytes = f.read(size)
+    host_bytes = lab.read_backend("cxl0", offset, size)
     result["host_file_match"] = hashlib.sha256(host_bytes).hexdigest() == hashlib.sha256(
         expected_payload(size)).hexdigest()
     return result

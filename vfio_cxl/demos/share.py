@@ -26,9 +26,7 @@ def seed_flow(lab: Lab, size: int, offset: int) -> dict:
     produced = json.loads(a.run(f"python3 -m vfio_cxl.guest.demo_dma --json --size {size} --offset {offset}",
                                 timeout=300).stdout)
     consumed = json.loads(b.run(f"python3 -m vfio_cxl.guest.cxltool digest {dax_b['path']} {offset} {size}").stdout)
-    with open(lab.backend_file("shared"), "rb") as f:
-        f.seek(offset)
-        host = hashlib.sha256(f.read(size)).hexdigest()
+    host = hashlib.sha256(lab.read_backend("shared", offset, size)).hexdigest()
     expected = hashlib.sha256(expected_payload(size)).hexdigest()
     return {"a": produced, "b": consumed, "expected_sha256": expected,
             "a_match": produced["sha256_read"] == expected, "b_match": consumed["sha256"] == expected,

@@ -28,6 +28,8 @@ import pyudev
 
 SYS_CXL = Path("/sys/bus/cxl/devices")
 SYS_DAX = Path("/sys/bus/dax")
+SYS_DAX_DEVICES = SYS_DAX / "devices"
+DEFAULT_DAX_ALIGN = 2 << 20
 
 
 class CxlError(Exception):
@@ -135,14 +137,22 @@ def _region_of(memdev: Memdev) -> str | None:
     return None
 
 
+def dax_geometry(name: str) -> tuple[int, int]:
+    """(size, align) of dax device ``name`` from sysfs."""
+    dev = SYS_DAX_DEVICES / name
+    align = dev / "align"
+    return int(_read(dev / "size"), 0), int(_read(align), 0) if align.exists() else DEFAULT_DAX_ALIGN
+
+
 def _dax_of(region: str) -> DaxDevice | None:
     region_path = SYS_CXL / region
     for dax_region in region_path.glob("dax_region*"):
         for dev in sorted(dax_region.glob("dax*.*")):
+            size, align = dax_geometry(dev.name)
             return DaxDevice(
                 name=dev.name,
-                size=int(_read(dev / "size"), 0),
-                align=int(_read(dev / "align"), 0) if (dev / "align").exists() else 2 << 20,
+                size=size,
+                align=align,
                 path=Path("/dev") / dev.name,
                 region=region,
                 resource=int(_read(region_path / "resource"), 0),
@@ -151,7 +161,7 @@ def _dax_of(region: str) -> DaxDevice | None:
 
 
 def _dax_driver(name: str) -> str:
-    link = Path("/sys/bus/dax/devices") / name / "driver"
+    link = SYS_DAX_DEVICES / name / "driver"
     return link.resolve().name if link.exists() else ""
 
 
@@ -169,7 +179,7 @@ def _bind_device_dax(dax: DaxDevice) -> None:
     if not driver.exists():
         raise CxlError("the device_dax driver is not available", "modprobe device_dax")
     if _dax_driver(dax.name):
-        _write(Path("/sys/bus/dax/devices") / dax.name / "driver" / "unbind", dax.name)
+        _write(SYS_DAX_DEVICES / dax.name / "driver" / "unbind", dax.name)
     _write(driver / "new_id", dax.name)
     if _dax_driver(dax.name) != "device_dax":
         _write(driver / "bind", dax.name)

@@ -6,7 +6,7 @@ import mmap
 import os
 from pathlib import Path
 
-from .cxl import CxlError, DaxDevice
+from .cxl import SYS_DAX_DEVICES, CxlError, DaxDevice, dax_geometry
 
 
 class DaxMapping:
@@ -58,9 +58,7 @@ class DaxMapping:
 def open_dax(path: str | Path) -> DaxMapping:
     """Map a devdax device by path, reading its size and alignment from sysfs."""
     path = Path(path)
-    sysfs = Path("/sys/bus/dax/devices") / path.name
-    if not sysfs.exists():
+    if not (SYS_DAX_DEVICES / path.name).exists():
         raise CxlError(f"{path} is not a dax device", "run: python3 -m vfio_cxl.guest.cxltool up")
-    size = int((sysfs / "size").read_text(), 0)
-    align = int((sysfs / "align").read_text(), 0) if (sysfs / "align").exists() else 2 << 20
+    size, align = dax_geometry(path.name)
     return DaxMapping(DaxDevice(path.name, size, align, path, region="", resource=0))

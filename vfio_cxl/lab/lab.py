@@ -42,6 +42,10 @@ def check_port_free(port: int) -> None:
                            "choose another --ssh-port, or leave it out to pick a free one") from None
 
 
+def _backend_path(rundir: Path, name: str) -> Path:
+    return rundir / f"{name}.mem"
+
+
 def remove_stale_rundirs() -> None:
     """Remove run directories whose lab process is gone (it was SIGKILLed:
     its VMs died with it, but nothing could remove its files)."""
@@ -77,7 +81,18 @@ class Lab:
 
     def backend_file(self, name: str) -> Path:
         assert self.rundir is not None
-        return self.rundir / f"{name}.mem"
+        return _backend_path(self.rundir, name)
+
+    def read_backend(self, name: str, offset: int, length: int) -> bytes:
+        """Bytes of a memory backend file as the VMs see them now.
+
+        pread, not a buffered file object: that would serve a stale copy when
+        read again at the same place while the guests keep writing."""
+        fd = os.open(self.backend_file(name), os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
 
     def plan(self, rundir: Path) -> list[VirtualMachine]:
         """The VMs this lab would run, with their resources; starts nothing."""
@@ -98,7 +113,7 @@ class Lab:
             vmdir = rundir / spec.name
             res = VmResources(
                 index=index, rundir=vmdir, kernel=image.kernel, initrd=image.initrd, rootfs=image.rootfs,
-                source=REPO_ROOT, backend_files={b: rundir / f"{b}.mem" for b in self.topology.backends},
+                source=REPO_ROOT, backend_files={b: _backend_path(rundir, b) for b in self.topology.backends},
                 ssh_port=port, accel=self.accel,
                 gpu_socket=vmdir / "gpu.sock" if (spec.gpu and self.gpu) else None,
                 link_sockets=tuple(link_sockets[spec.name]),
