@@ -51,6 +51,7 @@ def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ..
         (" --stall-until-full" if stall_until_full else "")
     producer_cmd = f"{STREAM} produce {common} --ring-entries {ring_entries} --peer {B_LINK_ADDRESS}" + \
         (" --notify" if notify else "") + (" --paced" if paced else "") + \
+        (" --report-full" if stall_until_full else "") + \
         (" --corrupt " + ",".join(map(str, corrupt)) if corrupt else "")
     consumer = b.start_command(consumer_cmd, timeout=timeout + 600)
     produced = json.loads(a.run(producer_cmd, timeout=timeout + 600).stdout)

@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+import zlib
 
 from ..channel import ChannelFull, ChannelTimeout, Consumer, CorruptRecord, Producer
 from ..gpu import regs
@@ -36,6 +37,7 @@ CHANNEL_BASE = 128 << 20
 CHANNEL_SIZE = 64 << 20
 NOTIFY_PORT = 7000        # "record N ready" (TCP), b listens
 CLOCK_PORT = 7001         # clock echo (UDP), b answers
+FULL_PORT = 7002          # "ring full" (TCP, back-pressure check), b listens
 
 
 def record_seed(seed: int, seq: int) -> int:
@@ -118,12 +120,13 @@ def connect_with_retry(host: str, port: int, timeout: float) -> socket.socket:
 
 # -- producer (VM a) ----------------------------------------------------------
 def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, notify: bool,
-            corrupt: set[int], timeout: float, paced: bool = False) -> dict:
+            corrupt: set[int], timeout: float, paced: bool = False, report_full: bool = False) -> dict:
     from .gpu_driver import GpuDriver, Transfer   # only VM a has the GPU
 
     dax_device = cxl.ensure_ram_devdax()
     clock = measure_clock_offset(peer, CLOCK_PORT, timeout)
     notifier = connect_with_retry(peer, NOTIFY_PORT, timeout) if notify else None
+    full_reporter = connect_with_retry(peer, FULL_PORT, timeout) if report_full else None
     done_at: list[float] = []
     full_waits = 0
     with DaxMapping(dax_device) as dax, GpuDriver.open() as gpu:
@@ -139,16 +142,22 @@ def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, 
                     reservation = producer.reserve(length, timeout=0)
                 except ChannelFull:
                     full_waits += 1                      # back-pressure: wait for b's acks
+                    if full_reporter and full_waits == 1:
+                        full_reporter.sendall(b"full\n")
                     reservation = producer.reserve(length, timeout=60)
                 gpu.run([Transfer(Op.FILL_PRNG, src=record_seed(seed, seq), dst=0, length=length),
                          Transfer(Op.VRAM_TO_HOST, src=0,
                                   dst=GpuDriver.DATA_IOVA + CHANNEL_BASE + reservation.offset, length=length)])
                 done_at.append(time.monotonic())         # the GPU's MSI-X has arrived
-                published = producer.publish(reservation.offset, length)
-                assert published == seq
+                checksum = None
                 if seq in corrupt:
-                    # Injected fault: the payload changes after its checksum was taken.
+                    # Injected fault: the record carries the intact payload's checksum,
+                    # but the bytes b will see differ.  (Flipping after publish would
+                    # race with b's read.)
+                    checksum = zlib.crc32(view[reservation.offset:reservation.offset + length])
                     view[reservation.offset] ^= 0xFF
+                published = producer.publish(reservation.offset, length, checksum=checksum)
+                assert published == seq
                 if paced:   # one record in flight: latency without queueing
                     deadline = time.monotonic() + timeout
                     while producer.acked <= seq:
@@ -157,8 +166,9 @@ def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, 
         elapsed = time.monotonic() - start
         producer.close()
         view.release()
-    if notifier:
-        notifier.close()
+    for sock in (notifier, full_reporter):
+        if sock:
+            sock.close()
     return {"count": count, "done_at": done_at, "elapsed": elapsed, "full_waits": full_waits,
             "clock": clock, "corrupted": sorted(corrupt)}
 
@@ -168,11 +178,14 @@ def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
             stall_until_full: bool) -> dict:
     dax_device = cxl.ensure_ram_devdax()
     stop = threading.Event()
-    server = conn = None
+    server = conn = full_server = None
     serve_clock(CLOCK_PORT, stop)
     if notify:
         server = socket.create_server(("0.0.0.0", NOTIFY_PORT))
         server.settimeout(timeout)
+    if stall_until_full:
+        full_server = socket.create_server(("0.0.0.0", FULL_PORT))
+        full_server.settimeout(timeout)
     delivered, rejected, bad_bytes, seen_at = [], [], [], []
     error = None
     with DaxMapping(dax_device) as dax:
@@ -206,11 +219,14 @@ def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
                     bad_bytes.append(record.seq)
                 delivered.append(record.seq)
                 if stall_until_full and len(delivered) == 1:
-                    # Hold this record un-acked until the producer has filled the ring.
-                    deadline = time.monotonic() + timeout
-                    while consumer.published < consumer.next_seq - 1 + consumer.geometry.ring_entries:
-                        if time.monotonic() > deadline:
-                            raise ChannelTimeout("the producer never filled the ring")
+                    # Hold this record un-acked until the producer says a
+                    # reservation was refused (acking on seeing the ring full
+                    # would race with its next reserve).
+                    reporter, _ = full_server.accept()
+                    with reporter:
+                        reporter.settimeout(timeout)
+                        if reporter.makefile("rb").readline() != b"full\n":
+                            raise ChannelTimeout("the producer never reported the ring full")
                 consumer.ack(record)
         except (ChannelTimeout, socket.timeout, OSError) as err:
             error = f"{type(err).__name__}: {err}"
@@ -218,7 +234,7 @@ def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
             consumer.close()
             view.release()
             stop.set()
-            for s in (conn, server):
+            for s in (conn, server, full_server):
                 if s:
                     s.close()
     elapsed = (seen_at[-1] - seen_at[0]) if len(seen_at) > 1 else 0.0
@@ -249,13 +265,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--paced", action="store_true",
                         help="producer: wait for each record's ack before the next (latency without queueing)")
     parser.add_argument("--stall-until-full", action="store_true",
-                        help="consumer: hold the first record until the ring is full (back-pressure check)")
+                        help="consumer: hold the first record until the producer reports the ring full")
+    parser.add_argument("--report-full", action="store_true",
+                        help="producer: tell the consumer (over the link) when a reservation is first refused")
     args = parser.parse_args(argv)
     try:
         if args.role == "produce":
             corrupt = {int(s) for s in args.corrupt.split(",") if s}
             result = produce(args.count, args.seed, args.max_size, args.ring_entries, args.peer, args.notify,
-                             corrupt, args.timeout, args.paced)
+                             corrupt, args.timeout, args.paced, args.report_full)
         elif args.role == "consume":
             result = consume(args.count, args.seed, args.max_size, args.notify, args.timeout,
                              args.stall_until_full)
