@@ -3,11 +3,11 @@
 Three rooms, arrows one way:
 
 * ``vfio_cxl.lab``   -- host lab: topology -> QEMU argv -> running VMs (QMP, console, SSH)
-* ``vfio_cxl.gpu``   -- the GPU device model, served to QEMU over vfio-user
+* ``vfio_cxl.devices`` -- device models served to QEMU over vfio-user (``vfio_user``, ``gpu``)
 * ``vfio_cxl.guest`` -- runs inside the VM: VFIO, CXL/devdax, the GPU driver
 
 The guest room imports only the standard library, cffi, pyudev, pyroute2 and
-``vfio_cxl.gpu.regs`` (the register map the device and its driver share), so
+``vfio_cxl.devices.gpu.regs`` (the register map the device and its driver share), so
 the guest can run this package straight from a read-only share of the checkout.
 """
 

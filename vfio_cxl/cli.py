@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
 
-    for name, module, text in (("gpu", "vfio_cxl.gpu.cli", "the vfio-user GPU device server"),
+    for name, module, text in (("gpu", "vfio_cxl.devices.gpu.cli", "the vfio-user GPU device server"),
                                ("bench", "vfio_cxl.bench.__main__", "benchmarks")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)

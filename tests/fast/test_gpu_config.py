@@ -4,7 +4,7 @@ import struct
 
 from vfio_user_client import TEST_VRAM, gpu_server  # noqa: F401
 
-from vfio_cxl.gpu import regs
+from vfio_cxl.devices.gpu import regs
 
 
 def u16(raw, off):

@@ -6,8 +6,9 @@ import random
 import pytest
 from vfio_user_client import DATA_IOVA, Rig, gpu_server, eventfd_count  # noqa: F401
 
-from vfio_cxl.gpu import regs, wire
-from vfio_cxl.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Op, Status, pack_descriptor
+from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.vfio_user import wire
+from vfio_cxl.devices.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Op, Status, pack_descriptor
 
 KIB = 1024
 

@@ -7,8 +7,8 @@ import pytest
 from vfio_user_client import (DATA_IOVA, RING_IOVA, Rig, ServerThread, gpu_server,  # noqa: F401
                               eventfd_count, no_leaks)
 
-from vfio_cxl.gpu import regs
-from vfio_cxl.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Op, Status, pack_descriptor
+from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Op, Status, pack_descriptor
 
 UNMAPPED = 0x7000_0000
 SENTINEL = b"\xAB" * 4096

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from vfio_user_client import ServerThread, VfioUserClient, no_leaks
 
-from vfio_cxl.gpu import regs, wire
+from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.vfio_user import wire
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -7,7 +7,8 @@ import os
 import pytest
 from vfio_user_client import ServerThread, TEST_VRAM, gpu_server, no_leaks  # noqa: F401
 
-from vfio_cxl.gpu import regs, wire
+from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.vfio_user import wire
 
 
 def test_version_negotiation_reports_server_limits(gpu_server):
@@ -154,6 +155,6 @@ def test_custom_pci_ids_and_vram_size(tmp_path):
 
 
 def test_vram_size_must_be_a_power_of_two():
-    from vfio_cxl.gpu.device import GpuDevice
+    from vfio_cxl.devices.gpu.device import GpuDevice
     with pytest.raises(ValueError):
         GpuDevice(3 * regs.MIB)

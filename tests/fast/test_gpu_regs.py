@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vfio_cxl.gpu import regs
+from vfio_cxl.devices.gpu import regs
 
 REGS_PATH = Path(regs.__file__)
 

@@ -16,8 +16,9 @@ import pytest
 from vfio_user_client import (DATA_IOVA, Rig, ServerThread, VfioUserClient, gpu_server,  # noqa: F401
                               no_leaks, wait_eventfd)
 
-from vfio_cxl.gpu import regs, wire
-from vfio_cxl.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Op, pack_descriptor
+from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.vfio_user import wire
+from vfio_cxl.devices.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Op, pack_descriptor
 
 EVENTFD_TRIGGER = wire.IRQ_SET_DATA_EVENTFD | wire.IRQ_SET_ACTION_TRIGGER
 NONE_TRIGGER = wire.IRQ_SET_DATA_NONE | wire.IRQ_SET_ACTION_TRIGGER
@@ -260,7 +261,7 @@ def test_disconnect_in_the_middle_of_a_message_path_transfer(tmp_path):
 # ------------------------------------------------------------------ CLI
 def start_cli(sock, *extra):
     return subprocess.Popen(
-        [sys.executable, "-m", "vfio_cxl.gpu", "serve", "--socket", str(sock), *extra],
+        [sys.executable, "-m", "vfio_cxl.devices.gpu", "serve", "--socket", str(sock), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

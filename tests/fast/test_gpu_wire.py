@@ -1,6 +1,6 @@
 """Byte-exact wire layouts, checked with hand-written bytes, not the server's structs.
 
-The client harness shares vfio_cxl.gpu.wire with the server, so a wrong
+The client harness shares vfio_cxl.devices.vfio_user.wire with the server, so a wrong
 layout there would pass every other test; these tests pin the layouts to the
 vfio-user spec and QEMU 11.1's behaviour (lab notes) independently.
 """
@@ -11,7 +11,8 @@ import struct
 
 from vfio_user_client import gpu_server  # noqa: F401  (fixture)
 
-from vfio_cxl.gpu import regs, wire
+from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.vfio_user import wire
 
 HDR = struct.Struct("<HHIII")  # id, command, size, flags, error -- written out on purpose
 

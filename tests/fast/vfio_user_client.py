@@ -3,7 +3,7 @@
 The protocol work (version negotiation, info queries, region access,
 SET_IRQS with eventfds over SCM_RIGHTS, DMA_MAP with a memfd, answering the
 server's DMA_READ / DMA_WRITE from local buffers, DMA_UNMAP, reset) is in
-``vfio_cxl.gpu.client`` so the benchmark can use it too; this module adds
+``vfio_cxl.devices.vfio_user.client`` so the benchmark can use it too; this module adds
 what tests need on top: an in-process server, a ready-made ring ("rig"),
 leak checks and fixtures.  Wire layouts are pinned independently by
 test_gpu_wire.py, so client and server cannot agree on a wrong format.
@@ -18,12 +18,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from vfio_cxl.gpu import regs
-from vfio_cxl.gpu.client import (  # noqa: F401  (re-exported for the tests)
+from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.vfio_user.client import (  # noqa: F401  (re-exported for the tests)
     Area, GuestMemory, Reply, VfioUserClient, eventfd_count, wait_eventfd,
 )
-from vfio_cxl.gpu.device import GpuDevice
-from vfio_cxl.gpu.server import GpuServer
+from vfio_cxl.devices.gpu.device import GpuDevice
+from vfio_cxl.devices.vfio_user.server import VfioUserServer
 
 TEST_VRAM = 16 * regs.MIB
 RING_IOVA = 0x1000_0000
@@ -56,14 +56,14 @@ def no_leaks():
 
 
 class ServerThread:
-    """A GpuServer serving from a background thread of this process."""
+    """A VfioUserServer serving the GPU from a background thread of this process."""
 
     def __init__(self, directory, *, vram_size: int = TEST_VRAM, partial_timeout: float = 0.3,
                  dma_timeout: float = 2.0, vendor_id: int = regs.PCI_VENDOR_ID,
                  device_id: int = regs.PCI_DEVICE_ID):
         self.path = os.path.join(os.fspath(directory), "gpu.sock")
         self.device = GpuDevice(vram_size, vendor_id, device_id)
-        self.server = GpuServer(self.path, self.device, partial_timeout=partial_timeout,
+        self.server = VfioUserServer(self.path, self.device, partial_timeout=partial_timeout,
                                 dma_timeout=dma_timeout)
         self.server.listen()
         self.thread = threading.Thread(target=self.server.serve_forever, name="gpu-server")

@@ -4,7 +4,7 @@ import json
 import re
 
 from vfio_cxl.demos.dma import run_in_lab
-from vfio_cxl.gpu import regs
+from vfio_cxl.devices.gpu import regs
 
 
 def test_guest_sees_the_gpu_as_specified(single_lab):

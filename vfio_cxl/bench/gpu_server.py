@@ -2,7 +2,7 @@
 
     python -m vfio_cxl.bench gpu-server [--size-mib 32] [--runs 3] [--latency-runs 9]
 
-The server runs as its own process (``python -m vfio_cxl.gpu serve``), as
+The server runs as its own process (``python -m vfio_cxl.devices.gpu serve``), as
 with QEMU; this process plays QEMU with the vfio-user client, answering the
 server's DMA messages from local buffers.  Measured:
 
@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 
-from vfio_cxl.gpu import regs
-from vfio_cxl.gpu.client import GuestMemory, VfioUserClient, wait_eventfd
-from vfio_cxl.gpu.regs import DESC_FLAG_INTERRUPT, Op, Status, pack_descriptor
+from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.vfio_user.client import GuestMemory, VfioUserClient, wait_eventfd
+from vfio_cxl.devices.gpu.regs import DESC_FLAG_INTERRUPT, Op, Status, pack_descriptor
 
 MB = 1_000_000
 RING_IOVA = 0x1000_0000
@@ -116,7 +116,7 @@ class Bench:
 
 
 def start_server(sock: str, vram_mib: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "vfio_cxl.gpu", "serve", "--socket", sock,
+    proc = subprocess.Popen([sys.executable, "-m", "vfio_cxl.devices.gpu", "serve", "--socket", sock,
                              "--vram-mib", str(vram_mib)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], 30)

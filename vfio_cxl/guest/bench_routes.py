@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 
-from ..gpu.regs import Op
+from ..devices.gpu.regs import Op
 from . import cxl
 from .dax import DaxMapping
 from .gpu_driver import GpuDriver, Transfer

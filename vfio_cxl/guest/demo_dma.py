@@ -14,8 +14,8 @@ import json
 import sys
 import time
 
-from ..gpu import regs
-from ..gpu.regs import Op
+from ..devices.gpu import regs
+from ..devices.gpu.regs import Op
 from . import cxl
 from .dax import DaxMapping
 from .gpu_driver import GpuDriver, Transfer

@@ -20,8 +20,8 @@ import os
 import random
 import sys
 
-from ..gpu import regs
-from ..gpu.regs import Op, Status
+from ..devices.gpu import regs
+from ..devices.gpu.regs import Op, Status
 from . import cxl
 from .dax import DaxMapping
 from .gpu_driver import GpuDmaError, GpuDriver, Transfer

@@ -1,4 +1,4 @@
-"""The GPU's userspace driver: VFIO (vfio_cxl.guest.vfio) + the register map (vfio_cxl.gpu.regs).
+"""The GPU's userspace driver: VFIO (vfio_cxl.guest.vfio) + the register map (vfio_cxl.devices.gpu.regs).
 
     with GpuDriver.open() as gpu:
         with gpu.map(dax_mapping.map, iova=GpuDriver.DATA_IOVA):
@@ -18,8 +18,8 @@ from __future__ import annotations
 import mmap
 from dataclasses import dataclass
 
-from ..gpu import regs
-from ..gpu.regs import Op, Status
+from ..devices.gpu import regs
+from ..devices.gpu.regs import Op, Status
 from .vfio import DmaMapping, VfioPciDevice, find_pci_devices
 from .vfio.errors import VfioError
 

@@ -28,8 +28,8 @@ import time
 import zlib
 
 from ..channel import ChannelFull, ChannelTimeout, Consumer, CorruptRecord, Producer
-from ..gpu import regs
-from ..gpu.regs import Op
+from ..devices.gpu import regs
+from ..devices.gpu.regs import Op
 from . import cxl
 from .dax import DaxMapping
 

@@ -28,7 +28,7 @@ class GpuServerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 15) -> None:
-        cmd = [sys.executable, "-m", "vfio_cxl.gpu", "serve", "--socket", str(self.socket), *self.extra_args]
+        cmd = [sys.executable, "-m", "vfio_cxl.devices.gpu", "serve", "--socket", str(self.socket), *self.extra_args]
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,

@@ -1,6 +1,6 @@
 """Register map of the vfio-cxl GPU: the one contract between device and driver.
 
-The device model (``vfio_cxl.gpu.device``) and the guest driver both import
+The device model (``vfio_cxl.devices.gpu``) and the guest driver both import
 this module, so it imports the standard library only and runs on any
 Python >= 3.11 (the guest has 3.13).  docs/gpu-device.md explains every
 field in prose; the numbers live here.

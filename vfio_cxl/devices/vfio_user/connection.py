@@ -25,8 +25,7 @@ import threading
 from typing import Callable
 
 from . import wire
-from .dma import DmaAborted, DmaFault, DmaTable
-from .regs import Status
+from .dma import DmaAborted, DmaFault, DmaTable, FaultKind
 from .transport import ConnectionClosed, MessageTimeout, Transport, close_fds
 
 log = logging.getLogger(__name__)
@@ -239,8 +238,8 @@ class Connection:
             return
         if t.outcome == "aborted":
             raise DmaAborted()
-        status = {"refused": Status.DMA_REFUSED, "timeout": Status.DMA_TIMEOUT,
-                  "closed": Status.DMA_ABORTED}[t.outcome]
+        status = {"refused": FaultKind.REFUSED, "timeout": FaultKind.TIMEOUT,
+                  "closed": FaultKind.CLOSED}[t.outcome]
         # raised without a local name: a frame holding its own exception would keep
         # the VRAM slices it references alive until the cyclic GC runs
         raise DmaFault(status, t.iova + t.pos, t.errno,

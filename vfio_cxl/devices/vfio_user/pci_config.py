@@ -1,4 +1,4 @@
-"""PCI configuration space of the GPU (4 KiB, PCI Express endpoint).
+"""PCI configuration space of a vfio-user device (4 KiB, PCI Express endpoint).
 
 Layout: type-0 header, capability list at 0x40 (PCI Express v2 endpoint)
 -> 0x80 (MSI-X), no extended capabilities.  Writes go through a per-byte
@@ -16,7 +16,6 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from . import regs
 
 SIZE = 0x1000
 
@@ -38,6 +37,7 @@ INTERRUPT_LINE = 0x3C
 INTERRUPT_PIN = 0x3D
 
 STATUS_CAP_LIST = 0x0010
+COMMAND_BUS_MASTER = 0x0004
 COMMAND_WRITABLE = 0x0546  # memory space, bus master, parity, SERR#, INTx disable
 STATUS_W1C = 0xF900  # error bits (never set by this device)
 
@@ -79,6 +79,24 @@ MSIX_FLAGS_MASKALL = 1 << 14
 
 
 @dataclass(frozen=True)
+class PciIdentity:
+    vendor_id: int
+    device_id: int
+    subsystem_vendor_id: int
+    subsystem_id: int
+    revision: int
+    class_code: int  # base << 16 | sub << 8 | prog-if
+
+
+@dataclass(frozen=True)
+class MsixLayout:
+    vectors: int
+    bar: int  # BAR index holding table and PBA
+    table_offset: int
+    pba_offset: int
+
+
+@dataclass(frozen=True)
 class Bar:
     index: int
     size: int  # power of two >= 4096, or 0 for unimplemented
@@ -92,27 +110,25 @@ def _put(buf: bytearray, offset: int, fmt: str, value: int) -> None:
 class PciConfig:
     """Config space bytes with write masks; ``write`` reports an FLR request."""
 
-    def __init__(self, vendor_id: int, device_id: int, vram_size: int):
-        self.bars = {
-            regs.BAR_REGS: Bar(regs.BAR_REGS, regs.REGS_SIZE, 0),
-            regs.BAR_VRAM: Bar(regs.BAR_VRAM, vram_size, BAR_MEM_64 | BAR_PREFETCH),
-            regs.BAR_MSIX: Bar(regs.BAR_MSIX, regs.MSIX_BAR_SIZE, 0),
-        }
+    def __init__(self, identity: PciIdentity, bars: list[Bar], msix: MsixLayout):
+        self.identity = identity
+        self.bars = {bar.index: bar for bar in bars}
+        self.msix = msix
         self._reset_image = bytearray(SIZE)
         self.wmask = bytearray(SIZE)
         self.w1cmask = bytearray(SIZE)
-        self._build(vendor_id, device_id)
+        self._build()
         self.data = bytearray(self._reset_image)
 
     # ------------------------------------------------------------ building
-    def _build(self, vendor_id: int, device_id: int) -> None:
-        img, wm, w1c = self._reset_image, self.wmask, self.w1cmask
-        _put(img, VENDOR_ID, "H", vendor_id)
-        _put(img, DEVICE_ID, "H", device_id)
+    def _build(self) -> None:
+        img, wm, w1c, ident = self._reset_image, self.wmask, self.w1cmask, self.identity
+        _put(img, VENDOR_ID, "H", ident.vendor_id)
+        _put(img, DEVICE_ID, "H", ident.device_id)
         _put(img, STATUS, "H", STATUS_CAP_LIST)
-        _put(img, REVISION, "I", (regs.PCI_CLASS_CODE << 8) | regs.PCI_REVISION)
-        _put(img, SUBSYS_VENDOR, "H", regs.PCI_SUBSYSTEM_VENDOR_ID)
-        _put(img, SUBSYS_ID, "H", regs.PCI_SUBSYSTEM_ID)
+        _put(img, REVISION, "I", (ident.class_code << 8) | ident.revision)
+        _put(img, SUBSYS_VENDOR, "H", ident.subsystem_vendor_id)
+        _put(img, SUBSYS_ID, "H", ident.subsystem_id)
         img[CAP_PTR] = PCIE_CAP
         _put(wm, COMMAND, "H", COMMAND_WRITABLE)
         _put(w1c, STATUS, "H", STATUS_W1C)
@@ -150,10 +166,10 @@ class PciConfig:
         m = MSIX_CAP
         img[m] = MSIX_CAP_ID
         img[m + 1] = 0
-        _put(img, m + MSIX_FLAGS, "H", regs.MSIX_VECTORS - 1)
+        _put(img, m + MSIX_FLAGS, "H", self.msix.vectors - 1)
         _put(wm, m + MSIX_FLAGS, "H", MSIX_FLAGS_ENABLE | MSIX_FLAGS_MASKALL)
-        _put(img, m + MSIX_TABLE, "I", regs.MSIX_TABLE_OFFSET | regs.BAR_MSIX)
-        _put(img, m + MSIX_PBA, "I", regs.MSIX_PBA_OFFSET | regs.BAR_MSIX)
+        _put(img, m + MSIX_TABLE, "I", self.msix.table_offset | self.msix.bar)
+        _put(img, m + MSIX_PBA, "I", self.msix.pba_offset | self.msix.bar)
 
     # ------------------------------------------------------------ access
     def read(self, offset: int, count: int) -> bytes:
@@ -179,6 +195,10 @@ class PciConfig:
     # ------------------------------------------------------------ queries
     def u16(self, offset: int) -> int:
         return struct.unpack_from("<H", self.data, offset)[0]
+
+    @property
+    def bus_master(self) -> bool:
+        return bool(self.u16(COMMAND) & COMMAND_BUS_MASTER)
 
     @property
     def msix_enabled(self) -> bool:

@@ -26,7 +26,7 @@ import threading
 from typing import Callable, Protocol
 
 from . import wire
-from .regs import Status
+from enum import IntEnum
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +36,26 @@ DIRECT_CHUNK = 2 << 20  # bytes copied per table-lock hold
 PAGE = mmap.ALLOCATIONGRANULARITY
 
 
-class DmaFault(Exception):
-    """A transfer failed; ``status`` is a regs.Status, ``addr`` the failing IOVA."""
+class FaultKind(IntEnum):
+    """Why a DMA access failed, in protocol terms; a device maps it to its own codes."""
 
-    def __init__(self, status: int, addr: int, err: int = 0, why: str = "", done: int = 0):
-        self.status = Status(status)
+    UNMAPPED = 1  # no DMA_MAP covers (part of) the range
+    PERMISSION = 2  # the mapping lacks read (or write) permission
+    REFUSED = 3  # the client answered a DMA message with an error (errno set)
+    TIMEOUT = 4  # the client did not answer a DMA message in time
+    CLOSED = 5  # the client went away mid-transfer
+    IO = 6  # the memory behind a mapping could not be accessed (errno set)
+
+
+class DmaFault(Exception):
+    """A transfer failed; ``kind`` is a FaultKind, ``addr`` the failing IOVA."""
+
+    def __init__(self, kind: int, addr: int, err: int = 0, why: str = "", done: int = 0):
+        self.kind = FaultKind(kind)
         self.addr = addr
         self.errno = err
         self.done = done  # bytes of the transfer that completed before the fault
-        super().__init__(f"{self.status.name} at {addr:#x}: {why}")
+        super().__init__(f"{self.kind.name} at {addr:#x}: {why}")
 
 
 class DmaAborted(Exception):
@@ -207,15 +218,15 @@ class DmaTable:
         if length == 0:
             return
         if iova + length > IOVA_LIMIT:
-            raise DmaFault(Status.DMA_UNMAPPED, iova, why="range wraps past 2**64")
+            raise DmaFault(FaultKind.UNMAPPED, iova, why="range wraps past 2**64")
         pos, end = iova, iova + length
         with self.lock:
             while pos < end:
                 m = self._find(pos)
                 if m is None:
-                    raise DmaFault(Status.DMA_UNMAPPED, pos, why="no DMA_MAP covers it")
+                    raise DmaFault(FaultKind.UNMAPPED, pos, why="no DMA_MAP covers it")
                 if m.flags & need != need:
-                    raise DmaFault(Status.DMA_PERMISSION, pos, why=f"{m!r} lacks flags {need}")
+                    raise DmaFault(FaultKind.PERMISSION, pos, why=f"{m!r} lacks flags {need}")
                 pos = m.end
 
     def untouched(self, iova: int, length: int) -> bool:
@@ -270,7 +281,7 @@ class DmaPort:
             # DMA would reach the IOMMU.  QEMU's vIOMMU refuses it (ENODEV) and the
             # guest sees the DMAR fault.  A range only partly mapped faults here,
             # before a byte moves.
-            if (fault.status != Status.DMA_UNMAPPED or self.messages is None
+            if (fault.kind != FaultKind.UNMAPPED or self.messages is None
                     or not self.table.untouched(iova, len(buf))):
                 raise
             self._unmapped(iova, buf, need, abort)
@@ -299,9 +310,9 @@ class DmaPort:
             with self.table.lock:
                 m = self.table._find(at)
                 if m is None:  # unmapped since check(): a concurrent DMA_UNMAP
-                    raise DmaFault(Status.DMA_UNMAPPED, at, why="unmapped during transfer")
+                    raise DmaFault(FaultKind.UNMAPPED, at, why="unmapped during transfer")
                 if m.flags & need != need:
-                    raise DmaFault(Status.DMA_PERMISSION, at, why="re-mapped without access")
+                    raise DmaFault(FaultKind.PERMISSION, at, why="re-mapped without access")
                 room = min(length - pos, m.end - at)
                 if m.direct:
                     n = min(room, DIRECT_CHUNK)
@@ -316,7 +327,7 @@ class DmaPort:
                     continue
             # message path, outside the table lock: the replies come via the reader thread
             if self.messages is None:
-                raise DmaFault(Status.DMA_ABORTED, at, errno.ENOTCONN, "no client connected")
+                raise DmaFault(FaultKind.CLOSED, at, errno.ENOTCONN, "no client connected")
             try:
                 if to_host:
                     self.messages.dma_write(at, buf[pos:pos + room], _as_predicate(abort))

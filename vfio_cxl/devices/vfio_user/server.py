@@ -1,10 +1,13 @@
 """The vfio-user server: message dispatch and the listening socket.
 
 ``Dispatcher`` turns each client request into a reply (or an error reply)
-by asking the device; it never blocks on the client.  ``GpuServer`` listens
-on a UNIX socket and serves one client at a time; when a client leaves its
-DMA mappings and eventfds are dropped, the device keeps its state, and the
-next client (the GPU moving to another VM) is accepted.
+by asking the device; it never blocks on the client.  ``VfioUserServer``
+listens on a UNIX socket and serves one client at a time; when a client
+leaves its DMA mappings and eventfds are dropped, the device keeps its
+state, and the next client (the device moving to another VM) is accepted.
+
+The device is any object with the ``Device`` surface below: the server
+knows nothing about what it does.
 """
 
 from __future__ import annotations
@@ -18,9 +21,32 @@ import stat
 import threading
 
 from . import wire
+from typing import Protocol
+
 from .connection import Connection
-from .device import GpuDevice
 from .dma import DmaPort
+from .irq import IrqTable
+
+
+class Region:
+    """One VFIO region as the client sees it."""
+
+    def __init__(self, size: int, flags: int, fd: int | None = None):
+        self.size, self.flags, self.fd = size, flags, fd
+
+
+class Device(Protocol):
+    """What the server needs from a device model."""
+
+    regions: dict[int, Region]
+    irqs: IrqTable
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def attach(self, port: DmaPort | None) -> None: ...
+    def reset(self, *, function_level: bool = False) -> None: ...
+    def region_read(self, index: int, offset: int, count: int): ...
+    def region_write(self, index: int, offset: int, data) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +56,7 @@ SPARSE_CAP_SIZE = wire.CAP_HEADER.size + wire.SPARSE_MMAP.size + wire.SPARSE_ARE
 class Dispatcher:
     """Handlers for client -> server commands, one instance per connection."""
 
-    def __init__(self, device: GpuDevice, conn: Connection):
+    def __init__(self, device: Device, conn: Connection):
         self.device = device
         self.conn = conn
         self.negotiated = False
@@ -194,10 +220,10 @@ class Dispatcher:
         return [wire.REGION_ACCESS.pack(offset, index, count)], []
 
 
-class GpuServer:
+class VfioUserServer:
     """Listen on ``socket_path`` and serve one client at a time until stop()."""
 
-    def __init__(self, socket_path: str, device: GpuDevice, *, partial_timeout: float = 2.0,
+    def __init__(self, socket_path: str, device: Device, *, partial_timeout: float = 2.0,
                  dma_timeout: float = 5.0, send_timeout: float = 5.0):
         self.socket_path = os.fspath(socket_path)
         self.device = device

@@ -13,20 +13,22 @@ import logging
 import os
 import threading
 
-from . import regs, wire
+from . import wire
 from .transport import close_fds
 
 log = logging.getLogger(__name__)
 
-# index -> (count, VFIO_IRQ_INFO flags).  One error-recovery IRQ quiets QEMU's
-# "Could not enable error recovery" warning; INTx and MSI are not implemented.
-IRQ_TYPES = {
-    wire.PCI_INTX_IRQ: (0, wire.IRQ_INFO_EVENTFD),
-    wire.PCI_MSI_IRQ: (0, wire.IRQ_INFO_EVENTFD | wire.IRQ_INFO_NORESIZE),
-    wire.PCI_MSIX_IRQ: (regs.MSIX_VECTORS, wire.IRQ_INFO_EVENTFD | wire.IRQ_INFO_NORESIZE),
-    wire.PCI_ERR_IRQ: (1, wire.IRQ_INFO_EVENTFD),
-    wire.PCI_REQ_IRQ: (0, wire.IRQ_INFO_EVENTFD),
-}
+
+def irq_types(msix_vectors: int = 0, msi_vectors: int = 0) -> dict[int, tuple[int, int]]:
+    """index -> (count, VFIO_IRQ_INFO flags).  One error-recovery IRQ quiets QEMU's
+    "Could not enable error recovery" warning; INTx is not implemented."""
+    return {
+        wire.PCI_INTX_IRQ: (0, wire.IRQ_INFO_EVENTFD),
+        wire.PCI_MSI_IRQ: (msi_vectors, wire.IRQ_INFO_EVENTFD | wire.IRQ_INFO_NORESIZE),
+        wire.PCI_MSIX_IRQ: (msix_vectors, wire.IRQ_INFO_EVENTFD | wire.IRQ_INFO_NORESIZE),
+        wire.PCI_ERR_IRQ: (1, wire.IRQ_INFO_EVENTFD),
+        wire.PCI_REQ_IRQ: (0, wire.IRQ_INFO_EVENTFD),
+    }
 
 
 def is_eventfd(fd: int) -> bool:
@@ -39,17 +41,18 @@ def is_eventfd(fd: int) -> bool:
 class IrqTable:
     """Eventfds per (IRQ index, sub-index); thread-safe."""
 
-    def __init__(self):
+    def __init__(self, types: dict[int, tuple[int, int]]):
+        self.types = dict(types)
         self._lock = threading.Lock()
         self._fds: dict[int, list[int | None]] = {
-            index: [None] * count for index, (count, _) in IRQ_TYPES.items()
+            index: [None] * count for index, (count, _) in self.types.items()
         }
-        self.raised = {index: [0] * count for index, (count, _) in IRQ_TYPES.items()}
+        self.raised = {index: [0] * count for index, (count, _) in self.types.items()}
 
     def info(self, index: int) -> tuple[int, int]:
-        if index not in IRQ_TYPES:
+        if index not in self.types:
             raise wire.ProtocolError(errno.EINVAL, f"no IRQ index {index}")
-        return IRQ_TYPES[index]
+        return self.types[index]
 
     def set_irqs(self, flags: int, index: int, start: int, count: int,
                  data: bytes, fds: list[int]) -> None:

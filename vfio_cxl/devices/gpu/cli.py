@@ -18,7 +18,7 @@ import sys
 
 from . import regs
 from .device import GpuDevice
-from .server import GpuServer
+from ..vfio_user.server import VfioUserServer
 
 
 def _int(text: str) -> int:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"vfio-cxl gpu: {exc}", file=sys.stderr)
         return 2
-    server = GpuServer(args.socket, device, partial_timeout=args.message_timeout)
+    server = VfioUserServer(args.socket, device, partial_timeout=args.message_timeout)
     try:
         try:
             server.listen()

@@ -1,7 +1,7 @@
 """vfio-user wire format: header, command numbers, payload layouts.
 
 Facts from the vfio-user protocol specification and linux/vfio.h, checked
-against QEMU 11.1's client (see /work/shared/lab-notes.md).  Everything is
+against QEMU 11.1's client (docs/gpu-device.md lists its quirks).  Everything is
 little-endian (the spec says host order; x86 only here) and packed.
 """
 

@@ -22,10 +22,12 @@ import struct
 import threading
 import time
 
-from . import regs, wire
-from .dma import DmaAborted, DmaFault, DmaPort
-from .irq import IrqTable
-from .pci_config import PciConfig
+from ..vfio_user import wire
+from ..vfio_user.dma import DmaAborted, DmaFault, DmaPort, FaultKind
+from ..vfio_user.irq import IrqTable, irq_types
+from ..vfio_user.pci_config import BAR_MEM_64, BAR_PREFETCH, Bar, MsixLayout, PciConfig, PciIdentity
+from ..vfio_user.server import Region
+from . import regs
 from .regs import Op, Status
 
 log = logging.getLogger(__name__)
@@ -34,11 +36,26 @@ FETCH_BATCH = 64  # descriptors fetched per ring read
 _U32 = struct.Struct("<I")
 
 
-class Region:
-    """One VFIO region as the client sees it."""
+# how a protocol-level DMA fault shows in the GPU's status codes
+FAULT_STATUS = {
+    FaultKind.UNMAPPED: Status.DMA_UNMAPPED,
+    FaultKind.PERMISSION: Status.DMA_PERMISSION,
+    FaultKind.REFUSED: Status.DMA_REFUSED,
+    FaultKind.TIMEOUT: Status.DMA_TIMEOUT,
+    FaultKind.CLOSED: Status.DMA_ABORTED,
+    FaultKind.IO: Status.DMA_REFUSED,
+}
 
-    def __init__(self, size: int, flags: int, fd: int | None = None):
-        self.size, self.flags, self.fd = size, flags, fd
+
+def pci_config(vendor_id: int, device_id: int, vram_size: int) -> PciConfig:
+    identity = PciIdentity(vendor_id, device_id, regs.PCI_SUBSYSTEM_VENDOR_ID,
+                           regs.PCI_SUBSYSTEM_ID, regs.PCI_REVISION, regs.PCI_CLASS_CODE)
+    bars = [Bar(regs.BAR_REGS, regs.REGS_SIZE, 0),
+            Bar(regs.BAR_VRAM, vram_size, BAR_MEM_64 | BAR_PREFETCH),
+            Bar(regs.BAR_MSIX, regs.MSIX_BAR_SIZE, 0)]
+    msix = MsixLayout(regs.MSIX_VECTORS, regs.BAR_MSIX, regs.MSIX_TABLE_OFFSET,
+                      regs.MSIX_PBA_OFFSET)
+    return PciConfig(identity, bars, msix)
 
 
 class GpuDevice:
@@ -54,8 +71,8 @@ class GpuDevice:
         self._vram_mm = mmap.mmap(self.vram_fd, vram_size, flags=mmap.MAP_SHARED)
         self.vram = memoryview(self._vram_mm)
 
-        self.config = PciConfig(vendor_id, device_id, vram_size)
-        self.irqs = IrqTable()
+        self.config = pci_config(vendor_id, device_id, vram_size)
+        self.irqs = IrqTable(irq_types(msix_vectors=regs.MSIX_VECTORS))
         self._msix_reset = bytearray(regs.MSIX_VECTORS * regs.MSIX_ENTRY_SIZE)
         for v in range(regs.MSIX_VECTORS):  # vector control: masked at reset
             self._msix_reset[v * regs.MSIX_ENTRY_SIZE + 12] = 1
@@ -374,7 +391,7 @@ class GpuDevice:
             else:
                 _fill_prng(window, src, abort)
         except DmaFault as fault:
-            return fault.status, fault.done, fault.addr, fault.errno
+            return FAULT_STATUS[fault.kind], fault.done, fault.addr, fault.errno
         finally:
             window.release()
         return Status.OK, length, 0, 0

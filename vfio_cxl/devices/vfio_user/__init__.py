@@ -1,0 +1,1 @@
+"""A vfio-user server toolkit (protocol side only, no particular device)."""
