@@ -1,9 +1,10 @@
-"""Register map of the vfio-cxl GPU: the one contract between device and driver.
+"""Register map of the vfio-cxl GPU, as Python (docs/gpu-device.md is the contract).
 
 The device model (``vfio_cxl.devices.gpu``) and the guest driver both import
 this module, so it imports the standard library only and runs on any
-Python >= 3.11 (the guest has 3.13).  docs/gpu-device.md explains every
-field in prose; the numbers live here.
+Python >= 3.11 (the guest has 3.13).  docs/gpu-device.md is the contract;
+this module writes its numbers down as Python.  If the two disagree, one has
+a bug and both are fixed together.
 
 Conventions: all registers are 32 bits, little-endian; 64-bit quantities are
 split into ``*_LO`` / ``*_HI`` pairs (an aligned 64-bit access to the pair
@@ -67,7 +68,7 @@ REG_CAPS = 0x010  # RO  bit n set = op code n supported (CAPS_OPS)
 REG_RING_MAX = 0x014  # RO  largest RING_SIZE accepted (RING_SIZE_MAX)
 REG_SCRATCH = 0x018  # RW  free for the driver (probe that writes land)
 
-REG_CONTROL = 0x020  # RW  CONTROL_* bits
+REG_CONTROL = 0x020  # RW  CONTROL_* bits (see the engine states in the spec)
 REG_STATUS = 0x024  # RO  STATUS_* bits
 REG_INTR_STATUS = 0x028  # W1C INTR_* bits, latched when a vector is raised
 
@@ -90,13 +91,13 @@ ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
 DEVICE_VERSION = 0x00010000  # 1.0
 
 # REG_CONTROL bits
-CONTROL_ENABLE = 1 << 0  # run the ring (config registers are locked while set)
-CONTROL_RESET = 1 << 1  # write 1: reset every register; reads back 0
+CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE
+CONTROL_RESET = 1 << 1  # write 1: reset the device (-> IDLE, no vector); reads back 0
 
 # REG_STATUS bits
-STATUS_ENABLED = 1 << 0  # CONTROL_ENABLE accepted (ring config was valid)
+STATUS_ENABLED = 1 << 0  # state RUNNING
 STATUS_BUSY = 1 << 1  # executing a descriptor right now
-STATUS_HALTED = 1 << 2  # stopped on an error until reset
+STATUS_HALTED = 1 << 2  # state HALTED: stopped on an error until reset
 
 # REG_INTR_STATUS bits
 INTR_DMA_DONE = 1 << 0
@@ -153,15 +154,16 @@ class Status(IntEnum):
     BAD_OPCODE = 1  # op not in Op
     BAD_FLAGS = 2  # undefined flag or reserved bits set
     VRAM_RANGE = 3  # VRAM offset + length beyond VRAM (ERR_ADDR = VRAM offset)
-    DMA_UNMAPPED = 4  # IOVA range not (fully) covered by DMA_MAP (ERR_ADDR = IOVA)
-    DMA_PERMISSION = 5  # mapping lacks read (or write) permission
-    DMA_REFUSED = 6  # the client answered a DMA message with an error (ERR_ERRNO)
-    DMA_TIMEOUT = 7  # the client did not answer a DMA message in time
-    DMA_ABORTED = 8  # the client went away mid-transfer
-    RING_FETCH = 9  # descriptor fetch failed (ring outside mapped memory)
-    COMPLETION_WRITE = 10  # the completion record could not be written
+    DMA_UNMAPPED = 4  # IOVA range not (fully) covered by DMA_MAP (ERR_ADDR = first uncovered IOVA)
+    DMA_PERMISSION = 5  # mapping lacks read (or write) permission (ERR_ADDR = IOVA)
+    DMA_REFUSED = 6  # the client answered a DMA message with an error (ERR_ERRNO = its errno)
+    DMA_TIMEOUT = 7  # the client did not answer a DMA message in time (ERR_ERRNO = ETIMEDOUT)
+    DMA_ABORTED = 8  # client gone with work queued (ECONNRESET) or device failure (EIO)
+    RING_FETCH = 9  # descriptor fetch failed (ERR_ADDR = IOVA)
+    COMPLETION_WRITE = 10  # the completion record could not be written (ERR_ADDR = IOVA)
     BAD_TAIL = 11  # doorbell value >= RING_SIZE (ERR_ADDR = value written)
-    BAD_RING_CONFIG = 12  # ENABLE with bad RING_SIZE / unaligned bases
+    BAD_RING_CONFIG = 12  # ENABLE with bad RING_SIZE / unaligned bases (ERR_ADDR = RING_BASE)
+    DMA_IO_ERROR = 13  # memory behind a mapping not accessible, e.g. truncated file (EFAULT)
 
 
 # --------------------------------------------------------------------------
