@@ -80,6 +80,7 @@ class Bench:
         self.efds = c.attach_msix(regs.MSIX_VECTORS)
         self.compl_iova = RING_IOVA + RING_ENTRIES * regs.DESC_SIZE
         c.reset()
+        c.set_bus_master()
         c.reg_write(regs.REG_RING_BASE_LO, RING_IOVA)
         c.reg_write(regs.REG_RING_SIZE, RING_ENTRIES)
         c.reg_write(regs.REG_COMPL_BASE_LO, self.compl_iova)

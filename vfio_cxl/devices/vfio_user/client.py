@@ -137,6 +137,9 @@ class VfioUserClient:
         self.transport = Transport(sock, partial_timeout=timeout, send_timeout=timeout)
         self.stats = DmaStats()
         self.server_caps: dict = {}
+        # called on the reader thread with each DMA request's header before it is
+        # served; tests use it to hold a request (the reader waits meanwhile)
+        self.before_dma = None
         self._ids = itertools.count(1)
         self._waiting: dict[int, list] = {}  # id -> [Event, Reply | None]
         self._lock = threading.Lock()
@@ -190,6 +193,8 @@ class VfioUserClient:
                     slot[1] = Reply(header, bytes(payload), fds)
                     slot[0].set()
                 else:
+                    if self.before_dma is not None:
+                        self.before_dma(header)
                     self._serve_dma(header, body, fds)
         except (ConnectionClosed, MessageTimeout, OSError):
             pass
@@ -306,6 +311,12 @@ class VfioUserClient:
 
     def config_write(self, offset: int, data) -> None:
         self.write(wire.PCI_CONFIG_REGION, offset, data)
+
+    def set_bus_master(self, on: bool = True) -> None:
+        """PCI command register: memory space + Bus Master Enable (a device does no DMA without)."""
+        command = int.from_bytes(self.config_read(0x04, 2), "little")
+        command = (command | 0x6) if on else (command & ~0x4)
+        self.config_write(0x04, command.to_bytes(2, "little"))
 
     def reg_read(self, offset: int) -> int:
         return int.from_bytes(self.read(0, offset, 4), "little")

@@ -30,35 +30,47 @@ from .transport import ConnectionClosed, MessageTimeout, Transport, close_fds
 
 log = logging.getLogger(__name__)
 
-DMA_READ_CHUNK = 64 * 1024
+DMA_READ_CHUNK_QEMU = 64 * 1024  # DMA_READ piece for clients offering <= 1 MiB (QEMU 11.1)
+DMA_PIECE_MAX = 8 << 20  # largest DMA message piece even if the client allows more
+DMA_WINDOW = 4  # DMA message pieces in flight per transfer
 MAX_REQUEST_BODY = wire.SERVER_MAX_DATA_XFER + 4096  # REGION_WRITE of max size + slack
 DISCARD_LIMIT = 64 << 20  # larger claimed sizes mean a broken stream: hang up
 
 Handler = Callable[[wire.Header, bytearray, list], tuple[list, list]]
 
 
-def _never() -> None:
-    pass
+def _never() -> bool:
+    return False
 
 
 class _Transfer:
-    """A run of DMA_READ or DMA_WRITE pieces over one buffer, one piece in flight."""
+    """A run of DMA_READ or DMA_WRITE pieces over one buffer, up to ``window`` in flight.
 
-    __slots__ = ("command", "iova", "buf", "chunk", "pos", "inflight", "msg_id", "abort",
-                 "finished", "errno", "outcome", "_done")
+    Pieces are handed out in order (``next_pos``); ``inflight`` maps message id
+    -> (pos, n).  ``acked`` is the prefix known complete: everything below the
+    lowest piece still in flight.
+    """
 
-    def __init__(self, command: int, iova: int, buf: memoryview, chunk: int, abort):
+    __slots__ = ("command", "iova", "buf", "chunk", "window", "need", "stale", "next_pos",
+                 "inflight", "acked", "finished", "errno", "outcome", "fault_at", "_done")
+
+    def __init__(self, command: int, iova: int, buf: memoryview, chunk: int, window: int,
+                 need: int, stale):
         self.command, self.iova, self.buf, self.chunk = command, iova, buf, chunk
-        self.abort = abort
-        self.pos = 0  # bytes completed; only the thread handling the reply moves it
-        self.inflight = 0
-        self.msg_id = -1
+        self.window, self.need, self.stale = window, need, stale
+        self.next_pos = 0
+        self.inflight: dict[int, tuple[int, int]] = {}
+        self.acked = 0
         self.finished = False
         self.errno = 0
-        self.outcome = "ok"  # ok | refused | closed | timeout | aborted
+        self.outcome = "ok"  # ok | refused | closed | timeout | aborted | unmapped | permission
+        self.fault_at = 0  # offset of the piece that failed
         # a bare lock as a one-shot signal: cheaper than an Event (no Condition)
         self._done = threading.Lock()
         self._done.acquire()
+
+    def update_acked(self) -> None:
+        self.acked = min((pos for pos, _ in self.inflight.values()), default=self.next_pos)
 
 
 class Connection:
@@ -69,7 +81,8 @@ class Connection:
         self.dma_timeout = dma_timeout
         self.name = name
         self.max_write = wire.DEFAULT_MAX_DATA_XFER
-        self.max_read = min(DMA_READ_CHUNK, wire.DEFAULT_MAX_DATA_XFER)
+        self.max_read = DMA_READ_CHUNK_QEMU
+        self.window = DMA_WINDOW
         self.internal_errors = 0
         self.messages_in = 0
         self._handler: Handler | None = None
@@ -91,9 +104,13 @@ class Connection:
         self._thread.start()
 
     def set_client_limits(self, max_data_xfer: int) -> None:
-        """Size our DMA messages by what the client said it accepts."""
-        self.max_write = max_data_xfer
-        self.max_read = min(DMA_READ_CHUNK, max_data_xfer)
+        """Size our DMA messages by what the client said it accepts (never more)."""
+        self.max_write = min(max_data_xfer, DMA_PIECE_MAX)
+        if max_data_xfer <= wire.DEFAULT_MAX_DATA_XFER:
+            # QEMU 11.1 cuts DMA_READ replies above ~212 KiB (docs: departures)
+            self.max_read = min(max_data_xfer, DMA_READ_CHUNK_QEMU)
+        else:
+            self.max_read = min(max_data_xfer, DMA_PIECE_MAX)
 
     def shutdown(self) -> None:
         """Ask the reader to stop (it sees EOF); returns at once."""
@@ -114,8 +131,16 @@ class Connection:
         with self._lock:
             self._dma_closed = True
             pending, self._pending = self._pending, {}
-        for t in pending.values():
+        for t in set(pending.values()):
             self._finish(t, errno.ECONNRESET, "closed")
+
+    def abort_transfers(self) -> None:
+        """Settle every transfer in flight as aborted (the device dropped its work).
+        Replies still on their way are read and thrown away."""
+        with self._lock:
+            transfers = set(self._pending.values())
+        for t in transfers:
+            self._finish(t, 0, "aborted")
 
     # ------------------------------------------------------------ reader
     def _reader(self) -> None:
@@ -183,99 +208,145 @@ class Connection:
         body = max(header.size - wire.HEADER_SIZE, 0)
         with self._lock:
             t = self._pending.pop(header.msg_id, None)
-        if t is None or t.command != header.command:
+            piece = t.inflight.get(header.msg_id) if t is not None else None
+        if t is None or t.command != header.command or piece is None:
             log.warning("%s: unexpected reply %s", self.name, header.describe())
             self.transport.discard(body, fds)
             if t is not None:
                 self._finish(t, errno.EIO, "refused")
             return
+        pos, n = piece
+        if t.finished or t.stale():  # dropped or failed: the reply is read and thrown away
+            self.transport.discard(body, fds)
+            with self._lock:
+                t.inflight.pop(header.msg_id, None)
+            return self._finish(t, 0, "aborted")
         if header.is_error:
             self.transport.discard(body, fds)
+            t.fault_at = pos
             return self._finish(t, header.error or errno.EIO, "refused")
-        n, at = t.inflight, t.iova + t.pos
+        at = t.iova + pos
         if t.command == wire.DMA_READ:
             if body != wire.DMA_ACCESS.size + n:
                 self.transport.discard(body, fds)
+                t.fault_at = pos
                 return self._finish(t, errno.EIO, "refused")
             # address, count and data in one scatter read, the data straight into VRAM
             meta = bytearray(wire.DMA_ACCESS.size)
-            self.transport.recv_scatter([memoryview(meta), t.buf[t.pos:t.pos + n]], fds)
+            self.transport.recv_scatter([memoryview(meta), t.buf[pos:pos + n]], fds)
             if wire.DMA_ACCESS.unpack(meta) != (at, n):
+                t.fault_at = pos
                 return self._finish(t, errno.EIO, "refused")
         else:
-            self.transport.discard(body, fds)
-        t.pos += n
-        if t.pos >= len(t.buf):
+            self.transport.discard(body, fds)  # departure 3: the body is not checked
+        with self._lock:
+            t.inflight.pop(header.msg_id, None)
+            t.update_acked()
+            complete = t.acked >= len(t.buf)
+        if complete:
             return self._finish(t)
-        if t.abort():
-            return self._finish(t, 0, "aborted")
-        self._send_next(t)  # sends only: the reply will come back to this thread
+        self._pump(t)  # sends only: the replies come back to this thread
 
     # ------------------------------------------------------------ our DMA requests
-    def dma_write(self, iova: int, data: memoryview, abort: Callable[[], bool] = _never) -> None:
+    def dma_write(self, iova: int, data: memoryview, stale: Callable[[], bool] = _never) -> None:
         """Device -> client memory through DMA_WRITE messages of <= max_write bytes."""
-        self._run(_Transfer(wire.DMA_WRITE, iova, data, self.max_write, abort))
+        self._run(_Transfer(wire.DMA_WRITE, iova, data, self.max_write, self.window,
+                            wire.DMA_MAP_FLAG_WRITE, stale))
 
-    def dma_read(self, iova: int, into: memoryview, abort: Callable[[], bool] = _never) -> None:
+    def dma_read(self, iova: int, into: memoryview, stale: Callable[[], bool] = _never) -> None:
         """Client memory -> ``into`` through DMA_READ messages of <= max_read bytes."""
-        self._run(_Transfer(wire.DMA_READ, iova, into, self.max_read, abort))
+        self._run(_Transfer(wire.DMA_READ, iova, into, self.max_read, self.window,
+                            wire.DMA_MAP_FLAG_READ, stale))
 
     def _run(self, t: _Transfer) -> None:
-        """Start a transfer and wait for it; raise DmaFault (``progress`` set) on failure."""
+        """Start a transfer and wait for it; raise DmaFault (``done`` set) on failure."""
         if not len(t.buf):
             return
-        self._send_next(t)
-        last = 0
+        self._pump(t)
+        last = -1
         while not t._done.acquire(timeout=self.dma_timeout):
             with self._lock:
-                if t.finished or t.pos != last:  # finishing right now, or still moving
-                    last = t.pos
+                if t.finished or t.acked != last:  # finishing right now, or still moving
+                    last = t.acked
                     continue
-                self._pending.pop(t.msg_id, None)
+                # pieces still out stay in _pending: their late replies are thrown away
+                t.fault_at = t.acked
                 t.finished, t.errno, t.outcome = True, errno.ETIMEDOUT, "timeout"
             break
         if t.outcome == "ok":
             return
         if t.outcome == "aborted":
             raise DmaAborted()
-        status = {"refused": FaultKind.REFUSED, "timeout": FaultKind.TIMEOUT,
-                  "closed": FaultKind.CLOSED}[t.outcome]
+        kind = {"refused": FaultKind.REFUSED, "timeout": FaultKind.TIMEOUT,
+                "closed": FaultKind.CLOSED, "unmapped": FaultKind.UNMAPPED,
+                "permission": FaultKind.PERMISSION}[t.outcome]
         # raised without a local name: a frame holding its own exception would keep
         # the VRAM slices it references alive until the cyclic GC runs
-        raise DmaFault(status, t.iova + t.pos, t.errno,
-                       f"{wire.COMMAND_NAMES[t.command]}: {t.outcome}, errno {t.errno}", t.pos)
+        raise DmaFault(kind, t.iova + t.fault_at, t.errno,
+                       f"{wire.COMMAND_NAMES[t.command]}: {t.outcome}, errno {t.errno}",
+                       min(t.acked, t.fault_at))
 
-    def _send_next(self, t: _Transfer) -> None:
-        n = min(t.chunk, len(t.buf) - t.pos)
-        at = t.iova + t.pos
-        with self._lock:
-            if t.finished:
-                return
-            if self._dma_closed:
-                closed = True
-            else:
-                closed = False
-                msg_id = next(self._ids) & 0xFFFF
-                while msg_id in self._pending:
+    def _pump(self, t: _Transfer) -> None:
+        """Keep up to ``window`` pieces of ``t`` in flight."""
+        while True:
+            with self._lock:
+                if (t.finished or len(t.inflight) >= t.window or t.next_pos >= len(t.buf)):
+                    return
+                if self._dma_closed:
+                    closed = True
+                else:
+                    closed = False
+                    pos = t.next_pos
+                    n = min(t.chunk, len(t.buf) - pos)
                     msg_id = next(self._ids) & 0xFFFF
-                t.msg_id, t.inflight = msg_id, n
-                self._pending[msg_id] = t
-        if closed:
-            return self._finish(t, errno.ECONNRESET, "closed")
+                    while msg_id in self._pending:
+                        msg_id = next(self._ids) & 0xFFFF
+                    t.next_pos = pos + n
+                    t.inflight[msg_id] = (pos, n)
+                    self._pending[msg_id] = t
+            if closed:
+                return self._finish(t, errno.ECONNRESET, "closed")
+            if not self._send_piece(t, msg_id, pos, n):
+                return
+
+    def _send_piece(self, t: _Transfer, msg_id: int, pos: int, n: int) -> bool:
+        at = t.iova + pos
         meta = wire.DMA_ACCESS.pack(at, n)
         if t.command == wire.DMA_WRITE:
-            parts, size = [meta, t.buf[t.pos:t.pos + n]], len(meta) + n
+            parts, size = [meta, t.buf[pos:pos + n]], len(meta) + n
         else:
             parts, size = [meta], len(meta)
+
+        def guard() -> None:
+            # under the transport's send lock: a drop or an unmap that happened
+            # before this point stops the message; one after it is ordered after it
+            if t.stale():
+                raise DmaAborted()
+            self.table.check(at, n, t.need)
+
         if self._debug:
             log.debug("-> %s id=%d iova=%#x count=%d", wire.COMMAND_NAMES[t.command], msg_id, at, n)
+        outcome = None
         try:
-            self.transport.send([wire.request_header(msg_id, t.command, size), *parts])
+            self.transport.send([wire.request_header(msg_id, t.command, size), *parts],
+                                guard=guard)
+        except DmaAborted:
+            outcome = (0, "aborted")
+        except DmaFault as fault:
+            outcome = (0, "unmapped" if fault.kind == FaultKind.UNMAPPED else "permission")
+            pos = fault.addr - t.iova
         except (ConnectionClosed, MessageTimeout) as exc:
             log.warning("%s: DMA request not sent: %s", self.name, exc)
-            with self._lock:
-                self._pending.pop(msg_id, None)
-            self._finish(t, errno.ECONNRESET, "closed")
+            outcome = (errno.ECONNRESET, "closed")
+        if outcome is None:
+            return True
+        with self._lock:
+            self._pending.pop(msg_id, None)
+            t.inflight.pop(msg_id, None)
+            t.fault_at = pos
+            t.update_acked()
+        self._finish(t, *outcome)
+        return False
 
     def _finish(self, t: _Transfer, err: int = 0, outcome: str = "ok") -> None:
         """Settle a transfer exactly once and wake the engine waiting for it."""

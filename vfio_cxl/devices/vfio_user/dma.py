@@ -7,12 +7,12 @@
   VFIO_USER_DMA_READ / DMA_WRITE message and QEMU does the copy, translating
   through the vIOMMU on its side.
 
-A transfer whose range is only partly mapped faults before a single byte
-moves; one with no mapping at all is sent as messages anyway, because the
-client's vIOMMU has the last word (it refuses, and the guest sees the DMAR
-fault, as with a real device).  DMA_UNMAP takes the
-table lock, which direct copies hold only per bounded chunk, so an unmap
-waits at most for one chunk and never for a socket round trip.
+A transfer whose range is not fully mapped (with the access it needs)
+faults before a single byte moves, like a device behind an IOMMU: the
+vfio-user spec says DMA addresses "must have been previously exported with
+DMA_MAP".  DMA_UNMAP takes the table lock, which direct copies hold only per
+bounded chunk, so an unmap waits at most for one chunk and never for a
+socket round trip.
 """
 
 from __future__ import annotations
@@ -229,110 +229,98 @@ class DmaTable:
                     raise DmaFault(FaultKind.PERMISSION, pos, why=f"{m!r} lacks flags {need}")
                 pos = m.end
 
-    def untouched(self, iova: int, length: int) -> bool:
-        """True if no mapping overlaps [iova, iova+length)."""
-        end = iova + length
-        with self.lock:
-            i = bisect.bisect_left(self._starts, end) - 1
-            return i < 0 or self._maps[i].end <= iova
-
 
 class MessagePath(Protocol):
     """What the connection offers for IOVAs without an fd: it splits the range
     into DMA_WRITE / DMA_READ messages itself and raises DmaFault (with
-    ``done``) or DmaAborted; ``stopped()`` is polled between messages."""
+    ``done``) or DmaAborted.  ``stale()`` true means the device dropped the
+    work: no further message may be sent for it."""
 
-    def dma_write(self, iova: int, data: memoryview, stopped: Callable[[], bool]) -> None: ...
-    def dma_read(self, iova: int, into: memoryview, stopped: Callable[[], bool]) -> None: ...
+    def dma_write(self, iova: int, data: memoryview, stale: Callable[[], bool]) -> None: ...
+    def dma_read(self, iova: int, into: memoryview, stale: Callable[[], bool]) -> None: ...
+    def abort_transfers(self) -> None: ...
 
 
-def _as_predicate(abort: Callable[[], None]) -> Callable[[], bool]:
-    def stopped() -> bool:
-        try:
-            abort()
-        except DmaAborted:
-            return True
-        return False
-    return stopped
+def _never() -> bool:
+    return False
 
 
 class DmaPort:
-    """The device's bus-master port: moves bytes between local buffers and IOVAs."""
+    """The device's bus-master port: moves bytes between local buffers and IOVAs.
 
-    def __init__(self, table: DmaTable, messages: MessagePath | None):
+    ``gate`` is the device's lock around every memory access of its engine:
+    a direct copy holds it per chunk and re-checks ``stale()`` inside, so a
+    device that bumps its epoch under the gate knows that no access of the
+    dropped work is in progress or will follow.
+    """
+
+    def __init__(self, table: DmaTable, messages: MessagePath | None,
+                 gate: threading.Lock | None = None):
         self.table = table
         self.messages = messages
+        self.gate = gate if gate is not None else threading.Lock()
         self.direct_bytes = 0
         self.message_bytes = 0
 
-    def write(self, iova: int, data: memoryview, abort: Callable[[], None] = lambda: None) -> None:
+    def write(self, iova: int, data, stale: Callable[[], bool] = _never) -> None:
         """Device -> host memory."""
-        self._transfer(iova, memoryview(data).cast("B"), wire.DMA_MAP_FLAG_WRITE, abort)
+        self._transfer(iova, memoryview(data).cast("B"), wire.DMA_MAP_FLAG_WRITE, stale)
 
-    def read(self, iova: int, into: memoryview, abort: Callable[[], None] = lambda: None) -> None:
+    def read(self, iova: int, into, stale: Callable[[], bool] = _never) -> None:
         """Host memory -> device."""
-        self._transfer(iova, memoryview(into).cast("B"), wire.DMA_MAP_FLAG_READ, abort)
+        self._transfer(iova, memoryview(into).cast("B"), wire.DMA_MAP_FLAG_READ, stale)
 
-    def _transfer(self, iova: int, buf: memoryview, need: int, abort) -> None:
-        try:
-            self.table.check(iova, len(buf), need)
-        except DmaFault as fault:
-            # Nothing mapped there at all: ask the client anyway, as a real device's
-            # DMA would reach the IOMMU.  QEMU's vIOMMU refuses it (ENODEV) and the
-            # guest sees the DMAR fault.  A range only partly mapped faults here,
-            # before a byte moves.
-            if (fault.kind != FaultKind.UNMAPPED or self.messages is None
-                    or not self.table.untouched(iova, len(buf))):
-                raise
-            self._unmapped(iova, buf, need, abort)
-            return
+    def abort_transfers(self) -> None:
+        """Fail every message transfer in flight (the device dropped its work)."""
+        if self.messages is not None:
+            self.messages.abort_transfers()
+
+    def _transfer(self, iova: int, buf: memoryview, need: int, stale) -> None:
+        # like an IOMMU: a range not fully mapped with the access needed faults
+        # before a byte moves, and nothing is sent to the client
+        self.table.check(iova, len(buf), need)
         done = [0]
         try:
-            self._move(iova, buf, need, abort, done)
+            self._move(iova, buf, need, stale, done)
         except DmaFault as fault:
             fault.done = done[0]
             raise
 
-    def _unmapped(self, iova: int, buf: memoryview, need: int, abort) -> None:
-        if need == wire.DMA_MAP_FLAG_WRITE:
-            self.messages.dma_write(iova, buf, _as_predicate(abort))
-        else:
-            self.messages.dma_read(iova, buf, _as_predicate(abort))
-        self.message_bytes += len(buf)
-
-    def _move(self, iova: int, buf: memoryview, need: int, abort, done: list) -> None:
+    def _move(self, iova: int, buf: memoryview, need: int, stale, done: list) -> None:
         length = len(buf)
         to_host = need == wire.DMA_MAP_FLAG_WRITE
         pos = 0
         while pos < length:
-            abort()
             at = iova + pos
-            with self.table.lock:
-                m = self.table._find(at)
-                if m is None:  # unmapped since check(): a concurrent DMA_UNMAP
-                    raise DmaFault(FaultKind.UNMAPPED, at, why="unmapped during transfer")
-                if m.flags & need != need:
-                    raise DmaFault(FaultKind.PERMISSION, at, why="re-mapped without access")
-                room = min(length - pos, m.end - at)
-                if m.direct:
-                    n = min(room, DIRECT_CHUNK)
-                    off = m.file_offset + (at - m.iova)
-                    if to_host:
-                        m.file.view[off:off + n] = buf[pos:pos + n]
-                    else:
-                        buf[pos:pos + n] = m.file.view[off:off + n]
-                    self.direct_bytes += n
-                    pos += n
-                    done[0] = pos
-                    continue
-            # message path, outside the table lock: the replies come via the reader thread
+            with self.gate:
+                if stale():
+                    raise DmaAborted()
+                with self.table.lock:
+                    m = self.table._find(at)
+                    if m is None:  # unmapped since check(): a concurrent DMA_UNMAP
+                        raise DmaFault(FaultKind.UNMAPPED, at, why="unmapped during transfer")
+                    if m.flags & need != need:
+                        raise DmaFault(FaultKind.PERMISSION, at, why="re-mapped without access")
+                    room = min(length - pos, m.end - at)
+                    if m.direct:
+                        n = min(room, DIRECT_CHUNK)
+                        off = m.file_offset + (at - m.iova)
+                        if to_host:
+                            m.file.view[off:off + n] = buf[pos:pos + n]
+                        else:
+                            buf[pos:pos + n] = m.file.view[off:off + n]
+                        self.direct_bytes += n
+                        pos += n
+                        done[0] = pos
+                        continue
+            # message path, outside the locks: the replies come via the reader thread
             if self.messages is None:
                 raise DmaFault(FaultKind.CLOSED, at, errno.ENOTCONN, "no client connected")
             try:
                 if to_host:
-                    self.messages.dma_write(at, buf[pos:pos + room], _as_predicate(abort))
+                    self.messages.dma_write(at, buf[pos:pos + room], stale)
                 else:
-                    self.messages.dma_read(at, buf[pos:pos + room], _as_predicate(abort))
+                    self.messages.dma_read(at, buf[pos:pos + room], stale)
             except DmaFault as fault:
                 done[0] = pos + fault.done
                 raise

@@ -24,7 +24,6 @@ from . import wire
 from typing import Protocol
 
 from .connection import Connection
-from .dma import DmaPort
 from .irq import IrqTable
 
 
@@ -43,7 +42,10 @@ class Device(Protocol):
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
-    def attach(self, port: DmaPort | None) -> None: ...
+    def connect(self, conn: Connection) -> None: ...
+    def disconnect(self) -> None: ...
+    def dma_map(self, iova: int, size: int, flags: int, fd: int | None, offset: int): ...
+    def dma_unmap(self, iova: int, size: int, everything: bool) -> int: ...
     def reset(self, *, function_level: bool = False) -> None: ...
     def region_read(self, index: int, offset: int, count: int): ...
     def region_write(self, index: int, offset: int, data) -> None: ...
@@ -116,7 +118,7 @@ class Dispatcher:
             raise wire.ProtocolError(errno.EINVAL, f"DMA_MAP with {len(fds)} fds")
         _argsz, flags, offset, iova, size = wire.DMA_MAP_REQ.unpack_from(payload)
         fd = fds.pop() if fds else None
-        m = self.conn.table.map(iova, size, flags, fd, offset)
+        m = self.device.dma_map(iova, size, flags, fd, offset)
         log.debug("DMA_MAP %r", m)
         return [], []
 
@@ -128,13 +130,11 @@ class Dispatcher:
             raise wire.ProtocolError(errno.ENOTSUP, "dirty page tracking not supported")
         if flags & ~wire.DMA_UNMAP_FLAG_ALL:
             raise wire.ProtocolError(errno.EINVAL, f"DMA_UNMAP flags {flags:#x}")
-        if flags & wire.DMA_UNMAP_FLAG_ALL:
-            self.conn.table.unmap_all()
-        elif size == 0:
+        everything = bool(flags & wire.DMA_UNMAP_FLAG_ALL)
+        if not everything and size == 0:
             raise wire.ProtocolError(errno.EINVAL, "DMA_UNMAP of size 0")
-        else:
-            gone = self.conn.table.unmap(iova, size)
-            log.debug("DMA_UNMAP %#x+%#x: %#x bytes were mapped", iova, size, gone)
+        gone = self.device.dma_unmap(iova, size, everything)
+        log.debug("DMA_UNMAP %#x+%#x: %s bytes were mapped", iova, size, gone)
         return [bytes(payload[:wire.DMA_UNMAP_REQ.size])], []  # the spec: echo the entry
 
     # ------------------------------------------------------------ info
@@ -318,13 +318,14 @@ class VfioUserServer:
         dispatcher = Dispatcher(self.device, conn)
         with self._conn_lock:
             self._conn = conn
-        self.device.attach(DmaPort(conn.table, conn))
+        self.device.connect(conn)
         conn.start(dispatcher.handle, on_exit=self._poke)
         try:
             while not self._stop.is_set() and not conn.finished.is_set():
                 self._wait(self._wake_r)
         finally:
-            self.device.attach(None)
+            conn.shutdown()
+            self.device.disconnect()  # the device has stopped touching the client's memory
             conn.close()
             self.device.irqs.close_all()  # the client's eventfds die with it
             self.internal_errors += conn.internal_errors

@@ -133,8 +133,11 @@ class Transport:
             count -= n
 
     # ------------------------------------------------------------ sending
-    def send(self, parts, fds=()) -> None:
-        """Send one whole message (a list of bytes-like parts) plus optional fds."""
+    def send(self, parts, fds=(), guard=None) -> None:
+        """Send one whole message (a list of bytes-like parts) plus optional fds.
+
+        ``guard()``, if given, runs under the send lock before the first byte
+        goes out; an exception from it cancels the message (nothing is sent)."""
         views = [p if isinstance(p, (bytes, bytearray)) else memoryview(p).cast("B")
                  for p in parts if len(p)]
         ancillary = ([(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
@@ -142,6 +145,8 @@ class Transport:
         with self._send_lock:
             if self._closed:
                 raise ConnectionClosed("transport closed")
+            if guard is not None:
+                guard()
             while views:
                 try:
                     sent = self.sock.sendmsg(views, ancillary, _SEND_FLAGS)
