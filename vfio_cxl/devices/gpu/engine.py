@@ -240,7 +240,9 @@ class Engine:
 
     # ================================================================ reads
     def status(self) -> int:
-        busy = self.job_epoch is not None and self.job_epoch == self.epoch
+        # executing: a batch of this epoch is out and the ring is not drained yet
+        busy = (self.job_epoch is not None and self.job_epoch == self.epoch
+                and self.regs.head != self.regs.tail)
         return ((regs.STATUS_ENABLED if self.state is State.RUNNING else 0)
                 | (regs.STATUS_BUSY if busy else 0)
                 | (regs.STATUS_HALTED if self.state is State.HALTED else 0))
@@ -326,6 +328,8 @@ class Engine:
             else:
                 self._fill(window, stale, seed=src)
         except DmaFault as fault:
+            if fault.kind == FaultKind.CLOSED:  # the spec: ERR_ADDR 0, ECONNRESET
+                return Status.DMA_ABORTED, fault.done, 0, errno.ECONNRESET
             return FAULT_STATUS[fault.kind], fault.done, fault.addr, fault.errno
         finally:
             window.release()
