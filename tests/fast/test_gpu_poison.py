@@ -136,11 +136,12 @@ def test_reply_cut_at_every_offset(tmp_path, monkeypatch):
 
                 monkeypatch.setattr(server_module, "Connection", connection)
                 s = raw_exchange(srv.path)
-                s.sendall(HDR.pack(1, wire.VERSION, 16 + len(VERSION_REQ), 0, 0) + VERSION_REQ)
-                s.sendall(HDR.pack(2, wire.REGION_READ, 32, 0, 0)
-                          + wire.REGION_ACCESS.pack(regs.REG_SCRATCH, 0, 4))
-                # and another request the server must never answer on this stream
-                s.sendall(HDR.pack(3, wire.REGION_READ, 32, 0, 0)
+                # VERSION, the read whose reply is cut, and a read the server must
+                # never answer on this stream: one write, before the server hangs up
+                s.sendall(HDR.pack(1, wire.VERSION, 16 + len(VERSION_REQ), 0, 0) + VERSION_REQ
+                          + HDR.pack(2, wire.REGION_READ, 32, 0, 0)
+                          + wire.REGION_ACCESS.pack(regs.REG_SCRATCH, 0, 4)
+                          + HDR.pack(3, wire.REGION_READ, 32, 0, 0)
                           + wire.REGION_ACCESS.pack(regs.REG_ID, 0, 4))
                 got = read_to_eof(s)
                 assert len(got) == version_reply + cut, (cut, len(got))

@@ -256,7 +256,7 @@ class Engine:
     def _runnable(self) -> bool:
         r = self.regs
         return (self.state is State.RUNNING and self.bus_master and self.port is not None
-                and r.head != r.tail)
+                and not self.port.closed and r.head != r.tail)
 
     def _loop(self) -> None:
         while True:
@@ -289,7 +289,8 @@ class Engine:
         except DmaAborted:
             return
         except DmaFault as fault:
-            self.input(Input.FAILED, epoch, Status.RING_FETCH, head, fault.addr, fault.errno)
+            if fault.kind != FaultKind.CLOSED:  # client gone: DISCONNECT decides
+                self.input(Input.FAILED, epoch, Status.RING_FETCH, head, fault.addr, fault.errno)
             return
         for i in range(count):
             if stale():
@@ -328,8 +329,8 @@ class Engine:
             else:
                 self._fill(window, stale, seed=src)
         except DmaFault as fault:
-            if fault.kind == FaultKind.CLOSED:  # the spec: ERR_ADDR 0, ECONNRESET
-                return Status.DMA_ABORTED, fault.done, 0, errno.ECONNRESET
+            if fault.kind == FaultKind.CLOSED:  # client gone: the DISCONNECT input decides
+                raise DmaAborted() from None
             return FAULT_STATUS[fault.kind], fault.done, fault.addr, fault.errno
         finally:
             window.release()
@@ -367,6 +368,8 @@ class Engine:
         except DmaAborted:
             return False
         except DmaFault as fault:
+            if fault.kind == FaultKind.CLOSED:
+                return False
             if status == Status.OK:
                 status, addr, err = Status.COMPLETION_WRITE, fault.addr, fault.errno
             self.input(Input.FAILED, epoch, status, index, addr, err)

@@ -134,6 +134,10 @@ class Connection:
         for t in set(pending.values()):
             self._finish(t, errno.ECONNRESET, "closed")
 
+    @property
+    def closed(self) -> bool:
+        return self._dma_closed
+
     def abort_transfers(self) -> None:
         """Settle every transfer in flight as aborted (the device dropped its work).
         Replies still on their way are read and thrown away."""
