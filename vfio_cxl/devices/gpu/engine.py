@@ -66,7 +66,7 @@ class Input(Enum):
     DMA_MAP = "dma_map"  # (iova, size, flags, fd, offset)
     DMA_UNMAP = "dma_unmap"  # (iova, size, all)
     RETIRED = "retired"  # (epoch, index, flags): a descriptor completed OK
-    FAILED = "failed"  # (epoch, status, index, addr, errno): the ring must halt
+    FAILED = "failed"  # (epoch, status, index or None for HEAD, addr, errno): the ring must halt
     STOP = "stop"  # (): the server shuts down
 
 
@@ -194,7 +194,7 @@ class Engine:
             epoch, status, index, addr, err = args
             if epoch != self.epoch or state is not State.RUNNING:
                 return False
-            self._halt(status, index, addr, err)
+            self._halt(status, r.head if index is None else index, addr, err)
             return True
         if kind is Input.STOP:
             self.stopping = True
@@ -273,7 +273,7 @@ class Engine:
                 self._run_batch(*job)
             except Exception:  # a bug here must not silently kill the device
                 log.exception("engine failure")
-                self.input(Input.FAILED, job[0], Status.DMA_ABORTED, job[5], 0, errno.EIO)
+                self.input(Input.FAILED, job[0], Status.DMA_ABORTED, None, 0, errno.EIO)
             finally:
                 with self.lock:
                     self.job_epoch = None
