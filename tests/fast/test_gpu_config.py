@@ -126,8 +126,8 @@ def test_msi_mode_has_an_msi_capability_and_no_bar4(tmp_path):
             info, _, fds = c.region_info(regs.BAR_MSIX)
             assert info["size"] == 0 and not fds
             efds = [os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)]  # one vector granted
-            c._ok(c.set_irqs(wire.PCI_MSI_IRQ, 0, 1,
-                             wire.IRQ_SET_DATA_EVENTFD | wire.IRQ_SET_ACTION_TRIGGER, efds))
+            assert c.set_irqs(wire.PCI_MSI_IRQ, 0, 1,
+                              wire.IRQ_SET_DATA_EVENTFD | wire.IRQ_SET_ACTION_TRIGGER, efds).ok
             c.set_bus_master()
             c.reg_write(regs.REG_RING_SIZE, 16)
             c.reg_write(regs.REG_CONTROL, regs.CONTROL_ENABLE)
