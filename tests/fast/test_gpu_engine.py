@@ -11,7 +11,6 @@ import errno
 import os
 import threading
 
-import pytest
 from vfio_user_client import DATA_IOVA, Rig, ServerThread, eventfd_count, gpu_server, no_leaks  # noqa: F401
 
 from vfio_cxl.devices.gpu import regs
