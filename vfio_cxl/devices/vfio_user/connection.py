@@ -341,6 +341,8 @@ class Connection:
             pos = fault.addr - t.iova
         except (ConnectionClosed, MessageTimeout) as exc:
             log.warning("%s: DMA request not sent: %s", self.name, str(exc))
+            with self._lock:
+                self._dma_closed = True  # poisoned: the engine waits for the disconnect
             outcome = (errno.ECONNRESET, "closed")
         if outcome is None:
             return True
