@@ -809,7 +809,8 @@ def errors(rep: Report, gpu: Gpu) -> None:
     gpu.submit([desc(OP_HOST_TO_VRAM, src=RO_IOVA, dst=0x600000, length=4096, flags=FLAG_INTERRUPT, cookie=1)])
     rep.check("HOST_TO_VRAM from a device-read-only mapping works",
               gpu.wait_vector(VEC_DMA_DONE) and gpu.vram(0x600000, 4096) == b"\x44" * 4096)
-    # write-only mapping as a HOST_TO_VRAM source, if the IOMMU accepts one
+    # write-only mapping as a HOST_TO_VRAM source, if the guest IOMMU accepts one and QEMU passes it on
+    wo_enforceable = False
     try:
         gpu.wo_mem = mmap.mmap(-1, PERM_SIZE)
         gpu.maps.append(gpu.dev.map_dma(gpu.wo_mem, WO_IOVA, readable=False, writable=True))
@@ -817,6 +818,18 @@ def errors(rep: Report, gpu: Gpu) -> None:
         rep.info(f"a device-write-only mapping was refused by the guest ({error}); "
                  "DMA_PERMISSION for reads not tested")
     else:
+        gpu.fresh(16)
+        gpu.submit([desc(OP_HOST_TO_VRAM, src=WO_IOVA, dst=0x600000, length=4096, flags=FLAG_INTERRUPT)])
+        ok, _ = gpu.wait_head(1)
+        if ok:
+            # QEMU's VFIO listener turns an IOMMU entry into DMA_MAP with only a read-only flag
+            # (read_only = !(perm & IOMMU_WO)): a write-only guest mapping reaches the device as
+            # read+write, so the device cannot refuse the read.
+            rep.info("a device-write-only guest mapping reached the device readable (QEMU maps "
+                     "IOMMU_WO entries read+write): DMA_PERMISSION on reads is not provokable here")
+        else:
+            wo_enforceable = True
+    if wo_enforceable:
         case("DMA_PERMISSION (HOST_TO_VRAM from a write-only mapping)",
              desc(OP_HOST_TO_VRAM, src=WO_IOVA, dst=0x600000, length=4096, cookie=0xBE), DMA_PERMISSION, WO_IOVA)
 
@@ -841,7 +854,7 @@ def errors(rep: Report, gpu: Gpu) -> None:
     check_halt(rep, gpu, "RING_FETCH at HEAD 2", status=RING_FETCH, index=2, addr=UNMAPPED_IOVA + 2 * DESC_SIZE,
                errno_=0, head=2, completed=2)
     # RING_FETCH: ring in a write-only mapping (permission)
-    if gpu.wo_mem is not None:
+    if wo_enforceable:
         gpu.reset()
         gpu.set_bme(True)
         gpu.drain()
@@ -964,6 +977,8 @@ def dropped_descriptor(rep: Report, gpu: Gpu, how: str) -> None:
                              cookie=0xF1)])
     if how == "disable":
         gpu.w(CONTROL, 0)
+    elif how == "badtail":
+        gpu.w(RING_TAIL, 100)
     elif how == "reset":
         gpu.w(CONTROL, CONTROL_RESET)
     else:
@@ -974,6 +989,14 @@ def dropped_descriptor(rep: Report, gpu: Gpu, how: str) -> None:
         rep.eq("reset in flight: IDLE, HEAD 0, COMPLETED 0, TAIL 0",
                (status, head, done, gpu.r(RING_TAIL)), (0, 0, 0, 0), fmt=None)
         outcome = "dropped"
+    elif how == "badtail":
+        outcome = "dropped" if head == 1 else "completed before the drop"
+        rep.eq("BAD_TAIL in flight: HALTED", status, STATUS_HALTED)
+        rep.eq("BAD_TAIL in flight: ERR_STATUS/ERR_DESC_INDEX (HEAD)/ERR_ADDR (value)",
+               (gpu.r(ERR_STATUS), gpu.r(ERR_DESC_INDEX), gpu.r64(ERR_ADDR_LO)), (BAD_TAIL, head, 100), fmt=None)
+        rep.check(f"BAD_TAIL in flight: HEAD/COMPLETED consistent ({outcome})",
+                  (head, done) in ((1, 1), (2, 2)), f"HEAD {head}, COMPLETED {done}")
+        rep.check("BAD_TAIL in flight: vector 1", gpu.wait_vector(VEC_ERROR))
     else:
         want_status = 0 if how == "disable" else STATUS_ENABLED
         rep.check(f"{how} in flight: STATUS {want_status:#x} after the drop", status == want_status,
@@ -993,7 +1016,7 @@ def dropped_descriptor(rep: Report, gpu: Gpu, how: str) -> None:
                   f"fired {fired}, HEAD {gpu.r(RING_HEAD)}, COMPLETED {gpu.r(COMPLETED)}, record {gpu.record(slots[0])}")
         if before["seq"] not in (0,):
             rep.info(f"{how}: a record written before the drop was in memory: {before}")
-    if how == "reset" or outcome != "dropped":
+    if how in ("reset", "badtail") or outcome != "dropped":
         return
     # run it again: it executes from the start, completes once
     if how == "disable":
@@ -1144,6 +1167,53 @@ def wrap_around(rep: Report, gpu: Gpu) -> None:
               f"HEAD {gpu.r(RING_HEAD)}")
 
 
+def observations(rep: Report, gpu: Gpu) -> None:
+    """What the device does where the spec is silent: INFO lines only (see FINDINGS.md)."""
+    vsize = gpu.vram_size
+
+    def run_one(d: bytes) -> str:
+        gpu.fresh(16)
+        gpu.submit([d])
+        ok, _ = gpu.wait_head(1, 5)
+        rec = gpu.record(0)
+        if ok:
+            return f"completed, status {STATUS_NAMES.get(rec['status'])}, bytes_done {rec['bytes_done']}"
+        e = gpu.err()
+        return (f"halted {STATUS_NAMES.get(e['status'], e['status'])} ERR_ADDR {e['addr']:#x} "
+                f"(record status {STATUS_NAMES.get(rec['status'], rec['status'])})")
+
+    rep.info("length 0 VRAM_TO_HOST to a mapped IOVA: " + run_one(desc(OP_VRAM_TO_HOST, 0, HOST_IOVA, 0)))
+    rep.info("length 0 VRAM_TO_HOST to an unmapped IOVA: " + run_one(desc(OP_VRAM_TO_HOST, 0, UNMAPPED_IOVA, 0)))
+    rep.info("length 0 HOST_TO_VRAM at dst = VRAM size: " + run_one(desc(OP_HOST_TO_VRAM, HOST_IOVA, vsize, 0)))
+    rep.info("length 0 FILL_PATTERN at dst = VRAM size + 1: " + run_one(desc(OP_FILL_PATTERN, 1, vsize + 1, 0)))
+    rep.info("NOP with length 2^32-1 and src/dst ~0: " + run_one(desc(OP_NOP, ~0 & (2**64 - 1), ~0 & (2**64 - 1),
+                                                                   0xFFFFFFFF)))
+    # CONTROL bits other than ENABLE/RESET
+    gpu.reset()
+    gpu.w(CONTROL, 0xFFFFFFFC)
+    rep.info(f"CONTROL after writing 0xFFFFFFFC in IDLE reads {gpu.r(CONTROL):#x}, STATUS {gpu.r(STATUS):#x}")
+    gpu.reset()
+    # a ring that runs off the end of its mapping: slots 0-1 mapped, 2-3 not
+    ring = RING_IOVA + RING_BYTES - 2 * DESC_SIZE
+    gpu.set_bme(True)
+    gpu.configure(4, ring_iova=ring, clear=False)
+    gpu.ring_mem[RING_BYTES - 64:RING_BYTES] = desc(OP_NOP, cookie=1) + desc(OP_NOP, cookie=2)
+    gpu.compl_mem[:128] = bytes(128)
+    gpu.w(RING_TAIL, 3)
+    gpu.wait_halted(5)
+    e = gpu.err()
+    rep.info(f"ring straddling the end of its mapping, 3 descriptors (slots 0-1 mapped): HEAD {gpu.r(RING_HEAD)}, "
+             f"COMPLETED {gpu.r(COMPLETED)}, ERR {STATUS_NAMES.get(e['status'], e['status'])} "
+             f"index {e['index']} addr {e['addr']:#x} (ring {ring:#x})")
+    # BUSY: read STATUS straight after the doorbell of a long transfer
+    gpu.fresh(16)
+    gpu.submit([desc(OP_HOST_TO_VRAM, HOST_IOVA, 0, 32 << 20, flags=FLAG_INTERRUPT)])
+    seen = gpu.r(STATUS)
+    gpu.wait_vector(VEC_DMA_DONE, 60)
+    rep.info(f"STATUS read right after the doorbell of a 32 MiB transfer: {seen:#x}"
+             + (" (BUSY seen)" if seen & STATUS_BUSY else " (BUSY not seen)"))
+
+
 def final_vectors(rep: Report, gpu: Gpu) -> None:
     rep.check("spare vectors 2 and 3 never fired", not gpu.vectors.pending(2) and not gpu.vectors.pending(3))
 
@@ -1171,10 +1241,12 @@ def main(argv: list[str]) -> int:
                     ("drop: ENABLE 1->0", lambda r, g: dropped_descriptor(r, g, "disable")),
                     ("drop: CONTROL.RESET", lambda r, g: dropped_descriptor(r, g, "reset")),
                     ("drop: BME clear", lambda r, g: dropped_descriptor(r, g, "bme")),
+                    ("drop: BAD_TAIL", lambda r, g: dropped_descriptor(r, g, "badtail")),
                     ("bus master enable", bus_master), ("no eventfd", no_eventfd), ("reset", resets),
                     ("wrap-around", wrap_around)]
         if not args.no_cxl:
             sections.append(("cxl devdax", cxl_transfer))
+        sections.append(("observations (spec gaps)", observations))
         sections.append(("vectors", final_vectors))
         for name, run in sections:
             t0 = time.monotonic()

@@ -17,6 +17,7 @@ def test_driver_written_from_the_spec_passes_every_check(single_lab):
     result = vm.run(f"cd /opt/vfio-cxl && PYTHONPATH=/opt/vfio-cxl python3 -B {DRIVER}",
                     timeout=1500, check=False)
     out = result.stdout
+    print(out)   # every check and INFO line, shown by pytest when the test fails
     lines = out.splitlines()
     failed = [line for line in lines if line.startswith("FAIL")]
     summary = re.search(r"^(\d+) passed, (\d+) failed", out, re.MULTILINE)
