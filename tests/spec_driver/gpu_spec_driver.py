@@ -694,10 +694,12 @@ def descriptor_ops(rep: Report, gpu: Gpu) -> None:
     rep.eq("batch: HEAD == TAIL, COMPLETED +3", (gpu.r(RING_HEAD), gpu.r(COMPLETED)),
            ((head + 3) % gpu.ring_size, done + 3), fmt=None)
     gpu.drain()
+    gpu.w(INTR_STATUS, INTR_DMA_DONE | INTR_ERROR)
     gpu.submit([desc(OP_NOP, cookie=13)])
     ok, _ = gpu.wait_head((head + 4) % gpu.ring_size)
     fired = gpu.no_vector()
     rep.check("descriptor without INTERRUPT raises no vector", ok and not fired, f"fired {fired}")
+    rep.eq("descriptor without INTERRUPT latches nothing in INTR_STATUS", gpu.r(INTR_STATUS), 0)
     rep.eq("STATUS RUNNING, not BUSY, when idle", gpu.r(STATUS), STATUS_ENABLED)
     # INTR_STATUS W1C
     gpu.submit([desc(OP_NOP, flags=FLAG_INTERRUPT)])
