@@ -915,6 +915,15 @@ def errors(rep: Report, gpu: Gpu) -> None:
     check_halt(rep, gpu, "BAD_TAIL in RUNNING (0xFFFFFFFF)", status=BAD_TAIL, index=3, addr=0xFFFFFFFF, errno_=0,
                head=3, completed=3)
     rep.eq("BAD_TAIL in RUNNING: TAIL keeps its old value", gpu.r(RING_TAIL), 3, fmt=str)
+    rep.eq("64-bit read of ERR_ADDR_LO/HI", gpu.bar0.read64(ERR_ADDR_LO), 0xFFFFFFFF)
+    # a batch whose first descriptor completes with INTERRUPT and whose second fails: both vectors
+    gpu.fresh(16)
+    slots = gpu.submit([desc(OP_NOP, flags=FLAG_INTERRUPT, cookie=0xD1), desc(OP_NOP, flags=4, cookie=0xD2)])
+    rep.check("OK with INTERRUPT then a failure: vector 0 and vector 1",
+              gpu.wait_vector(VEC_DMA_DONE) and gpu.wait_vector(VEC_ERROR))
+    rep.eq("OK then failure: INTR_STATUS has DMA_DONE and ERROR", gpu.r(INTR_STATUS), INTR_DMA_DONE | INTR_ERROR)
+    rep.eq("OK then failure: records (status, seq)", [(gpu.record(s)["status"], gpu.record(s)["seq"]) for s in slots],
+           [(OK, 1), (BAD_FLAGS, 2)], fmt=None)
     rep.info("not provokable by a guest driver: DMA_REFUSED, DMA_TIMEOUT, DMA_ABORTED, DMA_IO_ERROR "
              "(they need a misbehaving vfio-user client, a disconnect or a truncated backing file)")
 
