@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from vfio_cxl import vfio_abi
 from vfio_cxl.guest.vfio import uapi
 from vfio_cxl.paths import cache_root
 
@@ -175,3 +176,13 @@ def test_struct_layout_matches_kernel(struct, kernel_facts):
 @pytest.mark.parametrize("name", sorted(uapi.CONSTANTS))
 def test_constant_matches_kernel(name, kernel_facts):
     assert uapi.CONSTANTS[name] == kernel_facts[f"const {name}"]
+
+
+@pytest.mark.parametrize("layout", vfio_abi.LAYOUTS, ids=lambda layout: layout.c_name)
+def test_wire_layouts_match_the_checked_structs(layout):
+    """vfio_abi.LAYOUTS (what the vfio-user wire code packs) against the cffi structs
+    that the C probe above checks against the kernel: every field at the same offset,
+    and the head no longer than the struct."""
+    assert layout.size <= ffi.sizeof(layout.c_name)
+    for field, offset in layout.offsets().items():
+        assert ffi.offsetof(layout.c_name, field) == offset, (layout.c_name, field)

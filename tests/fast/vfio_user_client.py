@@ -120,6 +120,7 @@ class Rig:
 
     def program(self) -> None:
         c = self.client
+        c.reg_write(regs.REG_CONTROL, regs.CONTROL_RESET)  # whatever an earlier client left
         c.set_bus_master()
         c.reg_write(regs.REG_RING_BASE_LO, RING_IOVA & 0xFFFFFFFF)
         c.reg_write(regs.REG_RING_BASE_HI, RING_IOVA >> 32)

@@ -31,11 +31,11 @@ def test_unmapped_iova_faults_without_touching_memory(single_lab):
     result = json.loads(vm.run("python3 -m vfio_cxl.guest.gpu_checks isolation", timeout=300).stdout)
     fault = result["fault"]
     assert fault is not None, "a DMA to an unmapped IOVA succeeded"
-    assert fault["status"] in ("DMA_REFUSED", "DMA_UNMAPPED") and fault["cookie"] == 0xBAD, fault
+    # the device checks QEMU's DMA_MAPs itself, like an IOMMU: nothing reaches QEMU
+    assert fault["status"] == "DMA_UNMAPPED" and fault["cookie"] == 0xBAD, fault
+    assert fault["address"] == 0x7000_0000 and fault["errno"] == 0, fault
     assert result["dax_unchanged"] and result["canary_unchanged"]
     assert result["recovered"]
-    if fault["status"] == "DMA_REFUSED":   # QEMU refused it: the vIOMMU logged a fault
-        assert "DMAR" in vm.run("dmesg | grep -m1 'DMAR: \\[DMA Write' || true").stdout
 
 
 def test_100_random_transfers_verify_and_leave_nothing_mapped(single_lab):

@@ -11,6 +11,13 @@ enable MSI-X (vector 0 = DMA done, 1 = error) and the ring.  ``run`` writes
 descriptors, rings the tail doorbell and waits on the eventfds; a device
 error becomes a ``GpuDmaError`` naming the failed descriptor, and the ring is
 reset so the driver stays usable.
+
+Every completion record is checked against what was submitted in that slot
+(docs/gpu-device.md, "Completion record"): its ``index``, ``cookie`` and
+``seq`` (descriptors retired since reset, plus one).  A record that does not
+match -- all zero, another slot's, left over from an earlier round -- is a
+``GpuCompletionError``, never a success.  ``submit`` refuses more
+descriptors than the ring has free slots.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ PCI_COMMAND_MASTER = 0x4
 
 class GpuError(VfioError):
     pass
+
+
+class GpuCompletionError(GpuError):
+    """A completion record that was not written for the descriptor it should answer."""
 
 
 class GpuDmaError(GpuError):
@@ -76,7 +87,8 @@ class GpuDriver:
         self._completions = self._control_view[ring_bytes:]
         self.vectors = device.msix(regs.MSIX_VECTORS)
         self._tail = 0
-        self._cookie = 0
+        self._retired = 0          # descriptors the device retired since reset (mirrors COMPLETED)
+        self._inflight: dict[int, tuple[int, int]] = {}   # ring index -> (cookie, expected seq)
         self.reset()
 
     @classmethod
@@ -114,6 +126,8 @@ class GpuDriver:
             raise GpuError("the GPU refused the ring configuration",
                            f"ERR_STATUS={self.bar0.read32(regs.REG_ERR_STATUS)}")
         self._tail = 0
+        self._retired = 0
+        self._inflight.clear()
         for vector in (regs.VEC_DMA_DONE, regs.VEC_ERROR):
             self.vectors.pending(vector)   # drain stale events
 
@@ -129,18 +143,30 @@ class GpuDriver:
         return self.vram.read(offset, length)
 
     # -- transfers -------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        """Descriptors that can be submitted now (the ring keeps one slot empty)."""
+        return self.RING_ENTRIES - 1 - len(self._inflight)
+
     def submit(self, transfers: list[Transfer]) -> list[int]:
         """Queue transfers (interrupt on the last) and ring the doorbell; returns ring indices."""
-        if not 0 < len(transfers) < self.RING_ENTRIES:
-            raise GpuError(f"{len(transfers)} transfers do not fit the {self.RING_ENTRIES}-entry ring",
-                           "submit fewer at a time")
+        if not transfers:
+            raise GpuError("nothing to submit", "pass at least one Transfer")
+        if len(transfers) > self.free_slots:
+            raise GpuError(f"{len(transfers)} transfers do not fit: {self.free_slots} of the "
+                           f"{self.RING_ENTRIES}-entry ring are free",
+                           "wait for the outstanding transfers, or submit fewer at a time")
         indices = []
+        seq = self._retired + len(self._inflight)
         for i, t in enumerate(transfers):
             index = self._tail
             flags = regs.DESC_FLAG_INTERRUPT if i == len(transfers) - 1 else 0
+            cookie = t.cookie or ((seq + i + 1) << 16 | index)
             start = index * regs.DESC_SIZE
+            self._completions[index * regs.COMPL_SIZE:(index + 1) * regs.COMPL_SIZE] = bytes(regs.COMPL_SIZE)
             self._ring[start:start + regs.DESC_SIZE] = regs.pack_descriptor(
-                t.op, t.src, t.dst, t.length, flags, t.cookie or index + 1)
+                t.op, t.src, t.dst, t.length, flags, cookie)
+            self._inflight[index] = (cookie, (seq + i + 1) & 0xFFFFFFFF)
             indices.append(index)
             self._tail = (index + 1) % self.RING_ENTRIES
         self.bar0.write32(regs.REG_RING_TAIL, self._tail)   # the doorbell
@@ -150,6 +176,18 @@ class GpuDriver:
         start = index * regs.COMPL_SIZE
         return regs.unpack_completion(self._completions[start:start + regs.COMPL_SIZE])
 
+    def _check(self, index: int) -> dict:
+        """The completion of ``index``, verified against what was submitted there."""
+        cookie, seq = self._inflight[index]
+        rec = self.completion(index)
+        if (rec["index"], rec["cookie"], rec["seq"]) != (index, cookie, seq):
+            raise GpuCompletionError(
+                f"completion record of ring slot {index} is not the one for the descriptor "
+                f"submitted there: got index {rec['index']} cookie {rec['cookie']:#x} seq "
+                f"{rec['seq']}, expected index {index} cookie {cookie:#x} seq {seq}",
+                "the device wrote no (or a stale) completion: reset the GPU and resubmit")
+        return rec
+
     def wait(self, indices: list[int], timeout: float = 10) -> list[dict]:
         """Wait for the MSI-X of the last transfer (or the error vector); returns completions."""
         fired = self.vectors.wait_any(timeout)
@@ -157,10 +195,18 @@ class GpuDriver:
             self._raise_device_error()
         if not fired.get(regs.VEC_DMA_DONE):
             raise GpuError(f"no MSI-X from the GPU within {timeout} s", "is the GPU server alive?")
-        done = [self.completion(i) for i in indices]
+        try:
+            done = [self._check(i) for i in indices]
+        except GpuCompletionError:
+            self.reset()
+            raise
         bad = [c for c in done if c["status"] != Status.OK]
         if bad:
+            self.reset()
             raise GpuDmaError(bad[0]["index"], bad[0]["cookie"], bad[0]["status"], 0, 0)
+        for i in indices:
+            del self._inflight[i]
+        self._retired = (self._retired + len(indices)) & 0xFFFFFFFF
         return done
 
     def run(self, transfers: list[Transfer], timeout: float = 10) -> list[dict]:
@@ -168,7 +214,8 @@ class GpuDriver:
 
     def _raise_device_error(self) -> None:
         index = self.bar0.read32(regs.REG_ERR_DESC_INDEX)
-        error = GpuDmaError(index, self.completion(index)["cookie"], self.bar0.read32(regs.REG_ERR_STATUS),
+        cookie = self._inflight.get(index, (0, 0))[0]   # what we submitted there, not what memory says
+        error = GpuDmaError(index, cookie, self.bar0.read32(regs.REG_ERR_STATUS),
                             self.bar0.read32(regs.REG_ERR_ADDR_LO) | self.bar0.read32(regs.REG_ERR_ADDR_HI) << 32,
                             self.bar0.read32(regs.REG_ERR_ERRNO))
         self.reset()   # the ring halts on an error until reset

@@ -66,7 +66,7 @@ class Input(Enum):
     DMA_MAP = "dma_map"  # (iova, size, flags, fd, offset)
     DMA_UNMAP = "dma_unmap"  # (iova, size, all)
     RETIRED = "retired"  # (epoch, index, flags): a descriptor completed OK
-    FAILED = "failed"  # (epoch, status, index, addr, errno): the ring must halt
+    FAILED = "failed"  # (epoch, status, index or None for HEAD, addr, errno): the ring must halt
     STOP = "stop"  # (): the server shuts down
 
 
@@ -194,7 +194,7 @@ class Engine:
             epoch, status, index, addr, err = args
             if epoch != self.epoch or state is not State.RUNNING:
                 return False
-            self._halt(status, index, addr, err)
+            self._halt(status, r.head if index is None else index, addr, err)
             return True
         if kind is Input.STOP:
             self.stopping = True
@@ -240,7 +240,9 @@ class Engine:
 
     # ================================================================ reads
     def status(self) -> int:
-        busy = self.job_epoch is not None and self.job_epoch == self.epoch
+        # executing: a batch of this epoch is out and the ring is not drained yet
+        busy = (self.job_epoch is not None and self.job_epoch == self.epoch
+                and self.regs.head != self.regs.tail)
         return ((regs.STATUS_ENABLED if self.state is State.RUNNING else 0)
                 | (regs.STATUS_BUSY if busy else 0)
                 | (regs.STATUS_HALTED if self.state is State.HALTED else 0))
@@ -254,7 +256,7 @@ class Engine:
     def _runnable(self) -> bool:
         r = self.regs
         return (self.state is State.RUNNING and self.bus_master and self.port is not None
-                and r.head != r.tail)
+                and not self.port.closed and r.head != r.tail)
 
     def _loop(self) -> None:
         while True:
@@ -271,7 +273,7 @@ class Engine:
                 self._run_batch(*job)
             except Exception:  # a bug here must not silently kill the device
                 log.exception("engine failure")
-                self.input(Input.FAILED, job[0], Status.DMA_ABORTED, job[5], 0, errno.EIO)
+                self.input(Input.FAILED, job[0], Status.DMA_ABORTED, None, 0, errno.EIO)
             finally:
                 with self.lock:
                     self.job_epoch = None
@@ -287,7 +289,8 @@ class Engine:
         except DmaAborted:
             return
         except DmaFault as fault:
-            self.input(Input.FAILED, epoch, Status.RING_FETCH, head, fault.addr, fault.errno)
+            if fault.kind != FaultKind.CLOSED:  # client gone: DISCONNECT decides
+                self.input(Input.FAILED, epoch, Status.RING_FETCH, head, fault.addr, fault.errno)
             return
         for i in range(count):
             if stale():
@@ -326,6 +329,8 @@ class Engine:
             else:
                 self._fill(window, stale, seed=src)
         except DmaFault as fault:
+            if fault.kind == FaultKind.CLOSED:  # client gone: the DISCONNECT input decides
+                raise DmaAborted() from None
             return FAULT_STATUS[fault.kind], fault.done, fault.addr, fault.errno
         finally:
             window.release()
@@ -363,6 +368,8 @@ class Engine:
         except DmaAborted:
             return False
         except DmaFault as fault:
+            if fault.kind == FaultKind.CLOSED:
+                return False
             if status == Status.OK:
                 status, addr, err = Status.COMPLETION_WRITE, fault.addr, fault.errno
             self.input(Input.FAILED, epoch, status, index, addr, err)

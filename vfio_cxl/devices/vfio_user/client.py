@@ -12,6 +12,7 @@ when the vIOMMU has no translation.
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import mmap
 import os
@@ -23,6 +24,11 @@ from dataclasses import dataclass, field
 
 from . import wire
 from .transport import ConnectionClosed, MessageTimeout, Transport, close_fds
+
+
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
 
 
 def wait_eventfd(fd: int, timeout: float) -> int:
@@ -42,12 +48,16 @@ def eventfd_count(fd: int) -> int:
 class Area:
     """A piece of pretend guest memory at an IOVA; ``shared`` ones live in a memfd."""
 
-    def __init__(self, iova: int, size: int, shared: bool, writable: bool = True):
+    def __init__(self, iova: int, size: int, shared: bool, writable: bool = True,
+                 sealed: bool = False):
         self.iova, self.size, self.writable = iova, size, writable
         self.mapped = False  # DMA-mapped for the server: only then are DMA messages served
         if shared:
-            self.fd = os.memfd_create(f"guest-{iova:#x}", os.MFD_CLOEXEC)
+            flags = os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING if sealed else 0)
+            self.fd = os.memfd_create(f"guest-{iova:#x}", flags)
             os.ftruncate(self.fd, size)
+            if sealed:  # like QEMU's memory-backend-memfd (seal=on): it can no longer shrink
+                fcntl.fcntl(self.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)
             self.buf = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
         else:
             self.fd = None
@@ -72,8 +82,9 @@ class GuestMemory:
     def __init__(self):
         self.areas: list[Area] = []
 
-    def add(self, iova: int, size: int, *, shared: bool, writable: bool = True) -> Area:
-        area = Area(iova, size, shared, writable)
+    def add(self, iova: int, size: int, *, shared: bool, writable: bool = True,
+            sealed: bool = False) -> Area:
+        area = Area(iova, size, shared, writable, sealed)
         self.areas.append(area)
         return area
 

@@ -134,6 +134,10 @@ class Connection:
         for t in set(pending.values()):
             self._finish(t, errno.ECONNRESET, "closed")
 
+    @property
+    def closed(self) -> bool:
+        return self._dma_closed
+
     def abort_transfers(self) -> None:
         """Settle every transfer in flight as aborted (the device dropped its work).
         Replies still on their way are read and thrown away."""
@@ -159,9 +163,9 @@ class Connection:
                 finally:
                     close_fds(fds)  # whatever no handler kept
         except ConnectionClosed as exc:
-            log.info("%s disconnected (%s)", self.name, exc)
+            log.info("%s disconnected (%s)", self.name, str(exc))
         except MessageTimeout as exc:
-            log.warning("%s: %s; closing the connection", self.name, exc)
+            log.warning("%s: %s; closing the connection", self.name, str(exc))
         except Exception:
             self.internal_errors += 1
             log.exception("%s: reader failed; closing the connection", self.name)
@@ -336,7 +340,7 @@ class Connection:
             outcome = (0, "unmapped" if fault.kind == FaultKind.UNMAPPED else "permission")
             pos = fault.addr - t.iova
         except (ConnectionClosed, MessageTimeout) as exc:
-            log.warning("%s: DMA request not sent: %s", self.name, exc)
+            log.warning("%s: DMA request not sent: %s", self.name, str(exc))
             outcome = (errno.ECONNRESET, "closed")
         if outcome is None:
             return True

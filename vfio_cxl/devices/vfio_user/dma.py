@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import bisect
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 from typing import Callable, Protocol
 
@@ -33,7 +35,6 @@ log = logging.getLogger(__name__)
 IOVA_LIMIT = 1 << 64
 MAX_MAPPINGS = 65535
 DIRECT_CHUNK = 2 << 20  # bytes copied per table-lock hold
-PAGE = mmap.ALLOCATIONGRANULARITY
 
 
 class FaultKind(IntEnum):
@@ -62,28 +63,111 @@ class DmaAborted(Exception):
     """The transfer was abandoned on purpose (device reset mid-descriptor)."""
 
 
-class _MappedFile:
-    """One mmap of a client fd, shared by the pieces of a split mapping."""
+class ClientFile:
+    """A client fd handed over with DMA_MAP, shared by the pieces of a split mapping.
 
-    __slots__ = ("mm", "view", "refs")
+    * sealed against shrinking (F_SEAL_SHRINK, e.g. QEMU's memory-backend-memfd):
+      mmapped once and copied with memoryview slices -- the client cannot make
+      the mapping fault;
+    * anything else (e.g. QEMU's memory-backend-file, which cannot be sealed):
+      kept as an fd and accessed with pread/pwrite, so a client that truncates
+      the file makes the access fail (DmaFault IO / EFAULT), never the server
+      crash with SIGBUS.
+    """
 
-    def __init__(self, mm: mmap.mmap):
-        self.mm = mm
-        self.view = memoryview(mm)
-        self.refs = 1
+    __slots__ = ("fd", "mm", "view", "base", "refs")
+
+    def __init__(self, fd: int, offset: int, size: int, flags: int):
+        """Takes ownership of ``fd``.  ProtocolError(EINVAL) if it cannot serve DMA."""
+        self.fd, self.mm, self.view, self.base, self.refs = fd, None, None, 0, 1
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise wire.ProtocolError(errno.EINVAL, "DMA_MAP fd is not a regular file or memfd")
+            if st.st_size < offset + size:
+                raise wire.ProtocolError(
+                    errno.EINVAL, f"DMA_MAP fd has {st.st_size} bytes, the mapping needs "
+                    f"{offset + size}")
+            if _seals(fd) & F_SEAL_SHRINK:
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if flags & wire.DMA_MAP_FLAG_WRITE else 0)
+                self.base = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap wants it aligned
+                try:
+                    self.mm = mmap.mmap(fd, size + offset - self.base, flags=mmap.MAP_SHARED,
+                                        prot=prot, offset=self.base)
+                except (OSError, ValueError, OverflowError) as exc:
+                    raise wire.ProtocolError(errno.EINVAL,
+                                             f"sealed DMA_MAP fd not mappable: {exc}") from None
+                self.view = memoryview(self.mm)
+                os.close(fd)
+                self.fd = -1
+            else:
+                # pread/pwrite need a readable (and for writes, writable) fd
+                os.pread(fd, 0, offset)
+        except BaseException:
+            self._close()
+            raise
+
+    @property
+    def mapped(self) -> bool:
+        return self.mm is not None
+
+    def write(self, off: int, data: memoryview) -> int:
+        """Store ``data`` at file offset ``off``; returns bytes stored (short: EOF)."""
+        if self.mm is not None:
+            off -= self.base
+            self.view[off:off + len(data)] = data
+            return len(data)
+        if os.fstat(self.fd).st_size < off + len(data):  # never grow a truncated file
+            return max(0, min(len(data), os.fstat(self.fd).st_size - off))
+        return os.pwritev(self.fd, [data], off)
+
+    def read(self, off: int, into: memoryview) -> int:
+        """Load ``len(into)`` bytes from file offset ``off``; returns bytes loaded."""
+        if self.mm is not None:
+            off -= self.base
+            into[:] = self.view[off:off + len(into)]
+            return len(into)
+        done = 0
+        while done < len(into):
+            n = os.preadv(self.fd, [into[done:]], off + done)
+            if n <= 0:
+                break
+            done += n
+        return done
 
     def drop(self) -> None:
         self.refs -= 1
         if self.refs == 0:
+            self._close()
+
+    def _close(self) -> None:
+        if self.view is not None:
             self.view.release()
+            self.view = None
+        if self.mm is not None:
             self.mm.close()
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+
+
+def _seals(fd: int) -> int:
+    try:
+        return fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError:  # not a memfd / no sealing support: no seals
+        return 0
 
 
 class Mapping:
     __slots__ = ("iova", "size", "flags", "file", "file_offset")
 
     def __init__(self, iova: int, size: int, flags: int,
-                 file: _MappedFile | None, file_offset: int):
+                 file: ClientFile | None, file_offset: int):
         self.iova, self.size, self.flags = iova, size, flags
         self.file, self.file_offset = file, file_offset
 
@@ -129,48 +213,34 @@ class DmaTable:
 
     # ------------------------------------------------------------ DMA_MAP
     def map(self, iova: int, size: int, flags: int, fd: int | None, offset: int) -> Mapping:
-        """Add a mapping.  Takes ownership of ``fd`` (always closed: mmap keeps its own ref)."""
+        """Add a mapping.  Takes ownership of ``fd`` (kept by the mapping or closed)."""
+        file = None
         try:
-            if size == 0 or iova + size > IOVA_LIMIT:
+            if size == 0 or iova + size > IOVA_LIMIT or offset + size > IOVA_LIMIT:
                 raise wire.ProtocolError(errno.EINVAL, f"bad DMA range {iova:#x}+{size:#x}")
-            if not flags & (wire.DMA_MAP_FLAG_READ | wire.DMA_MAP_FLAG_WRITE):
+            if flags & ~(wire.DMA_MAP_FLAG_READ | wire.DMA_MAP_FLAG_WRITE):
+                raise wire.ProtocolError(errno.EINVAL, f"DMA_MAP flags {flags:#x}")
+            if not flags:
                 raise wire.ProtocolError(errno.EINVAL, "DMA_MAP neither readable nor writable")
-            file = file_offset = None
             if fd is not None:
-                file, file_offset = self._mmap(fd, offset, size, flags)
+                owned, fd = fd, None  # ClientFile owns it now, also when it refuses it
+                file = ClientFile(owned, offset, size, flags)
         finally:
             if fd is not None:
                 os.close(fd)
-        new = Mapping(iova, size, flags & 3, file, file_offset or 0)
+        new = Mapping(iova, size, flags, file, offset if file is not None else 0)
         with self.lock:
             i = bisect.bisect_right(self._starts, iova)
             for other in self._maps[max(0, i - 1):i + 1]:
                 if other.iova < new.end and iova < other.end:
-                    if (other.iova, other.size) == (iova, size):
-                        self._remove(other)  # a re-map of the same window replaces it
-                        break
-                    new.release()
+                    new.release()  # the spec: mapping over an existing region fails
                     raise wire.ProtocolError(errno.EEXIST, f"{new!r} overlaps {other!r}")
             if len(self._maps) >= MAX_MAPPINGS:
                 new.release()
                 raise wire.ProtocolError(errno.ENOSPC, "too many DMA mappings")
-            i = bisect.bisect_right(self._starts, iova)
             self._maps.insert(i, new)
             self._starts.insert(i, iova)
         return new
-
-    @staticmethod
-    def _mmap(fd: int, offset: int, size: int, flags: int):
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if flags & wire.DMA_MAP_FLAG_WRITE else 0)
-        base = offset - offset % PAGE  # mmap offsets must be page-aligned
-        try:
-            mm = mmap.mmap(fd, size + (offset - base), flags=mmap.MAP_SHARED,
-                           prot=prot, offset=base)
-        except (OSError, ValueError, OverflowError) as exc:
-            # Still usable through DMA_READ/WRITE messages: QEMU can always serve those.
-            log.warning("DMA_MAP fd not mappable (%s); using the message path", exc)
-            return None, 0
-        return _MappedFile(mm), offset - base
 
     # ------------------------------------------------------------ DMA_UNMAP
     def unmap(self, iova: int, size: int) -> int:
@@ -240,6 +310,9 @@ class MessagePath(Protocol):
     def dma_read(self, iova: int, into: memoryview, stale: Callable[[], bool]) -> None: ...
     def abort_transfers(self) -> None: ...
 
+    @property
+    def closed(self) -> bool: ...
+
 
 def _never() -> bool:
     return False
@@ -269,6 +342,11 @@ class DmaPort:
     def read(self, iova: int, into, stale: Callable[[], bool] = _never) -> None:
         """Host memory -> device."""
         self._transfer(iova, memoryview(into).cast("B"), wire.DMA_MAP_FLAG_READ, stale)
+
+    @property
+    def closed(self) -> bool:
+        """The client is going away: no DMA can succeed any more."""
+        return self.messages is not None and self.messages.closed
 
     def abort_transfers(self) -> None:
         """Fail every message transfer in flight (the device dropped its work)."""
@@ -305,11 +383,20 @@ class DmaPort:
                     if m.direct:
                         n = min(room, DIRECT_CHUNK)
                         off = m.file_offset + (at - m.iova)
-                        if to_host:
-                            m.file.view[off:off + n] = buf[pos:pos + n]
-                        else:
-                            buf[pos:pos + n] = m.file.view[off:off + n]
-                        self.direct_bytes += n
+                        try:
+                            if to_host:
+                                moved = m.file.write(off, buf[pos:pos + n])
+                            else:
+                                moved = m.file.read(off, buf[pos:pos + n])
+                        except OSError as exc:
+                            raise DmaFault(FaultKind.IO, at, exc.errno or errno.EIO,
+                                           f"file access failed: {exc.strerror}") from None
+                        self.direct_bytes += moved
+                        if moved < n:  # the client's file ends early (truncated)
+                            pos += moved
+                            done[0] = pos
+                            raise DmaFault(FaultKind.IO, iova + pos, errno.EFAULT,
+                                           "the client's file is shorter than its mapping")
                         pos += n
                         done[0] = pos
                         continue

@@ -94,8 +94,10 @@ class Dispatcher:
         major, minor, caps = wire.parse_version(payload)
         if major != wire.MAJOR_VERSION:
             raise wire.ProtocolError(errno.ENOTSUP, f"protocol major {major} unsupported")
-        max_xfer = wire.cap_uint(caps, "max_data_xfer_size", wire.DEFAULT_MAX_DATA_XFER,
-                                 4096, 64 << 20)
+        max_xfer = caps.get("max_data_xfer_size", wire.DEFAULT_MAX_DATA_XFER)
+        if isinstance(max_xfer, bool) or not isinstance(max_xfer, int) or max_xfer < 1:
+            raise wire.ProtocolError(errno.EINVAL,
+                                     f"max_data_xfer_size {max_xfer!r} is not a positive integer")
         self.conn.set_client_limits(max_xfer)
         self.negotiated = True
         log.info("%s: protocol %d.%d, client max_data_xfer_size %d",
@@ -131,6 +133,8 @@ class Dispatcher:
         if flags & ~wire.DMA_UNMAP_FLAG_ALL:
             raise wire.ProtocolError(errno.EINVAL, f"DMA_UNMAP flags {flags:#x}")
         everything = bool(flags & wire.DMA_UNMAP_FLAG_ALL)
+        if everything and (iova or size):
+            raise wire.ProtocolError(errno.EINVAL, "DMA_UNMAP_FLAG_ALL needs address and size 0")
         if not everything and size == 0:
             raise wire.ProtocolError(errno.EINVAL, "DMA_UNMAP of size 0")
         gone = self.device.dma_unmap(iova, size, everything)

@@ -34,7 +34,7 @@ class ConnectionClosed(Exception):
 
 
 class MessageTimeout(Exception):
-    """A message stopped arriving (or could not be sent) within the timeout."""
+    """A message stopped arriving within the timeout."""
 
 
 def close_fds(fds) -> None:
@@ -69,6 +69,7 @@ class Transport:
         self.send_timeout = send_timeout
         self._send_lock = threading.Lock()
         self._closed = False
+        self.poisoned = ""  # why the stream can no longer be trusted ("" = it can)
         self._header = bytearray(wire.HEADER_SIZE)
         self._header_view = memoryview(self._header)
 
@@ -137,33 +138,56 @@ class Transport:
         """Send one whole message (a list of bytes-like parts) plus optional fds.
 
         ``guard()``, if given, runs under the send lock before the first byte
-        goes out; an exception from it cancels the message (nothing is sent)."""
+        goes out; an exception from it cancels the message (nothing is sent).
+
+        If the message cannot be sent whole, the transport is **poisoned**: the
+        stream may be mid-message, so nothing more is ever sent on it, the socket
+        is shut down (the reader sees EOF and the connection ends), and this and
+        every later send raise ConnectionClosed.
+        """
         views = [p if isinstance(p, (bytes, bytearray)) else memoryview(p).cast("B")
                  for p in parts if len(p)]
         ancillary = ([(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
                      if fds else [])
         with self._send_lock:
+            if self.poisoned:
+                raise ConnectionClosed(f"connection poisoned: {self.poisoned}")
             if self._closed:
                 raise ConnectionClosed("transport closed")
             if guard is not None:
                 guard()
-            while views:
-                try:
-                    sent = self.sock.sendmsg(views, ancillary, _SEND_FLAGS)
-                except BlockingIOError:  # SO_SNDTIMEO expired with nothing sent
-                    raise MessageTimeout(
-                        f"peer not reading: send stalled {self.send_timeout:.1f}s") from None
-                except InterruptedError:
-                    continue
-                except OSError as exc:
-                    raise ConnectionClosed(str(exc)) from None
-                ancillary = []  # fds travel with the first byte only
-                while sent:
-                    if sent >= len(views[0]):
-                        sent -= len(views.pop(0))
-                    else:
-                        views[0] = memoryview(views[0])[sent:]
-                        sent = 0
+            total = sum(len(v) for v in views)
+            sent_total = 0
+            try:
+                while views:
+                    try:
+                        sent = self.sock.sendmsg(views, ancillary, _SEND_FLAGS)
+                    except InterruptedError:
+                        continue
+                    ancillary = []  # fds travel with the first byte only
+                    sent_total += sent
+                    while sent:
+                        if sent >= len(views[0]):
+                            sent -= len(views.pop(0))
+                        else:
+                            views[0] = memoryview(views[0])[sent:]
+                            sent = 0
+            except BlockingIOError:  # SO_SNDTIMEO expired
+                self._poison(f"send stalled {self.send_timeout:.1f}s after "
+                             f"{sent_total} of {total} bytes")
+                raise ConnectionClosed(f"peer not reading: connection poisoned after "
+                                       f"{sent_total} of {total} bytes") from None
+            except OSError as exc:
+                self._poison(f"{exc} after {sent_total} of {total} bytes")
+                raise ConnectionClosed(f"{exc}: connection poisoned") from None
+            except BaseException:  # e.g. KeyboardInterrupt mid-message: same story
+                self._poison(f"interrupted after {sent_total} of {total} bytes")
+                raise
+
+    def _poison(self, why: str) -> None:
+        """Send lock held.  Never send again; make the reader see EOF."""
+        self.poisoned = why
+        self.shutdown()
 
     # ------------------------------------------------------------ lifetime
     def shutdown(self) -> None:

@@ -12,6 +12,8 @@ import json
 import struct
 from dataclasses import dataclass
 
+from ... import vfio_abi as abi
+
 # ---------------------------------------------------------------- header
 HEADER = struct.Struct("<HHIII")  # msg_id, command, size (incl. header), flags, error
 HEADER_SIZE = HEADER.size  # 16
@@ -54,59 +56,59 @@ COMMAND_NAMES = {
 # ---------------------------------------------------------------- payloads
 VERSION_HEAD = struct.Struct("<HH")  # major, minor; then JSON capabilities + NUL
 DMA_MAP_REQ = struct.Struct("<IIQQQ")  # argsz, flags, offset, addr, size
-DMA_UNMAP_REQ = struct.Struct("<IIQQ")  # argsz, flags, addr, size
-DEVICE_INFO = struct.Struct("<IIII")  # argsz, flags, num_regions, num_irqs
-REGION_INFO = struct.Struct("<IIIIQQ")  # argsz, flags, index, cap_offset, size, offset
-CAP_HEADER = struct.Struct("<HHI")  # id, version, next (offset from start of region info)
-SPARSE_MMAP = struct.Struct("<II")  # nr_areas, reserved; then SPARSE_AREA * nr_areas
-SPARSE_AREA = struct.Struct("<QQ")  # offset, size
-IRQ_INFO = struct.Struct("<IIII")  # argsz, flags, index, count
-IRQ_SET = struct.Struct("<IIIII")  # argsz, flags, index, start, count; then data
+DMA_UNMAP_REQ = abi.VFIO_IOMMU_TYPE1_DMA_UNMAP_HEAD  # argsz, flags, addr, size
+# vfio-user reuses the kernel's VFIO structs and flags: defined once, in vfio_abi
+DEVICE_INFO = abi.VFIO_DEVICE_INFO_HEAD  # argsz, flags, num_regions, num_irqs
+REGION_INFO = abi.VFIO_REGION_INFO  # argsz, flags, index, cap_offset, size, offset
+CAP_HEADER = abi.VFIO_INFO_CAP_HEADER  # id, version, next (offset from start of region info)
+SPARSE_MMAP = struct.Struct("<II")  # nr_areas, reserved: the sparse-mmap cap after CAP_HEADER
+SPARSE_AREA = abi.VFIO_REGION_SPARSE_MMAP_AREA  # offset, size
+IRQ_INFO = abi.VFIO_IRQ_INFO  # argsz, flags, index, count
+IRQ_SET = abi.VFIO_IRQ_SET_HEAD  # argsz, flags, index, start, count; then data
 REGION_ACCESS = struct.Struct("<QII")  # offset, region, count; then data
 DMA_ACCESS = struct.Struct("<QQ")  # address, count; then data (count is u64 since QEMU 10.1+)
 
-# ---------------------------------------------------------------- linux/vfio.h
-DEVICE_FLAGS_RESET = 1 << 0
-DEVICE_FLAGS_PCI = 1 << 1
+DEVICE_FLAGS_RESET = abi.VFIO_DEVICE_FLAGS_RESET
+DEVICE_FLAGS_PCI = abi.VFIO_DEVICE_FLAGS_PCI
 
-REGION_INFO_FLAG_READ = 1 << 0
-REGION_INFO_FLAG_WRITE = 1 << 1
-REGION_INFO_FLAG_MMAP = 1 << 2
-REGION_INFO_FLAG_CAPS = 1 << 3
-REGION_INFO_CAP_SPARSE_MMAP = 1
+REGION_INFO_FLAG_READ = abi.VFIO_REGION_INFO_FLAG_READ
+REGION_INFO_FLAG_WRITE = abi.VFIO_REGION_INFO_FLAG_WRITE
+REGION_INFO_FLAG_MMAP = abi.VFIO_REGION_INFO_FLAG_MMAP
+REGION_INFO_FLAG_CAPS = abi.VFIO_REGION_INFO_FLAG_CAPS
+REGION_INFO_CAP_SPARSE_MMAP = abi.VFIO_REGION_INFO_CAP_SPARSE_MMAP
 
-IRQ_INFO_EVENTFD = 1 << 0
-IRQ_INFO_MASKABLE = 1 << 1
-IRQ_INFO_AUTOMASKED = 1 << 2
-IRQ_INFO_NORESIZE = 1 << 3
+IRQ_INFO_EVENTFD = abi.VFIO_IRQ_INFO_EVENTFD
+IRQ_INFO_MASKABLE = abi.VFIO_IRQ_INFO_MASKABLE
+IRQ_INFO_AUTOMASKED = abi.VFIO_IRQ_INFO_AUTOMASKED
+IRQ_INFO_NORESIZE = abi.VFIO_IRQ_INFO_NORESIZE
 
-IRQ_SET_DATA_NONE = 1 << 0
-IRQ_SET_DATA_BOOL = 1 << 1
-IRQ_SET_DATA_EVENTFD = 1 << 2
-IRQ_SET_ACTION_MASK = 1 << 3
-IRQ_SET_ACTION_UNMASK = 1 << 4
-IRQ_SET_ACTION_TRIGGER = 1 << 5
+IRQ_SET_DATA_NONE = abi.VFIO_IRQ_SET_DATA_NONE
+IRQ_SET_DATA_BOOL = abi.VFIO_IRQ_SET_DATA_BOOL
+IRQ_SET_DATA_EVENTFD = abi.VFIO_IRQ_SET_DATA_EVENTFD
+IRQ_SET_ACTION_MASK = abi.VFIO_IRQ_SET_ACTION_MASK
+IRQ_SET_ACTION_UNMASK = abi.VFIO_IRQ_SET_ACTION_UNMASK
+IRQ_SET_ACTION_TRIGGER = abi.VFIO_IRQ_SET_ACTION_TRIGGER
 IRQ_SET_DATA_MASK = IRQ_SET_DATA_NONE | IRQ_SET_DATA_BOOL | IRQ_SET_DATA_EVENTFD
 IRQ_SET_ACTION_MASK_ALL = IRQ_SET_ACTION_MASK | IRQ_SET_ACTION_UNMASK | IRQ_SET_ACTION_TRIGGER
 
-DMA_MAP_FLAG_READ = 1 << 0
-DMA_MAP_FLAG_WRITE = 1 << 1
-DMA_UNMAP_FLAG_GET_DIRTY_BITMAP = 1 << 0
-DMA_UNMAP_FLAG_ALL = 1 << 1
+DMA_MAP_FLAG_READ = abi.VFIO_DMA_MAP_FLAG_READ
+DMA_MAP_FLAG_WRITE = abi.VFIO_DMA_MAP_FLAG_WRITE
+DMA_UNMAP_FLAG_GET_DIRTY_BITMAP = abi.VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP
+DMA_UNMAP_FLAG_ALL = abi.VFIO_DMA_UNMAP_FLAG_ALL
 
 # PCI region and IRQ indexes (enum vfio_pci_region_index / irq_index)
-PCI_BAR0_REGION = 0
-PCI_ROM_REGION = 6
-PCI_CONFIG_REGION = 7
-PCI_VGA_REGION = 8
-PCI_NUM_REGIONS = 9
+PCI_BAR0_REGION = abi.VFIO_PCI_BAR0_REGION_INDEX
+PCI_ROM_REGION = abi.VFIO_PCI_ROM_REGION_INDEX
+PCI_CONFIG_REGION = abi.VFIO_PCI_CONFIG_REGION_INDEX
+PCI_VGA_REGION = abi.VFIO_PCI_VGA_REGION_INDEX
+PCI_NUM_REGIONS = abi.VFIO_PCI_NUM_REGIONS
 
-PCI_INTX_IRQ = 0
-PCI_MSI_IRQ = 1
-PCI_MSIX_IRQ = 2
-PCI_ERR_IRQ = 3
-PCI_REQ_IRQ = 4
-PCI_NUM_IRQS = 5
+PCI_INTX_IRQ = abi.VFIO_PCI_INTX_IRQ_INDEX
+PCI_MSI_IRQ = abi.VFIO_PCI_MSI_IRQ_INDEX
+PCI_MSIX_IRQ = abi.VFIO_PCI_MSIX_IRQ_INDEX
+PCI_ERR_IRQ = abi.VFIO_PCI_ERR_IRQ_INDEX
+PCI_REQ_IRQ = abi.VFIO_PCI_REQ_IRQ_INDEX
+PCI_NUM_IRQS = abi.VFIO_PCI_NUM_IRQS
 
 # ---------------------------------------------------------------- limits
 MAJOR_VERSION = 0
@@ -199,11 +201,3 @@ def parse_version(payload) -> tuple[int, int, dict]:
         if not isinstance(caps, dict):
             raise ProtocolError(errno.EINVAL, "VERSION capabilities is not an object")
     return major, minor, caps
-
-
-def cap_uint(caps: dict, name: str, default: int, lo: int, hi: int) -> int:
-    """A numeric capability clamped to [lo, hi]; the default when absent or malformed."""
-    value = caps.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        return default
-    return max(lo, min(hi, value))
