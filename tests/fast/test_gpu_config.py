@@ -100,3 +100,40 @@ def test_flr_resets_config_and_registers(gpu_server):
     assert u16(c.config_read(4, 2), 0) == 0
     assert u16(c.config_read(devctl, 2), 0) == 0x2810  # FLR bit reads 0
     assert c.reg_read(regs.REG_SCRATCH) == 0
+
+
+def test_msi_mode_has_an_msi_capability_and_no_bar4(tmp_path):
+    """--irq-mode msi: MSI capability at 0x80 (64-bit, 4 vectors capable), VFIO IRQ
+    index 1 with 4 vectors, MSI-X index 0 vectors, BAR4 absent; a vector beyond those
+    the client registered is folded onto the last one registered."""
+    import os
+
+    from vfio_user_client import ServerThread, no_leaks, wait_eventfd
+
+    from vfio_cxl.devices.vfio_user import wire
+
+    with no_leaks():
+        srv = ServerThread(tmp_path, irq_mode="msi")
+        try:
+            c = srv.client()
+            cfg = c.config_read(0, 0x100)
+            assert cfg[0x34] == 0x40 and cfg[0x41] == 0x80  # PCIe -> MSI
+            assert cfg[0x80] == 0x05 and cfg[0x81] == 0
+            flags = int.from_bytes(cfg[0x82:0x84], "little")
+            assert flags & 0x80 and (flags >> 1) & 7 == 2  # 64-bit, Multiple Message Capable 4
+            assert c.irq_info(wire.PCI_MSI_IRQ)[3] == regs.MSI_VECTORS
+            assert c.irq_info(wire.PCI_MSIX_IRQ)[3] == 0
+            info, _, fds = c.region_info(regs.BAR_MSIX)
+            assert info["size"] == 0 and not fds
+            efds = [os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)]  # one vector granted
+            assert c.set_irqs(wire.PCI_MSI_IRQ, 0, 1,
+                              wire.IRQ_SET_DATA_EVENTFD | wire.IRQ_SET_ACTION_TRIGGER, efds).ok
+            c.set_bus_master()
+            c.reg_write(regs.REG_RING_SIZE, 16)
+            c.reg_write(regs.REG_CONTROL, regs.CONTROL_ENABLE)
+            c.reg_write(regs.REG_RING_TAIL, 16)  # BAD_TAIL: error vector 1, folded onto 0
+            assert wait_eventfd(efds[0], 5) == 1
+            os.close(efds[0])
+            c.close()
+        finally:
+            srv.stop()

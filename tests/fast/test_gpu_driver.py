@@ -10,12 +10,15 @@ import pytest
 
 from vfio_cxl.devices.gpu import regs
 from vfio_cxl.devices.gpu.regs import Op, Status
-from vfio_cxl.guest.gpu_driver import GpuCompletionError, GpuDriver, GpuError, Transfer
+from vfio_cxl.guest.gpu_driver import GpuCompletionError, GpuDmaError, GpuDriver, GpuError, Transfer
+from vfio_cxl.guest.vfio import uapi
+from vfio_cxl.guest.vfio.errors import InterruptError
 
 
 class FakeVectors:
-    def __init__(self):
+    def __init__(self, count=regs.MSIX_VECTORS):
         self.fired = {}
+        self.eventfds = [None] * count
 
     def pending(self, vector):
         return self.fired.pop(vector, 0)
@@ -35,6 +38,8 @@ class FakeGpu:
         self.head = self.completed = 0
         self.mode = "good"
         self.command = 0
+        self.irq_mode = "msix"
+        self.msi_granted = regs.MSI_VECTORS
         self.config = self  # read16 / write16 below
 
     # -- the VfioPciDevice surface the driver uses
@@ -53,6 +58,9 @@ class FakeGpu:
         return self.regs.get(offset, 0)
 
     def write32(self, offset, value):
+        if offset == regs.REG_INTR_STATUS:  # W1C
+            self.regs[offset] = self.regs.get(offset, 0) & ~value
+            return
         self.regs[offset] = value
         if offset == regs.REG_CONTROL and value & regs.CONTROL_RESET:
             self.head = self.completed = 0
@@ -64,8 +72,28 @@ class FakeGpu:
             self.control = memoryview(buffer)
         return self
 
+    def irq_info(self, index):
+        from types import SimpleNamespace
+        msix = self.irq_mode == "msix"
+        count = {uapi.VFIO_PCI_MSIX_IRQ_INDEX: regs.MSIX_VECTORS if msix else 0,
+                 uapi.VFIO_PCI_MSI_IRQ_INDEX: 0 if msix else regs.MSI_VECTORS}[index]
+        return SimpleNamespace(index=index, flags=0, count=count)
+
     def msix(self, count):
+        assert self.irq_mode == "msix"
         return self.vectors
+
+    def interrupts(self, index, count):
+        assert index == uapi.VFIO_PCI_MSI_IRQ_INDEX and self.irq_mode == "msi"
+        if count > self.msi_granted:
+            raise InterruptError(f"only {self.msi_granted} MSI vectors", "")
+        self.vectors = FakeVectors(count)
+        return self.vectors
+
+    def _raise(self, vector, bit):
+        self.regs[regs.REG_INTR_STATUS] = self.regs.get(regs.REG_INTR_STATUS, 0) | bit
+        vector = min(vector, len(self.vectors.eventfds) - 1)  # MSI folding
+        self.vectors.fired[vector] = self.vectors.fired.get(vector, 0) + 1
 
     def close(self):
         if self.control is not None:
@@ -87,8 +115,13 @@ class FakeGpu:
                 regs.COMPL.pack_into(self.control, compl + i * regs.COMPL_SIZE, *record)
             self.completed += 1
             self.head = (i + 1) % entries
+            if op == 0xFF:  # the test's way to make the device fail
+                self.regs[regs.REG_ERR_STATUS] = Status.BAD_OPCODE
+                self.regs[regs.REG_ERR_DESC_INDEX] = i
+                self._raise(regs.VEC_ERROR, regs.INTR_ERROR)
+                return
             if flags & regs.DESC_FLAG_INTERRUPT:
-                self.vectors.fired[regs.VEC_DMA_DONE] = self.vectors.fired.get(regs.VEC_DMA_DONE, 0) + 1
+                self._raise(regs.VEC_DMA_DONE, regs.INTR_DMA_DONE)
 
 
 @pytest.fixture
@@ -138,3 +171,27 @@ def test_submit_checks_ring_space(gpu):
         driver.submit(nops(100))
     with pytest.raises(GpuError):
         driver.submit([])
+
+
+@pytest.mark.parametrize("granted", [4, 1], ids=["msi-4-vectors", "msi-folded-1-vector"])
+def test_msi_mode(granted):
+    """Stretch: with --irq-mode msi the driver uses VFIO's MSI index; with one vector
+    granted, INTR_STATUS tells DMA_DONE from ERROR."""
+    fake = FakeGpu()
+    fake.irq_mode, fake.msi_granted = "msi", granted
+    driver = GpuDriver(fake)
+    try:
+        assert driver.irq_mode == "msi" and len(driver.vectors.eventfds) == granted
+        assert [d["status"] for d in driver.run(nops(5))] == [Status.OK] * 5
+        with pytest.raises(GpuDmaError) as failed:
+            driver.run([Transfer(0xFF, 0, 0, 0)])
+        assert failed.value.status == Status.BAD_OPCODE
+        assert driver.run(nops(1))[0]["status"] == Status.OK  # reset: usable again
+    finally:
+        driver.close()
+
+
+def test_the_fake_offers_nothing_the_real_device_lacks():
+    from vfio_cxl.guest.vfio import VfioPciDevice
+    for name in ("irq_info", "interrupts", "msix", "map_dma", "bar", "config", "close"):
+        assert hasattr(VfioPciDevice, name), name

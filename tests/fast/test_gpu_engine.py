@@ -11,7 +11,6 @@ import errno
 import os
 import threading
 
-import pytest
 from vfio_user_client import DATA_IOVA, Rig, ServerThread, eventfd_count, gpu_server, no_leaks  # noqa: F401
 
 from vfio_cxl.devices.gpu import regs
@@ -98,7 +97,7 @@ def test_no_completion_lands_after_reset_is_acknowledged(gpu_server, monkeypatch
     c = rig.client
     compl_iova = rig.compl_iova
     at_copy, go = threading.Event(), threading.Event()
-    real_find = DmaTable._find
+    real_find = DmaTable.find
     lookups = []
 
     def find(self, iova):
@@ -110,7 +109,7 @@ def test_no_completion_lands_after_reset_is_acknowledged(gpu_server, monkeypatch
                 go.wait(TIMEOUT)
         return real_find(self, iova)
 
-    monkeypatch.setattr(DmaTable, "_find", find)
+    monkeypatch.setattr(DmaTable, "find", find)
     try:
         rig.submit([pack_descriptor(Op.FILL_PATTERN, 0x77, 0, 64, IRQ, cookie=9)], posted=True)
         assert at_copy.wait(TIMEOUT)

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 
 import pytest
 from vfio_user_client import DATA_IOVA, Rig, gpu_server  # noqa: F401

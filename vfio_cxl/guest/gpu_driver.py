@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 from ..devices.gpu import regs
 from ..devices.gpu.regs import Op, Status
-from .vfio import DmaMapping, VfioPciDevice, find_pci_devices
-from .vfio.errors import VfioError
+from .vfio import DmaMapping, VfioPciDevice, find_pci_devices, uapi
+from .vfio.errors import InterruptError, VfioError
 
 
 PCI_COMMAND = 0x04
@@ -85,11 +85,32 @@ class GpuDriver:
         self._control_dma = device.map_dma(self._control, self.CONTROL_IOVA)
         self._ring = self._control_view[:ring_bytes]
         self._completions = self._control_view[ring_bytes:]
-        self.vectors = device.msix(regs.MSIX_VECTORS)
+        self.vectors, self.irq_mode = self._enable_interrupts(device)
         self._tail = 0
         self._retired = 0          # descriptors the device retired since reset (mirrors COMPLETED)
         self._inflight: dict[int, tuple[int, int]] = {}   # ring index -> (cookie, expected seq)
         self.reset()
+
+    @staticmethod
+    def _enable_interrupts(device):
+        """MSI-X (4 vectors), or MSI when the GPU runs with --irq-mode msi: 4 vectors if
+        the platform grants them, else 1 (the device then folds both onto vector 0)."""
+        if device.irq_info(uapi.VFIO_PCI_MSIX_IRQ_INDEX).count >= regs.MSIX_VECTORS:
+            return device.msix(regs.MSIX_VECTORS), "msix"
+        try:
+            return device.interrupts(uapi.VFIO_PCI_MSI_IRQ_INDEX, regs.MSI_VECTORS), "msi"
+        except InterruptError:  # no multi-message MSI here
+            return device.interrupts(uapi.VFIO_PCI_MSI_IRQ_INDEX, 1), "msi"
+
+    def _fired(self, timeout: float) -> dict:
+        """{vector: count} that fired; with one folded MSI vector, INTR_STATUS says which."""
+        fired = self.vectors.wait_any(timeout)
+        if len(self.vectors.eventfds) > regs.VEC_ERROR:
+            return fired
+        status = self.bar0.read32(regs.REG_INTR_STATUS)
+        self.bar0.write32(regs.REG_INTR_STATUS, status)   # W1C what we handle
+        return {v: 1 for v, bit in ((regs.VEC_DMA_DONE, regs.INTR_DMA_DONE),
+                                    (regs.VEC_ERROR, regs.INTR_ERROR)) if status & bit}
 
     @classmethod
     def open(cls, bdf: str | None = None) -> "GpuDriver":
@@ -128,7 +149,7 @@ class GpuDriver:
         self._tail = 0
         self._retired = 0
         self._inflight.clear()
-        for vector in (regs.VEC_DMA_DONE, regs.VEC_ERROR):
+        for vector in range(min(len(self.vectors.eventfds), regs.VEC_ERROR + 1)):
             self.vectors.pending(vector)   # drain stale events
 
     def map(self, buffer, iova: int) -> DmaMapping:
@@ -190,7 +211,7 @@ class GpuDriver:
 
     def wait(self, indices: list[int], timeout: float = 10) -> list[dict]:
         """Wait for the MSI-X of the last transfer (or the error vector); returns completions."""
-        fired = self.vectors.wait_any(timeout)
+        fired = self._fired(timeout)
         if fired.get(regs.VEC_ERROR):
             self._raise_device_error()
         if not fired.get(regs.VEC_DMA_DONE):

@@ -1,7 +1,7 @@
 """``vfio-cxl gpu serve``: run the GPU as a vfio-user server for QEMU.
 
     vfio-cxl gpu serve --socket PATH [--vram-mib N] [--vendor-id 0x0601]
-                       [--device-id 0x1991] [--message-timeout S] [-v]
+                       [--device-id 0x1991] [--irq-mode msix|msi] [--message-timeout S] [-v]
 
 Prints exactly one line, ``READY <socket path>``, on stdout once the socket
 listens (the lab starts QEMU only after it).  SIGTERM or SIGINT stop it
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="PCI vendor ID (default 0x0601)")
     serve.add_argument("--device-id", type=_id16, default=regs.PCI_DEVICE_ID,
                        help="PCI device ID (default 0x1991)")
+    serve.add_argument("--irq-mode", choices=("msix", "msi"), default="msix",
+                       help="interrupt capability: MSI-X (default, 4 vectors, BAR4) or MSI "
+                            "(4 vectors, no BAR4; QEMU 11.1 can hot-remove it)")
     serve.add_argument("--message-timeout", type=float, default=2.0, metavar="S",
                        help="give up on a message that stops arriving midway (default 2 s)")
     serve.add_argument("-v", "--verbose", action="store_true",
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s gpu %(levelname)s %(name)s: %(message)s")
     try:
-        device = GpuDevice(args.vram_mib * regs.MIB, args.vendor_id, args.device_id)
+        device = GpuDevice(args.vram_mib * regs.MIB, args.vendor_id, args.device_id,
+                           irq_mode=args.irq_mode)
     except ValueError as exc:
         print(f"vfio-cxl gpu: {exc}", file=sys.stderr)
         return 2

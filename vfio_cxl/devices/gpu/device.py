@@ -29,12 +29,17 @@ from .msix import MsixTable
 from .registers import read_bytes, split_write
 
 
-def pci_config(vendor_id: int, device_id: int, vram_size: int) -> PciConfig:
+IRQ_MODES = ("msix", "msi")
+
+
+def pci_config(vendor_id: int, device_id: int, vram_size: int, irq_mode: str = "msix") -> PciConfig:
     identity = PciIdentity(vendor_id, device_id, regs.PCI_SUBSYSTEM_VENDOR_ID,
                            regs.PCI_SUBSYSTEM_ID, regs.PCI_REVISION, regs.PCI_CLASS_CODE)
     bars = [Bar(regs.BAR_REGS, regs.REGS_SIZE, 0),
-            Bar(regs.BAR_VRAM, vram_size, BAR_MEM_64 | BAR_PREFETCH),
-            Bar(regs.BAR_MSIX, regs.MSIX_BAR_SIZE, 0)]
+            Bar(regs.BAR_VRAM, vram_size, BAR_MEM_64 | BAR_PREFETCH)]
+    if irq_mode == "msi":  # MSI capability instead; no BAR4
+        return PciConfig(identity, bars, msi_vectors=regs.MSI_VECTORS)
+    bars.append(Bar(regs.BAR_MSIX, regs.MSIX_BAR_SIZE, 0))
     msix = MsixLayout(regs.MSIX_VECTORS, regs.BAR_MSIX, regs.MSIX_TABLE_OFFSET,
                       regs.MSIX_PBA_OFFSET)
     return PciConfig(identity, bars, msix)
@@ -42,7 +47,11 @@ def pci_config(vendor_id: int, device_id: int, vram_size: int) -> PciConfig:
 
 class GpuDevice:
     def __init__(self, vram_size: int = regs.DEFAULT_VRAM_SIZE,
-                 vendor_id: int = regs.PCI_VENDOR_ID, device_id: int = regs.PCI_DEVICE_ID):
+                 vendor_id: int = regs.PCI_VENDOR_ID, device_id: int = regs.PCI_DEVICE_ID,
+                 irq_mode: str = "msix"):
+        if irq_mode not in IRQ_MODES:
+            raise ValueError(f"interrupt mode {irq_mode!r} is not one of {', '.join(IRQ_MODES)}")
+        self.irq_mode = irq_mode
         if vram_size & (vram_size - 1) or not regs.MIN_VRAM_SIZE <= vram_size <= regs.MAX_VRAM_SIZE:
             raise ValueError(f"VRAM size {vram_size} must be a power of two in "
                              f"[{regs.MIN_VRAM_SIZE}, {regs.MAX_VRAM_SIZE}]")
@@ -53,17 +62,20 @@ class GpuDevice:
         self._vram_mm = mmap.mmap(self.vram_fd, vram_size, flags=mmap.MAP_SHARED)
         self.vram = memoryview(self._vram_mm)
 
-        self.config = pci_config(vendor_id, device_id, vram_size)
-        self.irqs = IrqTable(irq_types(msix_vectors=regs.MSIX_VECTORS))
+        self.config = pci_config(vendor_id, device_id, vram_size, irq_mode)
+        msi = irq_mode == "msi"
+        self.irqs = IrqTable(irq_types(msix_vectors=0 if msi else regs.MSIX_VECTORS,
+                                       msi_vectors=regs.MSI_VECTORS if msi else 0))
         self.msix = MsixTable()
-        self.engine = Engine(self.vram, self.irqs)
+        self.engine = Engine(self.vram, self.irqs.raise_msi if msi else self.irqs.raise_msix)
 
         rw = wire.REGION_INFO_FLAG_READ | wire.REGION_INFO_FLAG_WRITE
         self.regions = {i: Region(0, 0) for i in range(wire.PCI_NUM_REGIONS)}
         self.regions[regs.BAR_REGS] = Region(regs.REGS_SIZE, rw)
         self.regions[regs.BAR_VRAM] = Region(
             vram_size, rw | wire.REGION_INFO_FLAG_MMAP | wire.REGION_INFO_FLAG_CAPS, self.vram_fd)
-        self.regions[regs.BAR_MSIX] = Region(regs.MSIX_BAR_SIZE, rw)
+        if not msi:
+            self.regions[regs.BAR_MSIX] = Region(regs.MSIX_BAR_SIZE, rw)
         self.regions[wire.PCI_CONFIG_REGION] = Region(len(self.config.data), rw)
 
     @property

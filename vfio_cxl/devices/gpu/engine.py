@@ -27,9 +27,9 @@ import logging
 import threading
 import time
 from enum import Enum
+from typing import Callable
 
 from ..vfio_user.dma import DmaAborted, DmaFault, DmaPort, FaultKind
-from ..vfio_user.irq import IrqTable
 from . import regs
 from .registers import RING_CONFIG, RegisterFile
 from .regs import Op, Status
@@ -71,10 +71,10 @@ class Input(Enum):
 
 
 class Engine:
-    def __init__(self, vram: memoryview, irqs: IrqTable):
+    def __init__(self, vram: memoryview, raise_vector: Callable[[int], object]):
         self.vram = vram
         self.vram_size = len(vram)
-        self.irqs = irqs
+        self.raise_vector = raise_vector  # MSI-X or MSI, the device decides
         self.regs = RegisterFile(self.vram_size)
         self.lock = threading.Condition()
         self.gate = threading.Lock()
@@ -235,8 +235,8 @@ class Engine:
 
     def _raise(self, vector: int, bit: int) -> None:
         self.regs.intr_status |= bit
-        if self.bus_master:  # an MSI-X message is a memory write: it needs BME
-            self.irqs.raise_msix(vector)
+        if self.bus_master:  # an MSI(-X) message is a memory write: it needs BME
+            self.raise_vector(vector)
 
     # ================================================================ reads
     def status(self) -> int:

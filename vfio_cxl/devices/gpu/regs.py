@@ -50,6 +50,7 @@ MAX_VRAM_SIZE = 4096 * MIB  # must be a power of two (it is a BAR)
 # MSI-X vectors
 # --------------------------------------------------------------------------
 MSIX_VECTORS = 4
+MSI_VECTORS = 4  # with --irq-mode msi: MSI capability (Multiple Message Capable 4), no BAR4
 VEC_DMA_DONE = 0  # a descriptor with DESC_FLAG_INTERRUPT completed OK
 VEC_ERROR = 1  # the ring halted on an error (ERR_* registers say why)
 VEC_SPARE0 = 2  # reserved, never raised

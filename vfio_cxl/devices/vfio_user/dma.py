@@ -277,7 +277,8 @@ class DmaTable:
         self._starts.insert(i, m.iova)
 
     # ------------------------------------------------------------ lookups
-    def _find(self, iova: int) -> Mapping | None:
+    def find(self, iova: int) -> Mapping | None:
+        """The mapping containing ``iova`` (caller holds ``lock``), or None."""
         i = bisect.bisect_right(self._starts, iova) - 1
         if i >= 0 and iova < self._maps[i].end:
             return self._maps[i]
@@ -292,7 +293,7 @@ class DmaTable:
         pos, end = iova, iova + length
         with self.lock:
             while pos < end:
-                m = self._find(pos)
+                m = self.find(pos)
                 if m is None:
                     raise DmaFault(FaultKind.UNMAPPED, pos, why="no DMA_MAP covers it")
                 if m.flags & need != need:
@@ -374,7 +375,7 @@ class DmaPort:
                 if stale():
                     raise DmaAborted()
                 with self.table.lock:
-                    m = self.table._find(at)
+                    m = self.table.find(at)
                     if m is None:  # unmapped since check(): a concurrent DMA_UNMAP
                         raise DmaFault(FaultKind.UNMAPPED, at, why="unmapped during transfer")
                     if m.flags & need != need:

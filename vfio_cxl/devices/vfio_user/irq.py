@@ -131,6 +131,14 @@ class IrqTable:
     def raise_msix(self, vector: int) -> bool:
         return self.raise_irq(wire.PCI_MSIX_IRQ, vector)
 
+    def raise_msi(self, vector: int) -> bool:
+        """MSI: a vector beyond those the client registered is sent as the last one
+        registered (PCI multi-message MSI: a device folds vectors it was not granted)."""
+        with self._lock:
+            slots = self._fds[wire.PCI_MSI_IRQ]
+            granted = next((i for i, fd in enumerate(slots) if fd is None), len(slots))
+        return self.raise_irq(wire.PCI_MSI_IRQ, min(vector, max(granted - 1, 0)))
+
     def has_eventfd(self, index: int, vector: int) -> bool:
         with self._lock:
             return self._fds[index][vector] is not None

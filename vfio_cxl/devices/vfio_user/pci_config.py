@@ -48,8 +48,10 @@ BAR_PREFETCH = 0x8
 PCIE_CAP = 0x40
 PCIE_CAP_ID = 0x10
 PCIE_CAP_LEN = 0x3C
-MSIX_CAP = 0x80
+MSIX_CAP = 0x80  # the interrupt capability sits here: MSI-X, or MSI instead
 MSIX_CAP_ID = 0x11
+MSI_CAP = 0x80
+MSI_CAP_ID = 0x05
 
 # offsets inside the PCI Express capability
 EXP_FLAGS = 0x02
@@ -76,6 +78,16 @@ MSIX_TABLE = 0x04
 MSIX_PBA = 0x08
 MSIX_FLAGS_ENABLE = 1 << 15
 MSIX_FLAGS_MASKALL = 1 << 14
+
+# offsets inside the MSI capability (64-bit address, no per-vector masking)
+MSI_FLAGS = 0x02
+MSI_ADDRESS_LO = 0x04
+MSI_ADDRESS_HI = 0x08
+MSI_DATA = 0x0C
+MSI_FLAGS_ENABLE = 1 << 0
+MSI_FLAGS_QMASK = 0x7 << 1  # Multiple Message Capable (log2)
+MSI_FLAGS_QSIZE = 0x7 << 4  # Multiple Message Enable (log2), written by the OS
+MSI_FLAGS_64BIT = 1 << 7
 
 
 @dataclass(frozen=True)
@@ -110,10 +122,18 @@ def _put(buf: bytearray, offset: int, fmt: str, value: int) -> None:
 class PciConfig:
     """Config space bytes with write masks; ``write`` reports an FLR request."""
 
-    def __init__(self, identity: PciIdentity, bars: list[Bar], msix: MsixLayout):
+    def __init__(self, identity: PciIdentity, bars: list[Bar], msix: MsixLayout | None = None,
+                 msi_vectors: int = 0):
+        """The interrupt capability at 0x80 is MSI-X (``msix``) or else MSI with
+        ``msi_vectors`` (a power of two, 1..32)."""
+        if (msix is None) == (msi_vectors == 0):
+            raise ValueError("give either an MSI-X layout or an MSI vector count")
+        if msi_vectors and (msi_vectors & (msi_vectors - 1) or msi_vectors > 32):
+            raise ValueError(f"MSI vector count {msi_vectors} is not a power of two <= 32")
         self.identity = identity
         self.bars = {bar.index: bar for bar in bars}
         self.msix = msix
+        self.msi_vectors = msi_vectors
         self._reset_image = bytearray(SIZE)
         self.wmask = bytearray(SIZE)
         self.w1cmask = bytearray(SIZE)
@@ -162,6 +182,9 @@ class PciConfig:
         _put(img, p + EXP_LNKCTL2, "H", 0x1)  # target 2.5 GT/s
         _put(wm, p + EXP_LNKCTL2, "H", 0x000F)
 
+        if self.msix is None:
+            self._build_msi()
+            return
         # MSI-X capability: table and PBA in BAR4
         m = MSIX_CAP
         img[m] = MSIX_CAP_ID
@@ -170,6 +193,17 @@ class PciConfig:
         _put(wm, m + MSIX_FLAGS, "H", MSIX_FLAGS_ENABLE | MSIX_FLAGS_MASKALL)
         _put(img, m + MSIX_TABLE, "I", self.msix.table_offset | self.msix.bar)
         _put(img, m + MSIX_PBA, "I", self.msix.pba_offset | self.msix.bar)
+
+    def _build_msi(self) -> None:
+        img, wm, m = self._reset_image, self.wmask, MSI_CAP
+        img[m] = MSI_CAP_ID
+        img[m + 1] = 0
+        capable = (self.msi_vectors.bit_length() - 1) << 1
+        _put(img, m + MSI_FLAGS, "H", MSI_FLAGS_64BIT | capable)
+        _put(wm, m + MSI_FLAGS, "H", MSI_FLAGS_ENABLE | MSI_FLAGS_QSIZE)
+        _put(wm, m + MSI_ADDRESS_LO, "I", 0xFFFFFFFC)
+        _put(wm, m + MSI_ADDRESS_HI, "I", 0xFFFFFFFF)
+        _put(wm, m + MSI_DATA, "H", 0xFFFF)
 
     # ------------------------------------------------------------ access
     def read(self, offset: int, count: int) -> bytes:
@@ -199,6 +233,16 @@ class PciConfig:
     @property
     def bus_master(self) -> bool:
         return bool(self.u16(COMMAND) & COMMAND_BUS_MASTER)
+
+    @property
+    def msi_enabled_vectors(self) -> int:
+        """MSI vectors the OS enabled (0 when MSI is off or absent)."""
+        if not self.msi_vectors:
+            return 0
+        flags = self.u16(MSI_CAP + MSI_FLAGS)
+        if not flags & MSI_FLAGS_ENABLE:
+            return 0
+        return min(1 << ((flags & MSI_FLAGS_QSIZE) >> 4), self.msi_vectors)
 
     @property
     def msix_enabled(self) -> bool:

@@ -24,7 +24,7 @@ from .device import Device, DeviceInfo
 from .dma import DmaMapping
 from .errors import VfioError
 from .group import DEV_VFIO, Group
-from .interrupts import MsixVectors
+from .interrupts import Interrupts, IrqInfo, MsixVectors
 from .region import Region
 
 
@@ -98,6 +98,14 @@ class VfioPciDevice:
     def map_dma(self, buffer, iova: int, *, readable: bool = True, writable: bool = True) -> DmaMapping:
         """Let the device reach ``buffer`` at ``iova``; unmapped on close at the latest."""
         return self._container.map_dma(buffer, iova, readable=readable, writable=writable)
+
+    def irq_info(self, index: int) -> IrqInfo:
+        """VFIO_DEVICE_GET_IRQ_INFO for IRQ ``index`` (how many vectors it offers)."""
+        return self._device.irq_info(index)
+
+    def interrupts(self, index: int, count: int) -> Interrupts:
+        """Enable ``count`` vectors of IRQ ``index`` (e.g. MSI) on eventfds."""
+        return self._device.interrupts(index, count)
 
     def msix(self, count: int) -> MsixVectors:
         return self._device.msix(count)
