@@ -460,6 +460,8 @@ def vfio_view(rep: Report, gpu: Gpu) -> None:
     rep.eq("MSI-X: 4 vectors on eventfds", (irq.count, irq.eventfd), (MSIX_VECTORS, True), fmt=None)
     intx = gpu.dev.device.irq_info(uapi.VFIO_PCI_INTX_IRQ_INDEX)
     rep.eq("no INTx", intx.count, 0, fmt=str)
+    msi = gpu.dev.device.irq_info(uapi.VFIO_PCI_MSI_IRQ_INDEX)
+    rep.eq("MSI-X mode: no MSI vectors (VFIO IRQ index 1 count 0)", msi.count, 0, fmt=str)
     # BAR0 sizing through config space (guest vfio-pci virtualises BARs: this shows its view).
     cfg = gpu.cfg
     for bar, want in ((0, 0xFFFFF000), (4, 0xFFFFF000)):
