@@ -22,6 +22,9 @@ TIMEOUT = 5.0
 RING_IOVA = 0x1000_0000
 COMPL_IOVA = 0x1010_0000
 DATA_IOVA = 0x2000_0000
+PCI_COMMAND = 0x04  # config space command register (u16)
+PCI_COMMAND_MEMORY = 1 << 1
+PCI_COMMAND_MASTER = 1 << 2
 
 
 class Server:
@@ -130,8 +133,13 @@ def fresh_client_works(server: Server) -> None:
 class Rig:
     """A descriptor ring of the GPU (docs/gpu-device.md) set up over one client."""
 
-    def __init__(self, peer: vu.Peer, entries: int = 16, direct: bool = True):
+    def __init__(self, peer: vu.Peer, entries: int = 16, direct: bool = True,
+                 bus_master: bool = True):
         self.peer = peer
+        # PCI command register: memory space + bus master enable (a driver sets both)
+        command = PCI_COMMAND_MEMORY | (PCI_COMMAND_MASTER if bus_master else 0)
+        assert_ok_reply(peer.region_write(vu.PCI_CONFIG_REGION, PCI_COMMAND,
+                                          command.to_bytes(2, "little")), vu.REGION_WRITE)
         self.entries = entries
         size = max(vu.PAGE, entries * gpu.DESC_SIZE)
         self.ring = vu.Window(RING_IOVA, size, direct=direct, name="ring")
