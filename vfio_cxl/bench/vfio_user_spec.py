@@ -323,6 +323,7 @@ class Peer:
         self.violations: list[str] = []
         self.unsolicited: list[Msg] = []
         self.refuse_dma = False  # answer every DMA request with an error reply (ENODEV)
+        self.dma_forbidden: str | None = None  # if set: any DMA request now breaks a rule (why)
         self.read_chunk: int | None = None  # if set: receive at most this many bytes per recv
         self.sent = 0
         self.closed = False
@@ -480,6 +481,8 @@ class Peer:
         req = DmaRequest(msg.command, address, count, len(data), msg.flags)
         self.dma_log.append(req)
         name = "DMA_READ" if msg.command == DMA_READ else "DMA_WRITE"
+        if self.dma_forbidden:
+            self.violations.append(f"{name} {address:#x}+{count:#x} {self.dma_forbidden}")
         if count > self.max_data_xfer:
             self.violations.append(f"{name} count {count} > the client's max_data_xfer_size "
                                    f"{self.max_data_xfer}")
@@ -491,6 +494,10 @@ class Peer:
         if window is None:
             self.violations.append(f"{name} {address:#x}+{count:#x} outside every live "
                                    f"DMA_MAP window")
+        if window is not None and window.truncated:
+            req.refused = True  # its memory is gone on this side too
+            self._reply_error(msg, errno.EFAULT)
+            return
         if window is None or self.refuse_dma or (msg.command == DMA_WRITE and len(data) != count):
             req.refused = True
             self._reply_error(msg, errno.ENODEV if window is None or self.refuse_dma
