@@ -180,11 +180,12 @@ def test_message_sent_one_byte_at_a_time_is_assembled(peer):
 def test_slow_reader_gets_whole_messages(gpu_server):
     """Header/framing: replies are whole messages even when the client reads them
     slowly through a tiny receive buffer (the server's sends are short): a 256 KiB
-    REGION_READ reply followed by small replies stays in step (issue item 1)."""
+    (or the server's max_data_xfer_size) REGION_READ reply followed by small replies stays in step (issue item 1)."""
     with gpu_server.connect(timeout=20) as p:
         p.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         assert_ok_reply(p.handshake(), vu.VERSION)
-        pattern = os.urandom(256 * 1024)
+        limit = p.server_caps.get("max_data_xfer_size", vu.DEFAULT_MAX_DATA_XFER)
+        pattern = os.urandom(min(256 * 1024, limit))
         for off in range(0, len(pattern), 4096):
             assert_ok_reply(p.region_write(gpu.BAR_VRAM, off, pattern[off:off + 4096]),
                             vu.REGION_WRITE)

@@ -72,6 +72,7 @@ class Stats:
         self.truncations = 0
         self.descriptors = 0
         self.server_restarts = 0
+        self.unsealed_refused = 0
         self.violations: list[str] = []
 
 
@@ -96,8 +97,8 @@ class Session:
     def request(self, command, payload=b"", **kw) -> vu.Msg:
         return self.peer.request(command, payload, **kw)
 
-    def window(self, iova, size, direct) -> vu.Window:
-        w = vu.Window(iova, size, direct=direct, name="chaos")
+    def window(self, iova, size, direct, sealed=True) -> vu.Window:
+        w = vu.Window(iova, size, direct=direct, name="chaos", sealed=sealed)
         w.write(iova, bytes([vu.FILL]) * size)
         self.all_windows.append(w)
         return w
@@ -198,11 +199,14 @@ class Session:
             return
         size = self.rng.choice([1, 2, 16, 64, 256]) * vu.PAGE
         direct = self.rng.random() < 0.5
-        w = self.window(slot, size, direct)
+        sealed = not direct or self.rng.random() < 0.6
+        w = self.window(slot, size, direct, sealed)
         reply = self.peer.dma_map(w)
         if reply.is_error:
-            if slot not in self.live:
+            if slot not in self.live and sealed:
                 self.h.violation(f"DMA_MAP of free window {slot:#x}+{size:#x} refused: {reply!r}")
+            elif not sealed:
+                self.h.stats.unsealed_refused += 1  # a server may insist on F_SEAL_SHRINK
         else:
             if slot in self.live:
                 self.h.violation(f"DMA_MAP over the live window {slot:#x} accepted (no EEXIST)")
@@ -436,8 +440,8 @@ class Session:
         self.peer.next_reply()
 
     def a_truncate(self) -> None:
-        direct = [w for w in self.live.values()
-                  if w.direct and not w.truncated and w not in (self.ring, self.compl)]
+        direct = [w for w in self.live.values() if w.direct and not w.truncated
+                  and not w.sealed and w not in (self.ring, self.compl)]
         if not direct:
             return
         w = self.rng.choice(direct)
@@ -588,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
         "messages_sent": stats.messages, "messages_per_second": round(rate),
         "dma_requests_served": stats.dma_requests, "descriptors": stats.descriptors,
         "disconnects": stats.disconnects, "resets": stats.resets, "halts": stats.halts,
-        "truncations": stats.truncations, "server_restarts": stats.server_restarts,
+        "truncations": stats.truncations, "unsealed_maps_refused": stats.unsealed_refused,
+        "server_restarts": stats.server_restarts,
         "violations": stats.violations,
         "violation_kinds": {k: n for k, (n, _) in group(stats.violations).items()},
         "replay": replay,
@@ -600,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({rate:.0f}/s), DMA requests served {stats.dma_requests}, "
               f"descriptors {stats.descriptors}")
         print(f"  disconnects mid-message/transfer {stats.disconnects}, resets {stats.resets}, "
-              f"halts {stats.halts}, fds truncated {stats.truncations}, "
+              f"halts {stats.halts}, fds truncated {stats.truncations} "
+              f"(unsealed maps refused {stats.unsealed_refused}), "
               f"server restarts {stats.server_restarts}")
         kinds = group(stats.violations)
         print(f"  invariant violations: {len(stats.violations)} ({len(kinds)} kinds)")

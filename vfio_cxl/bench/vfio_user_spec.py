@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import json
 import mmap
 import os
@@ -234,13 +235,19 @@ class Window:
     _serial = 0
 
     def __init__(self, iova: int, size: int, *, direct: bool, name: str = "win",
-                 flags: int = DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE, guard: int = PAGE):
+                 flags: int = DMA_MAP_FLAG_READ | DMA_MAP_FLAG_WRITE, guard: int = PAGE,
+                 sealed: bool = True):
+        """``sealed``: F_SEAL_SHRINK on the memfd (as QEMU's memfd backend does), so
+        nobody can truncate it; unsealed ones can be truncated behind the server."""
         self.iova, self.size, self.direct, self.flags, self.guard = iova, size, direct, flags, guard
+        self.sealed = sealed
         Window._serial += 1
         self.name = f"vfio-user-spec-{name}-{iova:x}-{os.getpid()}-{Window._serial}"
-        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self.file_size = guard + size + guard
         os.ftruncate(self.fd, self.file_size)
+        if sealed:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
         self.mm = mmap.mmap(self.fd, self.file_size, flags=mmap.MAP_SHARED)
         self.mm[:guard] = bytes([CANARY]) * guard
         self.mm[guard + size:] = bytes([CANARY]) * guard
