@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
 from vfio_cxl.bench import gpu_doc as gpu
 from vfio_cxl.bench import vfio_user_spec as vu
 
-from .conftest import assert_error_reply, assert_ok_reply, expect_closed, fresh_client_works
+from .conftest import (DATA_IOVA, Rig, assert_error_reply, assert_ok_reply, expect_closed,
+                       fresh_client_works)
 
 
 def test_reply_echoes_id_and_command_and_has_reply_type(peer):
@@ -211,3 +213,57 @@ def test_fds_sent_with_a_command_that_takes_none_are_not_kept(peer, gpu_server):
         assert not gpu_server.proc.holds(w.name), "the server kept an fd it was not meant to get"
     finally:
         w.close()
+
+
+STALL = 11.0  # two of the server's 5 s send timeouts (a partial send, then none): it gives up
+
+
+def test_stalled_reader_never_gets_a_cut_message(gpu_server):
+    """Header: "Message size contains the size of the entire message" -- a message is
+    all of its bytes or nothing.  A client that stops reading (tiny receive buffer,
+    nothing read for longer than the server's send timeout) while the device sends
+    it a 16 MiB DMA_WRITE must afterwards find either the whole message followed by
+    whole messages, or a closed connection: never a cut message with the next
+    one's header taken as its data (issue 9 item 1, "the connection must be
+    poisoned").  The stall is the stimulus here, not a synchronisation."""
+    with gpu_server.connect(timeout=20) as p:
+        p.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        # pieces as large as the whole transfer: far beyond any socket buffer
+        assert_ok_reply(p.handshake({"max_msg_fds": 8, "max_data_xfer_size": 64 << 20}),
+                        vu.VERSION)
+        p.request(vu.DEVICE_RESET)
+        rig = Rig(p)
+        try:
+            length = 16 << 20
+            w = vu.Window(DATA_IOVA, length, direct=False, name="stall")
+            assert_ok_reply(p.dma_map(w), vu.DMA_MAP)
+            rig.submit(gpu.descriptor(gpu.OP_FILL_PATTERN, 0x0102030405060708, 0, length))
+            rig.wait_idle()
+            rig.submit(gpu.descriptor(gpu.OP_VRAM_TO_HOST, 0, DATA_IOVA, length))
+            time.sleep(STALL)  # the stimulus: a reader that stalls
+            p.send(vu.REGION_READ, vu.REGION_RW.pack(gpu.ID, 0, 4))
+            try:
+                while True:
+                    msg = p.recv(5)
+                    if msg.type == vu.TYPE_COMMAND and msg.command == vu.DMA_WRITE:
+                        address, count = vu.DMA_RW.unpack_from(msg.payload)
+                        assert msg.size == vu.HEADER_SIZE + vu.DMA_RW.size + count
+                        if address == DATA_IOVA:
+                            unit = (0x0102030405060708).to_bytes(8, "little")
+                            assert msg.payload[16:] == (unit * (count // 8 + 1))[:count], \
+                                "DMA_WRITE data corrupted: a cut message was continued"
+                        p.serve_dma(msg)
+                        continue
+                    assert msg.is_reply and msg.command == vu.REGION_READ, \
+                        f"stream out of step after the stall: {msg!r}"
+                    assert int.from_bytes(msg.payload[16:], "little") == gpu.ID_VALUE
+                    break
+            except vu.PeerClosed:
+                pass  # poisoned and closed: the other correct outcome
+            except vu.PeerTimeout as exc:
+                pytest.fail(f"a cut message: the stream stopped inside a message the header "
+                            f"announced ({exc}), and the connection was not closed",
+                            pytrace=False)
+        finally:
+            rig.close()
+    fresh_client_works(gpu_server)

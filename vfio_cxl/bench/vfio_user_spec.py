@@ -381,12 +381,10 @@ class Peer:
     # ------------------------------------------------------------ receive
     def _wait(self, events: int, deadline: float, what: str) -> None:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise PeerTimeout(f"{what}: nothing for {self.timeout} s")
         p = select.poll()
         p.register(self.sock, events)
-        if not p.poll(left * 1000):
-            raise PeerTimeout(f"{what}: nothing for {self.timeout} s")
+        if left <= 0 or not p.poll(left * 1000):
+            raise PeerTimeout(f"{what}: nothing arrived in time")
 
     def _fill(self, need: int, deadline: float) -> None:
         while len(self._buf) < need:
