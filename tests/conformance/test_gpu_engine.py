@@ -18,6 +18,7 @@ from vfio_cxl.bench import vfio_user_spec as vu
 from .conftest import DATA_IOVA, PCI_COMMAND, PCI_COMMAND_MEMORY, Rig, assert_ok_reply
 
 OBSERVE = 1.0
+ATTEMPTS = 48
 PIECE = 1 << 20  # the client's max_data_xfer_size: one DMA_WRITE per MiB
 
 
@@ -92,15 +93,18 @@ def test_ring_halted_by_a_bad_doorbell_runs_no_later_descriptor(peer, held):
 def test_reset_is_a_quiesce_point_under_load(peer):
     """docs/gpu-device.md "Reset": the engine drops what it was doing and "writes
     nothing more for it"; the issue: reset is "acknowledged only when the engine
-    has stopped touching the affected memory".  Repeatedly: a ring of NOPs (direct
+    has stopped touching the affected memory".  Repeatedly: a ring of PRNG fills (direct
     completion area) is reset mid-run; the completion area as it was when
     CONTROL.RESET was answered must not change afterwards (issue 9 item 3)."""
-    rig = Rig(peer, entries=64)
+    rig = Rig(peer, entries=256)
     try:
-        for attempt in range(40):
+        for attempt in range(ATTEMPTS):
             rig.compl.write(rig.compl.iova, bytes(rig.compl.size))
             rig.tail = 0
-            rig.submit(*[gpu.descriptor(gpu.OP_NOP, 0, 0, 0, cookie=i) for i in range(63)])
+            rig.submit(*[gpu.descriptor(gpu.OP_FILL_PRNG, i, 0, 16384, cookie=i)
+                         for i in range(255)])
+            for _ in range(attempt % 12):  # land the reset at different points of the run
+                peer.read32(gpu.COMPLETED)
             peer.write32(gpu.CONTROL, gpu.CONTROL_RESET)
             at_ack = rig.compl.body()
             observe(peer, 0.03)
