@@ -109,7 +109,7 @@ def assert_ok_reply(reply: vu.Msg, command: int) -> None:
     assert reply.size == vu.HEADER_SIZE + len(reply.payload)
 
 
-def expect_closed(peer: vu.Peer, timeout: float = TIMEOUT) -> list[vu.Msg]:
+def expect_closed(peer: vu.Peer, timeout: float = 3.0) -> list[vu.Msg]:
     """Read until the server closes the connection; the messages seen before."""
     seen = []
     try:

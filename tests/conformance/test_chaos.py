@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-SECONDS = 8
+SECONDS = 6
 SEED = 9
 
 

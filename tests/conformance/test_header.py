@@ -244,7 +244,7 @@ def test_stalled_reader_never_gets_a_cut_message(gpu_server):
             p.send(vu.REGION_READ, vu.REGION_RW.pack(gpu.ID, 0, 4))
             try:
                 while True:
-                    msg = p.recv(5)
+                    msg = p.recv(3)
                     if msg.type == vu.TYPE_COMMAND and msg.command == vu.DMA_WRITE:
                         address, count = vu.DMA_RW.unpack_from(msg.payload)
                         assert msg.size == vu.HEADER_SIZE + vu.DMA_RW.size + count
