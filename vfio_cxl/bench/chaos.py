@@ -110,7 +110,7 @@ class Session:
             caps["max_data_xfer_size"] = xfer
         if self.rng.random() < 0.2:
             self.peer.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            self.peer.read_chunk = self.rng.choice([1, 7, 100, 4096])
+            self.peer.read_chunk = self.rng.choice([7, 100, 4096])
         reply = self.peer.handshake(caps)
         if reply.is_error:
             raise Violation(f"a fresh client's VERSION was refused: {reply!r}")
@@ -337,7 +337,7 @@ class Session:
         """Answer the server's DMA requests for a moment (transfers need it)."""
         fds = self.efds
         try:
-            self.peer.pump(lambda: False, self.rng.choice([0.005, 0.02, 0.1]), poll_fds=fds)
+            self.peer.pump(lambda: False, self.rng.choice([0.002, 0.01, 0.05]), poll_fds=fds)
         except vu.PeerTimeout:
             pass
         for fd in fds:

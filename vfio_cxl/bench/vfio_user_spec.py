@@ -386,7 +386,9 @@ class Peer:
         if left <= 0 or not p.poll(left * 1000):
             raise PeerTimeout(f"{what}: nothing arrived in time")
 
-    def _fill(self, need: int, deadline: float) -> None:
+    def _fill(self, need: int, idle: float) -> None:
+        """Buffer ``need`` bytes; PeerTimeout if nothing arrives for ``idle`` seconds."""
+        deadline = time.monotonic() + idle
         while len(self._buf) < need:
             self._wait(select.POLLIN, deadline, f"waiting for {need - len(self._buf)} bytes")
             want = max(need - len(self._buf), 65536)
@@ -409,25 +411,27 @@ class Peer:
             if not data:
                 raise PeerClosed("the server closed the connection")
             self._buf += data
+            deadline = time.monotonic() + idle
 
     def recv(self, timeout: float | None = None) -> Msg:
-        """Exactly one message from the server."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        self._fill(HEADER_SIZE, deadline)
+        """Exactly one message from the server; ``timeout``: longest silence."""
+        idle = self.timeout if timeout is None else timeout
+        self._fill(HEADER_SIZE, idle)
         msg_id, command, size, flags, err = HEADER.unpack_from(self._buf)
         if size < HEADER_SIZE:
             raise ValueError(f"server sent a header with size {size} < 16")
-        self._fill(size, deadline)
+        self._fill(size, idle)
         payload = bytes(self._buf[HEADER_SIZE:size])
         del self._buf[:size]
         fds, self._fds = self._fds, []
         return Msg(msg_id, command, size, flags, err, payload, fds)
 
     def next_reply(self, timeout: float | None = None) -> Msg:
-        """The next reply, serving server requests that arrive before it."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        """The next reply, serving server requests that arrive before it; ``timeout``:
+        the longest silence."""
+        idle = self.timeout if timeout is None else timeout
         while True:
-            msg = self.recv(max(0.0, deadline - time.monotonic()))
+            msg = self.recv(idle)
             if msg.type == TYPE_COMMAND and msg.command in (DMA_READ, DMA_WRITE):
                 self.serve_dma(msg)
                 continue
@@ -460,7 +464,7 @@ class Peer:
                 ready = p.poll(min(left, 0.05) * 1000)
                 if not any(fd == self.sock.fileno() for fd, _ in ready):
                     continue
-            msg = self.recv(max(0.01, deadline - time.monotonic()))
+            msg = self.recv(max(1.0, deadline - time.monotonic()))  # finish a started message
             if msg.type == TYPE_COMMAND and msg.command in (DMA_READ, DMA_WRITE):
                 self.serve_dma(msg)
             else:
