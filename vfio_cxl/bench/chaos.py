@@ -10,7 +10,9 @@ sent in random pieces (short writes) and replies read a few bytes at a time
 memfds truncated after DMA_MAP, device resets and halts in the middle of
 transfers, doorbells over descriptors that DMA to mapped, unmapped and
 half-mapped IOVAs.  Random choices come from ``random.Random(seed)``; the seed
-is printed, and a failing run prints the command that replays it.
+is printed, and a failing run prints the command that replays it (the same
+sequence of actions; outcomes that hinge on thread timing in the server may
+still differ from run to run).
 
 Invariants, checked after every action:
 
