@@ -309,16 +309,20 @@ class Peer:
     client to server request/reply").
     """
 
-    def __init__(self, path: str, timeout: float = 5.0, connect_timeout: float = 10.0):
+    def __init__(self, path: str | None, timeout: float = 5.0, connect_timeout: float = 10.0,
+                 sock: socket.socket | None = None):
+        """Connect to ``path`` (or use ``sock``, an already connected socket)."""
         self.path = path
         self.timeout = timeout
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(connect_timeout)
-        try:
-            self.sock.connect(path)
-        except OSError:
-            self.sock.close()
-            raise
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.settimeout(connect_timeout)
+            try:
+                sock.connect(path)
+            except OSError:
+                sock.close()
+                raise
+        self.sock = sock
         self.sock.setblocking(False)
         self._buf = bytearray()
         self._fds: list[int] = []
