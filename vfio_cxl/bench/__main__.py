@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "boot": "vfio_cxl.bench.boot",
     "routes": "vfio_cxl.bench.routes",
     "share": "vfio_cxl.bench.share",
+    "chaos": "vfio_cxl.bench.chaos",
 }
 
 
