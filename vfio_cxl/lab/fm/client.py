@@ -122,14 +122,20 @@ class FmClient:
     def follow_events(self, since: int = 0, timeout: float | None = None) -> Iterator[dict]:
         """Past events after ``since``, then each new one as it happens, until the lab stops.
 
-        ``timeout``: seconds to wait for the next event before raising LabError (None: forever)."""
-        yield from self.call("events", since=since, follow=True)["events"]
-        while True:
-            message = self.read_message(timeout)
-            if message is None:
-                return
-            if "event" in message:
-                yield message["event"]
+        Subscribed when this returns (not at the first ``next``), so nothing that
+        happens after the call is missed.  ``timeout``: seconds to wait for the
+        next event before raising LabError (None: forever)."""
+        past = self.call("events", since=since, follow=True)["events"]
+
+        def stream():
+            yield from past
+            while True:
+                message = self.read_message(timeout)
+                if message is None:
+                    return
+                if "event" in message:
+                    yield message["event"]
+        return stream()
 
     def ssh_info(self, vm: str) -> dict:
         return self.call("ssh_info", vm=vm)
