@@ -26,12 +26,14 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])   # field 22 overall; fields[0] is field 3 (state)
 
 
-def is_zombie(pid: int) -> bool:
+def has_exited(pid: int) -> bool:
+    """True for a zombie (Z) or a task being torn down (X: seen for QEMU in bwrap's dying
+    pid namespace); both still have /proc entries but run nothing."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2] == "Z"
+    return stat[stat.rindex(")") + 2] in "ZX"
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class ProcessId:
         return cls(pid, start) if start is not None else None
 
     def alive(self) -> bool:
-        return start_time(self.pid) == self.start and not is_zombie(self.pid)
+        return start_time(self.pid) == self.start and not has_exited(self.pid)
 
     def to_json(self) -> dict:
         return {"pid": self.pid, "start": self.start}
@@ -107,7 +109,7 @@ def processes_mentioning(text: str, exclude: set[int] = frozenset()) -> list[int
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) not in exclude and int(proc.name) != os.getpid():
-            if text in cmdline(int(proc.name)) and not is_zombie(int(proc.name)):
+            if text in cmdline(int(proc.name)) and not has_exited(int(proc.name)):
                 found.append(int(proc.name))
     return found
 
