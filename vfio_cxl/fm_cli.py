@@ -149,7 +149,8 @@ def fm_status(args) -> int:
           f"fabric manager pid {status['fm_pid']}")
     for name, vm in status["vms"].items():
         extra = "" if vm["returncode"] is None else f", exit {vm['returncode']}"
-        print(f"  vm  {name:8} {vm['state']:9} ssh 127.0.0.1:{vm['ssh_port']}  QEMU pid {vm['qemu_pid']}{extra}")
+        qmp = f"  (QMP: {vm['run_state']})" if vm["run_state"] else ""
+        print(f"  vm  {name:8} {vm['state']:9} ssh 127.0.0.1:{vm['ssh_port']}  QEMU pid {vm['qemu_pid']}{extra}{qmp}")
     for name, gpu in status["gpus"].items():
         extra = "" if gpu["returncode"] is None else f", exit {gpu['returncode']}"
         print(f"  gpu {name:8} {gpu['state']:9} owner {gpu['owner'] or '-'}  server pid {gpu['server_pid']}{extra}")

@@ -75,6 +75,9 @@ class FakeLab:
     def ssh_info(self, vm: str) -> dict:
         return {"user": "root", "key": "/nonexistent", "known_hosts": "/nonexistent"}
 
+    def run_state(self, vm: str) -> str:
+        return "running (fake)"
+
     def stop_processes(self) -> None:
         for proc in [*self.procs.values(), *([self.orphan_proc] if self.orphan_proc else [])]:
             if proc.poll() is None:

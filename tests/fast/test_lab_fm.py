@@ -263,3 +263,15 @@ def test_cli_with_no_lab_and_with_two(env):
     result = vfio_cxl("vm", "down", "--all")
     assert result.returncode == 0 and registry.records() == []
     assert first.wait() == 0 and second.wait() == 0
+
+
+def test_down_of_a_hung_manager_kills_it_and_cleans_up(env):
+    fm = FakeFm()
+    record = fm.record
+    os.kill(record.fm["pid"], signal.SIGSTOP)   # takes no requests, handles no signals
+    messages = []
+    down(record, timeout=1, log=messages.append)
+    assert "does not take requests" in messages[0] and "killing it" in messages[1]
+    assert fm.proc.wait(10) == -signal.SIGKILL
+    assert count_leftovers(record) == (0, 0, 0)
+    assert registry.records() == []

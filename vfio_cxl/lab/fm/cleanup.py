@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ...errors import LabError
 from .client import FmClient
-from .procs import ProcessId, cmdline, comm, kill, processes_mentioning, wait_gone
+from .procs import ProcessId, cmdline, comm, kill, processes_mentioning, terminate, wait_gone
 from .registry import LabRecord, archive_logs, records
 
 
@@ -35,14 +35,17 @@ def lab_processes(record: LabRecord) -> list[ProcessId]:
 
 
 def down(record: LabRecord, *, timeout: float = 60, log=print) -> None:
+    """Stop a lab: ask its manager (op ``stop``); if it cannot take requests (still booting,
+    or hung), SIGTERM it (it stops what it started), then SIGKILL; then sweep what is left."""
     fm = record.fm_id()
     if fm.alive():
         try:
-            with FmClient(record.socket, lab=record.name, timeout=10) as client:
+            with FmClient(record.socket, lab=record.name, timeout=min(10, timeout)) as client:
                 client.stop()
         except LabError as err:
-            log(f"lab {record.name}: the fabric manager did not take the stop request ({err.what}); killing it")
-            kill(fm, group=False)
+            log(f"lab {record.name}: the fabric manager does not take requests ({err.what}); "
+                f"sending it SIGTERM")
+            terminate(fm)
         if wait_gone([fm], timeout):
             log(f"lab {record.name}: the fabric manager did not stop within {timeout:.0f} s; killing it")
             kill(fm, group=False)

@@ -19,6 +19,7 @@ All state changes go through :meth:`FabricManager._set_lab_state`,
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import signal
@@ -64,6 +65,7 @@ class ManagedLab(Protocol):
     def start(self, log: Callable[[str], None]) -> None: ...
     def children(self) -> list[Child]: ...
     def ssh_info(self, vm: str) -> dict: ...
+    def run_state(self, vm: str) -> str: ...
     def stop_processes(self) -> None: ...
     def close(self) -> None: ...
 
@@ -197,7 +199,6 @@ class FabricManager:
 
     def _report(self, kind: str, data: dict) -> None:
         if self.progress:
-            import json
             try:
                 self.progress.write(f"{kind}: {json.dumps(data)}\n")
                 self.progress.flush()
@@ -419,6 +420,7 @@ class FabricManager:
             "fm_pid": os.getpid(), "created": self.record.created, "uptime": now - self.record.created,
             "rundir": self.record.rundir, "logdir": self.record.logdir, "socket": str(self.record.socket),
             "vms": {vm.name: {"state": vm.state, "ssh_port": vm.ssh_port, "pid": vm.popen.pid,
+                              "run_state": self.lab.run_state(vm.name) if vm.state == "running" else None,
                               "qemu_pid": vm.qemu_pid, "returncode": vm.returncode, **vm.files}
                     for vm in self.vms.values()},
             "gpus": {gpu.name: {"owner": gpu.owner, "state": gpu.state, "server_pid": gpu.popen.pid,

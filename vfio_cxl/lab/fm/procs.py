@@ -128,6 +128,15 @@ def kill(ident: ProcessId, group: bool = True) -> bool:
     return True
 
 
+def terminate(ident: ProcessId) -> None:
+    """SIGTERM the process if it is still the one we mean."""
+    if ident.alive():
+        try:
+            os.kill(ident.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
 def wait_gone(idents: list[ProcessId], timeout: float) -> list[ProcessId]:
     """Wait until every process has exited (pidfd; works for non-children); returns those left."""
     deadline = time.monotonic() + timeout

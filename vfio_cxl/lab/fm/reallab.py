@@ -49,6 +49,23 @@ class RealLab:
     def ssh_info(self, vm: str) -> dict:
         return {"user": "root", "key": str(self.lab.image.ssh_key), "known_hosts": str(self.known_hosts)}
 
+    def run_state(self, vm: str) -> str:
+        """QEMU's own view of the VM (QMP query-status: running, paused, ...); the FM holds the
+        VM's one QMP connection.  A QEMU that does not answer within 2 s is "unresponsive"."""
+        machine = self.lab.vms[vm]
+        try:
+            qmp = machine.connect_qmp(timeout=2)
+            qmp.settimeout(2)
+            return str(qmp.cmd("query-status")["status"])
+        except Exception as err:   # a broken connection is dropped, never reused
+            if machine.qmp is not None:
+                try:
+                    machine.qmp.close()
+                except Exception:
+                    pass
+                machine.qmp = None
+            return f"unresponsive ({type(err).__name__})"
+
     def stop_processes(self) -> None:
         for vm in self.lab.vms.values():
             vm.stop()
