@@ -385,8 +385,9 @@ class FabricManager:
         if vm.state != "running":
             raise LabError(f"VM {vm.name} of lab {self.record.name} is {vm.state}: "
                            f"its QEMU {describe_exit(vm.returncode)}",
-                           f"see {vm.files.get('qemu_log', self.record.logdir)}; "
-                           f"vfio-cxl vm down {self.record.name} removes the lab")
+                           f"see {vm.files.get('qemu_log', self.record.logdir)} (kept in "
+                           f"{self.record.logdir} after vm down); vfio-cxl vm down {self.record.name} "
+                           f"removes the lab")
         return {"vm": vm.name, "port": vm.ssh_port, **self.lab.ssh_info(vm.name)}
 
     def op_stop(self, client, request) -> dict:
