@@ -175,13 +175,14 @@ class FabricManager:
             self.lab.start(self.say)
             self._adopt_children()
             self._open_socket()
-        except (LabError, KeyboardInterrupt, OSError) as err:
+        except BaseException as err:   # whatever went wrong, stop what was started
             if isinstance(err, LabError):
                 what, fix = err.what, err.fix
             elif isinstance(err, KeyboardInterrupt):
                 what, fix = "interrupted while starting", "start it again"
             else:
-                what, fix = f"fabric manager could not start: {err}", "see the FM log"
+                self.log(traceback.format_exc())
+                what, fix = f"fabric manager could not start: {err!r}", f"see {self.record.logdir}/fm.log"
             self.log(f"start failed: {what}")
             self._report("error", {"what": what, "fix": fix})
             self._shutdown()
@@ -431,7 +432,12 @@ class FabricManager:
 
     # -- stop ----------------------------------------------------------------------------
     def _shutdown(self) -> None:
-        """Stop everything, keep the logs, remove the run directory, then the record."""
+        """Stop everything, keep the logs, remove the run directory, then the record.
+
+        Not interruptible by SIGTERM/SIGINT (a second `vm down` or Ctrl-C must not leave it
+        half done); SIGKILL still ends it, and `vm down` then sweeps up."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
         self._set_lab_state("stopping")
         self.event("lab-stopping", f"lab {self.record.name} stopping", lab=self.record.name)
         for client in list(self.clients.values()):
