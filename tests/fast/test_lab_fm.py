@@ -275,3 +275,28 @@ def test_down_of_a_hung_manager_kills_it_and_cleans_up(env):
     assert fm.proc.wait(10) == -signal.SIGKILL
     assert count_leftovers(record) == (0, 0, 0)
     assert registry.records() == []
+
+
+def test_detach_with_a_bad_topology_fails_before_anything_starts(env):
+    result = vfio_cxl("vm", "up", "nosuch", "--detach")
+    assert result.returncode == 1 and "unknown topology 'nosuch'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert registry.records() == [] and list(registry.logs_root().iterdir()) == []
+    result = vfio_cxl("vm", "up", "single", "--detach", "--run", "true")
+    assert result.returncode == 1 and "--run and --detach do not go together" in result.stderr
+
+
+def test_a_lab_that_fails_to_start_leaves_nothing_but_its_logs(env):
+    """The real fabric manager and Lab: the SSH port is taken, so the lab fails before QEMU starts."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        result = vfio_cxl("vm", "up", "single", "--detach", "--ssh-port", str(port))
+    assert result.returncode == 1, result.stdout
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"vfio-cxl: error: port {port} on 127.0.0.1 is already in use")
+    logdir = registry.logs_root() / "single-1"
+    assert f"(logs: {logdir})" in error and (logdir / "fm.log").exists()
+    assert "start failed" in (logdir / "fm.log").read_text()
+    assert registry.records() == []
+    assert list(Path(os.environ["VFIO_CXL_RUNDIR"]).iterdir()) == []
