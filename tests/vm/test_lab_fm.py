@@ -220,3 +220,39 @@ def test_a_dead_qemu_is_reported_and_the_other_vm_still_answers(detached):
     result = lab.down()
     assert result.returncode == 0, result.stderr
     assert lab.leftovers() == {"processes": 0, "sockets": 0, "rundir_files": 0, "records": 0}
+
+
+def test_ctrl_c_during_a_detached_start_stops_everything(labs):
+    labs.close()
+    before = {r.name for r in registry.records()}
+    # SIGINT as at a terminal, even if this test runs in a background job (which ignores it).
+    cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single", "--detach"], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        # Interrupt once QEMU runs (the guest then needs seconds more to answer SSH).
+        deadline = time.monotonic() + 120
+        record = None
+        while time.monotonic() < deadline:
+            record = next((r for r in registry.records() if r.name not in before), None)
+            if record and any(Path(f"/proc/{pid}/comm").read_text().startswith("qemu-system")
+                              for pid in processes_mentioning(record.rundir)):
+                break
+            time.sleep(0.05)   # polling /proc with a deadline; not synchronisation
+        else:
+            raise AssertionError("QEMU never started")
+        cli.send_signal(signal.SIGINT)
+        assert cli.wait(120) == 130
+        assert "interrupted" in cli.stderr.read()
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        if record and any(r.name == record.name for r in registry.records()):
+            vfio_cxl("vm", "down", record.name)   # whatever the outcome, no lab is left running
+    fm = record.fm_id()
+    assert wait_gone([fm], 30) == []
+    assert processes_mentioning(record.rundir) == []
+    assert not Path(record.rundir).exists()
+    assert all(r.name != record.name for r in registry.records())
+    assert "interrupted while starting" in (Path(record.logdir) / "fm.log").read_text()
