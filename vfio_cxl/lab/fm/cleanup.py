@@ -17,9 +17,10 @@ import shutil
 from pathlib import Path
 
 from ...errors import LabError
+from ..logs import archive_logs
 from .client import FmClient
 from .procs import ProcessId, cmdline, comm, kill, processes_mentioning, terminate, wait_gone
-from .registry import LabRecord, archive_logs, records
+from .registry import LabRecord, records
 
 
 def lab_processes(record: LabRecord) -> list[ProcessId]:

@@ -13,8 +13,9 @@ kill them when that thread ends.  The flip side is intended: when the fabric
 manager dies, however it dies, its VMs and servers die with it, and
 ``vfio-cxl vm down`` only has to clean up files (see :mod:`.cleanup`).
 
-All state changes go through :meth:`FabricManager._set_lab_state`,
-:meth:`_vm_exited` and :meth:`_gpu_exited`, each of which records an event.
+All state changes go through :meth:`FabricManager._set_lab_state` and
+:meth:`_set_child_state`, called from the start (adoption), :meth:`_vm_exited`
+and :meth:`_gpu_exited`; every change that matters to a user records an event.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from .procs import ProcessId, find_qemu
 from .registry import LabRecord
 
 LAB_STATES = ("starting", "running", "degraded", "stopping", "stopped")
+VM_STATES = ("running", "dead", "stopped")
+GPU_STATES = ("attached", "failed", "stopped")   # assign/release will add "free" and "moving"
 MAX_OUTBUF = 4 << 20   # a follower that reads slower than this is dropped
 
 
@@ -146,8 +149,12 @@ class FabricManager:
                 self.record.state = state
                 self.record.save()
 
+    def _set_child_state(self, child: Child, state: str) -> None:
+        assert state in (VM_STATES if child.kind == "vm" else GPU_STATES), (child.kind, state)
+        child.state = state
+
     def _vm_exited(self, vm: Child) -> None:
-        vm.state = "dead" if self.state != "stopping" else "stopped"
+        self._set_child_state(vm, "dead" if self.state != "stopping" else "stopped")
         if vm.state == "dead":
             self.event("vm-died", f"VM {vm.name}: QEMU (pid {vm.qemu_pid or vm.popen.pid}) "
                        f"{describe_exit(vm.returncode)}; the other VMs are untouched",
@@ -155,7 +162,7 @@ class FabricManager:
             self._set_lab_state("degraded")
 
     def _gpu_exited(self, gpu: Child) -> None:
-        gpu.state = "failed" if self.state != "stopping" else "stopped"
+        self._set_child_state(gpu, "failed" if self.state != "stopping" else "stopped")
         if gpu.state == "failed":
             self.event("gpu-server-died", f"GPU {gpu.name} (in VM {gpu.owner}): server pid {gpu.popen.pid} "
                        f"{describe_exit(gpu.returncode)}", gpu=gpu.name, owner=gpu.owner,
@@ -216,14 +223,14 @@ class FabricManager:
     def _adopt_children(self) -> None:
         for child in self.lab.children():
             if child.kind == "vm":
-                child.state = "running"
+                self._set_child_state(child, "running")
                 child.qemu_pid = find_qemu(child.popen.pid)
                 self.vms[child.name] = child
                 self.record.vms[child.name] = {"ssh_port": child.ssh_port}
                 self.event("vm-ready", f"VM {child.name} ready (ssh 127.0.0.1:{child.ssh_port}, "
                            f"QEMU pid {child.qemu_pid})", vm=child.name, qemu_pid=child.qemu_pid)
             else:
-                child.state = "attached"
+                self._set_child_state(child, "attached")
                 self.gpus[child.name] = child
         for child in [*self.vms.values(), *self.gpus.values()]:
             ident = ProcessId.of(child.popen.pid)

@@ -23,7 +23,6 @@ from pathlib import Path
 from ...errors import LabError
 from ...paths import cache_root
 from ..lab import MANAGED_MARKER
-from ..logs import archive_logs  # noqa: F401  (re-exported for cleanup)
 from .procs import ProcessId
 
 RECORD_VERSION = 1
