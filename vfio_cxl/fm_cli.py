@@ -103,8 +103,8 @@ def vm_ssh(args) -> int:
     argv = ["ssh", "-p", str(info["port"]), "-i", info["key"], "-o", "IdentitiesOnly=yes",
             "-o", f"UserKnownHostsFile={info['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
             "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=10"]
-    if not command:
-        argv.append("-t")
+    if not command and sys.stdin.isatty():
+        argv.append("-t")   # a login shell at a terminal; commands run without one, as with ssh
     argv.append(f"{info['user']}@127.0.0.1")
     if command:
         # One argument is a shell command line (`vm ssh a -- 'ls | wc -l'`); several are an
