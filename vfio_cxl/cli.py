@@ -2,6 +2,9 @@
 
     vfio-cxl provision                       host packages, QEMU runtime, guest image
     vfio-cxl vm up TOPOLOGY [--dry-run]      boot a topology (Ctrl-C stops it)
+    vfio-cxl vm up TOPOLOGY --detach         boot it and return; the lab stays up
+    vfio-cxl vm ls | ssh VM | down [LAB]     labs that stay up
+    vfio-cxl fm status|events|restart        a running lab's fabric manager
     vfio-cxl vm topologies                   list topologies
     vfio-cxl demo tour|dma|share             the demos
     vfio-cxl gpu serve --socket PATH         the vfio-user GPU device server
@@ -15,6 +18,7 @@ import shlex
 import signal
 import sys
 
+from . import fm_cli
 from .errors import LabError
 
 
@@ -44,6 +48,12 @@ def _vm_up(args) -> int:
     from .lab import topology
     from .lab.lab import Lab
 
+    if args.detach and not args.dry_run:
+        if args.run:
+            raise LabError("--run and --detach do not go together",
+                           "use --detach, then vfio-cxl vm ssh VM -- CMD")
+        from .fm_cli import vm_up_detached
+        return vm_up_detached(args)
     topo = topology.load(args.topology)
     lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu)
     if args.dry_run:
@@ -95,8 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="accelerator (default tcg; kvm only where it works)")
     up.add_argument("--no-gpu", action="store_true", help="do not attach the vfio-user GPU")
     up.add_argument("--run", metavar="CMD", help="run CMD in every VM over SSH, print it, then stop")
+    up.add_argument("--detach", action="store_true",
+                    help="return once every VM answers SSH and print the lab's name; the lab stays up")
+    up.add_argument("--timeout", type=float, default=300, help="seconds to wait for the VMs (--detach)")
     up.set_defaults(func=_vm_up)
+    fm_cli.add_vm_commands(vm)
     vm.add_parser("topologies", help="list topologies").set_defaults(func=_topologies)
+
+    fm_cli.add_fm_parser(sub)
 
     demo = sub.add_parser("demo", help="run a demo (tour, dma, share)")
     demo.add_argument("name")

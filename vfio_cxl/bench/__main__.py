@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "routes": "vfio_cxl.bench.routes",
     "share": "vfio_cxl.bench.share",
     "chaos": "vfio_cxl.bench.chaos",
+    "supervision": "vfio_cxl.bench.supervision",
 }
 
 

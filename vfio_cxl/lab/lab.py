@@ -22,6 +22,7 @@ from ..paths import REPO_ROOT, runtime_root
 from .argv import VmResources
 from .gpu_process import GpuServerProcess
 from .image import GuestImage, find_image, image_path
+from .logs import archive_logs
 from .qemu_runtime import QemuRuntime, find_runtime, planned_runtime
 from .topology import Topology
 from .vm import VirtualMachine
@@ -42,6 +43,11 @@ def check_port_free(port: int) -> None:
                            "choose another --ssh-port, or leave it out to pick a free one") from None
 
 
+# A run directory holding this file belongs to a fabric-manager lab: `vfio-cxl vm down`
+# keeps its logs, then removes it; remove_stale_rundirs() leaves it alone.
+MANAGED_MARKER = "fm.json"
+
+
 def _backend_path(rundir: Path, name: str) -> Path:
     return rundir / f"{name}.mem"
 
@@ -50,6 +56,8 @@ def remove_stale_rundirs() -> None:
     """Remove run directories whose lab process is gone (it was SIGKILLed:
     its VMs died with it, but nothing could remove its files)."""
     for rundir in runtime_root().glob("vfio-cxl-*"):
+        if (rundir / MANAGED_MARKER).exists():
+            continue
         try:
             pid = int((rundir / "lab.pid").read_text())
         except (OSError, ValueError):
@@ -61,7 +69,8 @@ def remove_stale_rundirs() -> None:
 class Lab:
     def __init__(self, topology: Topology, *, runtime: QemuRuntime | None = None,
                  image: GuestImage | None = None, accel: str = "tcg", ssh_port: int | None = None,
-                 gpu: bool = True, gpu_args: list[str] = (), log=print):
+                 gpu: bool = True, gpu_args: list[str] = (), log=print, rundir: Path | None = None,
+                 logdir: Path | None = None):
         self.topology = topology
         self.runtime = runtime
         self.image = image
@@ -71,6 +80,8 @@ class Lab:
         self.gpu_args = list(gpu_args)
         self.log = log
         self.rundir: Path | None = None
+        self.rundir_request = rundir   # an empty directory made by the caller, or None: a fresh one
+        self.logdir = logdir           # where stop() keeps copies of the logs, or None
         self.vms: dict[str, VirtualMachine] = {}
         self.gpu_servers: dict[str, GpuServerProcess] = {}
 
@@ -128,7 +139,11 @@ class Lab:
         self.runtime = self.runtime or find_runtime(log=self.log)
         self.image = self.image or find_image(log=self.log)
         remove_stale_rundirs()
-        self.rundir = Path(tempfile.mkdtemp(prefix="vfio-cxl-", dir=runtime_root()))
+        if self.rundir_request is not None:
+            self.rundir = self.rundir_request
+            self.rundir.mkdir(exist_ok=True)
+        else:
+            self.rundir = Path(tempfile.mkdtemp(prefix="vfio-cxl-", dir=runtime_root()))
         (self.rundir / "lab.pid").write_text(str(os.getpid()))
         try:
             for backend in self.topology.backends.values():
@@ -161,6 +176,8 @@ class Lab:
             server.stop()
         self.vms.clear()
         self.gpu_servers.clear()
+        if self.rundir and self.logdir:
+            archive_logs(self.rundir, self.logdir)
         if self.rundir:
             shutil.rmtree(self.rundir, ignore_errors=True)
             self.rundir = None

@@ -1,0 +1,103 @@
+"""FAKE lab for the fabric manager's own logic (control socket, supervision, registry, cleanup).
+
+Its "VMs" and "GPU servers" are sleeping Python processes started the way the
+real lab starts QEMU and the GPU server (own session, PR_SET_PDEATHSIG), so
+the manager watches, reports and stops them exactly as it would real ones.
+Nothing here boots QEMU; the VM tests do that.
+
+    python tests/fast/fm_fake_lab.py NAME LOGDIR [--orphan]
+
+runs a fabric manager over a FakeLab, speaking the same stdout protocol as
+``python -m vfio_cxl.lab.fm serve``.  ``--orphan`` adds a process that does
+NOT die with the manager (as a child forked in the instant the manager died
+would), for the cleanup test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from vfio_cxl.lab.logs import archive_logs  # noqa: E402
+from vfio_cxl.lab.fm.manager import Child, FabricManager  # noqa: E402
+from vfio_cxl.lab.fm.procs import ProcessId  # noqa: E402
+from vfio_cxl.lab.fm.registry import RUNDIR_MARKER, LabRecord  # noqa: E402
+from vfio_cxl.lab.vm import die_with_parent  # noqa: E402
+from vfio_cxl.paths import runtime_root  # noqa: E402
+
+
+_SLEEP = "import time; time.sleep(3600)"
+
+
+class FakeLab:
+    VMS = ("a", "b")
+    GPUS = {"gpu0": "a"}
+
+    def __init__(self, rundir: Path, logdir: Path, orphan: bool = False):
+        self.rundir = rundir
+        self.logdir = logdir
+        self.orphan = orphan
+        self.procs: dict[tuple[str, str], subprocess.Popen] = {}
+        self.orphan_proc: subprocess.Popen | None = None
+
+    def _spawn(self, tag: str) -> subprocess.Popen:
+        # The run directory in the command line, as QEMU's and the GPU server's have it.
+        return subprocess.Popen([sys.executable, "-c", _SLEEP, f"{self.rundir}/{tag}"], start_new_session=True,
+                                preexec_fn=die_with_parent, stdin=subprocess.DEVNULL)
+
+    def start(self, log) -> None:
+        for vm in self.VMS:
+            self.procs[("vm", vm)] = self._spawn(vm)
+            log(f"[{vm}] fake VM started")
+        for gpu in self.GPUS:
+            self.procs[("gpu", gpu)] = self._spawn(gpu)
+        if self.orphan:   # no PDEATHSIG: survives the manager
+            self.orphan_proc = subprocess.Popen(
+                [sys.executable, "-c", _SLEEP, f"vfio_cxl-orphan {self.rundir}"],
+                start_new_session=True, stdin=subprocess.DEVNULL)
+        (self.rundir / "a").mkdir()
+        (self.rundir / "a" / "console.log").write_text("fake console\n")
+
+    def children(self) -> list[Child]:
+        found = [Child("vm", vm, self.procs[("vm", vm)], ssh_port=22000 + i, files={})
+                 for i, vm in enumerate(self.VMS)]
+        found += [Child("gpu", gpu, self.procs[("gpu", gpu)], owner=owner, files={})
+                  for gpu, owner in self.GPUS.items()]
+        return found
+
+    def ssh_info(self, vm: str) -> dict:
+        return {"user": "root", "key": "/nonexistent", "known_hosts": "/nonexistent"}
+
+    def run_state(self, vm: str) -> str:
+        return "running (fake)"
+
+    def stop_processes(self) -> None:
+        for proc in [*self.procs.values(), *([self.orphan_proc] if self.orphan_proc else [])]:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait()
+
+    def close(self) -> None:   # as the real lab's: keep the logs, remove the run directory
+        archive_logs(self.rundir, self.logdir)
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    name, logdir = argv[0], Path(argv[1])
+    rundir = Path(tempfile.mkdtemp(prefix="vfio-cxl-", dir=runtime_root()))
+    (rundir / RUNDIR_MARKER).write_text(name + "\n")
+    record = LabRecord(name=name, topology="fake", rundir=str(rundir), logdir=str(logdir),
+                       fm=ProcessId.of(os.getpid()).to_json(), created=time.time())
+    record.save()
+    return FabricManager(FakeLab(rundir, logdir, orphan="--orphan" in argv), record, progress=sys.stdout).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

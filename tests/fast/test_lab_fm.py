@@ -1,0 +1,302 @@
+"""The fabric manager's control protocol, supervision, registry and cleanup -- on a FAKE lab.
+
+A real fabric-manager process (the same FabricManager class, loop and socket
+as in a lab) runs over tests/fast/fm_fake_lab.py's FakeLab, whose "VMs" and
+"GPU servers" are sleeping processes; what is checked is our own logic.  The VM
+tests (tests/vm/test_lab_fm.py) do the same with QEMU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from vfio_cxl.fm_cli import lab_summary
+from vfio_cxl.lab.fm import protocol, registry
+from vfio_cxl.lab.fm.cleanup import down
+from vfio_cxl.lab.fm.client import FmClient
+from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning, wait_gone
+from vfio_cxl.paths import REPO_ROOT
+
+FAKE = Path(__file__).with_name("fm_fake_lab.py")
+
+
+# -- the protocol, message by message ------------------------------------------------------
+@pytest.mark.parametrize("line, what", [
+    (b"{not json", "request is not JSON"),
+    (b"[1, 2]", "request must be a JSON object, not list"),
+    (b'{"op": "status"}', "protocol version None is not supported"),
+    (b'{"version": 2, "op": "status"}', "protocol version 2 is not supported (this fabric manager speaks 1)"),
+    (b'{"version": 1, "op": "teleport"}', "unknown op 'teleport'"),
+    (b'{"version": 1, "op": "status", "verbose": true}', "op 'status' has no field 'verbose'"),
+    (b'{"version": 1, "op": "events", "since": "3"}', "field 'since' must be int"),
+    (b'{"version": 1, "op": "events", "since": true}', "field 'since' must be int"),
+    (b'{"version": 1, "op": "ssh_info"}', "op 'ssh_info' needs field 'vm'"),
+])
+def test_bad_requests_name_what_is_wrong_and_what_to_do(line, what):
+    with pytest.raises(protocol.ProtocolError) as err:
+        protocol.parse_request(line)
+    assert what in err.value.what
+    assert err.value.fix
+
+
+def test_a_good_request_round_trips():
+    line = protocol.encode(protocol.request("events", since=3, follow=True))
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert protocol.parse_request(line) == {"version": 1, "op": "events", "since": 3, "follow": True}
+
+
+# -- a real manager process over a fake lab ------------------------------------------------
+@pytest.fixture
+def env(monkeypatch):
+    """A private cache (registry, logs) and run-directory parent, short enough for socket paths."""
+    root = Path(tempfile.mkdtemp(prefix="fmt-", dir="/tmp"))
+    monkeypatch.setenv("VFIO_CXL_CACHE", str(root / "cache"))
+    monkeypatch.setenv("VFIO_CXL_RUNDIR", str(root / "run"))
+    yield root
+    for record in registry.records():
+        if record.fm_alive():
+            os.kill(record.fm["pid"], signal.SIGKILL)
+            wait_gone([record.fm_id()], 10)
+        down(record, log=lambda text: None)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+class FakeFm:
+    def __init__(self, *extra: str):
+        self.name, self.logdir = registry.reserve_name("fake")
+        self.proc = subprocess.Popen([sys.executable, str(FAKE), self.name, str(self.logdir), *extra],
+                                     stdout=subprocess.PIPE, stderr=open(self.logdir / "fm.log", "ab"),
+                                     text=True, cwd=REPO_ROOT, start_new_session=True)
+        lines = []
+        for line in self.proc.stdout:
+            lines.append(line)
+            if line.startswith("ready: "):
+                break
+        else:
+            raise AssertionError(f"fake FM did not get ready: {lines} {(self.logdir / 'fm.log').read_text()}")
+        self.record = registry.find(self.name)
+
+    def client(self) -> FmClient:
+        return FmClient(self.record.socket, lab=self.name, timeout=10).connect()
+
+    def wait(self) -> int:
+        return self.proc.wait(30)
+
+
+def raw_exchange(path: Path, data: bytes) -> list[dict]:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return [json.loads(line) for line in received.splitlines()]
+
+
+def test_status_over_the_socket(env):
+    fm = FakeFm()
+    with fm.client() as client:
+        assert client.hello()["lab"] == fm.name
+        status = client.status()
+    assert status["state"] == "running"
+    assert set(status["vms"]) == {"a", "b"} and status["vms"]["a"]["ssh_port"] == 22000
+    gpu = status["gpus"]["gpu0"]
+    assert gpu["owner"] == "a" and gpu["state"] == "attached"
+    assert ProcessId.of(gpu["server_pid"]) is not None and f"{fm.record.rundir}/gpu0" in \
+        Path(f"/proc/{gpu['server_pid']}/cmdline").read_text().replace("\0", " ")
+
+
+def test_bad_lines_get_errors_and_the_connection_stays_usable(env):
+    fm = FakeFm()
+    answers = raw_exchange(fm.record.socket, b"{oops\n" + b'{"version": 9, "op": "status"}\n'
+                           + b'{"version": 1, "op": "fly"}\n' + b'{"version": 1, "op": "hello"}\n')
+    assert [a["ok"] for a in answers] == [False, False, False, True]
+    assert "not JSON" in answers[0]["error"]["what"] and answers[0]["error"]["fix"]
+    assert "version 9" in answers[1]["error"]["what"]
+    assert "unknown op 'fly'" in answers[2]["error"]["what"] and "status" in answers[2]["error"]["fix"]
+    assert answers[3]["result"]["lab"] == fm.name
+
+
+def test_an_overlong_line_is_refused_and_the_connection_closed(env):
+    fm = FakeFm()
+    answers = raw_exchange(fm.record.socket, b"x" * (protocol.MAX_LINE + 10))
+    assert len(answers) == 1 and "without a newline" in answers[0]["error"]["what"]
+    with fm.client() as client:   # the manager itself is fine
+        assert client.status()["state"] == "running"
+
+
+def test_restart_is_refused_with_the_reason(env):
+    fm = FakeFm()
+    with fm.client() as client:
+        with pytest.raises(protocol.RemoteError) as err:
+            client.restart("gpu0")
+        assert "not supported yet" in err.value.what and "MSI-X" in err.value.fix
+        with pytest.raises(protocol.RemoteError, match="no GPU 'gpu9'"):
+            client.restart("gpu9")
+
+
+def test_a_dead_gpu_server_is_reported_within_a_second(env):
+    fm = FakeFm()
+    with fm.client() as client:
+        pid = client.status()["gpus"]["gpu0"]["server_pid"]
+    follower = fm.client()
+    events = follower.follow_events(timeout=10)
+    while next(events)["kind"] != "lab-ready":   # the past, then live
+        pass
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    event = next(events)
+    assert event["kind"] == "gpu-server-died" and event["gpu"] == "gpu0" and event["owner"] == "a"
+    assert event["returncode"] == -signal.SIGKILL
+    assert 0 <= event["time"] - killed_at < 1.0, f"reported {event['time'] - killed_at:.3f} s after the kill"
+    with fm.client() as client:
+        status = client.status()
+    assert status["gpus"]["gpu0"]["state"] == "failed" and status["state"] == "degraded"
+    assert status["vms"]["a"]["state"] == "running"
+    follower.close()
+
+
+def test_a_dead_vm_is_reported_and_the_other_vm_is_untouched(env):
+    fm = FakeFm()
+    with fm.client() as client:
+        status = client.status()
+        events = fm.client().follow_events(since=len(client.events()), timeout=10)
+        killed_at = time.time()
+        os.kill(status["vms"]["b"]["pid"], signal.SIGKILL)
+        event = next(events)
+        assert event["kind"] == "vm-died" and event["vm"] == "b"
+        assert 0 <= event["time"] - killed_at < 1.0
+        status = client.status()
+    assert status["vms"]["b"]["state"] == "dead" and status["vms"]["a"]["state"] == "running"
+    assert status["gpus"]["gpu0"]["state"] == "attached"
+    with fm.client() as client:
+        with pytest.raises(protocol.RemoteError, match="VM b of lab .* is dead"):
+            client.ssh_info("b")
+        assert client.ssh_info("a")["port"] == 22000
+
+
+def count_leftovers(record) -> tuple[int, int, int]:
+    """(processes naming the run dir, sockets, files in the run dir)"""
+    rundir = Path(record.rundir)
+    files = list(rundir.rglob("*")) if rundir.exists() else []
+    return (len(processes_mentioning(record.rundir)), sum(1 for f in files if f.is_socket()), len(files))
+
+
+def test_stop_removes_everything_and_keeps_the_logs(env):
+    fm = FakeFm()
+    record = fm.record
+    follower = fm.client()
+    events = follower.follow_events(timeout=10)
+    assert count_leftovers(record)[0] == 3   # two fake VMs, one fake GPU server
+    down(record, log=lambda text: None)
+    assert fm.wait() == 0
+    assert count_leftovers(record) == (0, 0, 0)
+    assert not Path(record.rundir).exists() and registry.records() == []
+    kinds = [ev["kind"] for ev in events]   # the follower sees the stop, then the end of the stream
+    assert kinds[-2:] == ["stop-requested", "lab-stopping"]
+    assert (Path(record.logdir) / "a" / "console.log").read_text() == "fake console\n"
+    assert "stopped" in (Path(record.logdir) / "fm.log").read_text()
+
+
+def test_down_after_the_manager_was_sigkilled(env):
+    fm = FakeFm("--orphan")
+    record = fm.record
+    assert count_leftovers(record)[0] == 4
+    fm.proc.kill()
+    fm.wait()
+    assert lab_summary(record)["state"] == "fm-dead"
+    with pytest.raises(Exception, match="is not running"):
+        FmClient.for_lab(record.name)
+    # The fake VMs and server die with the manager (PDEATHSIG); the orphan does not.
+    messages = []
+    down(record, log=messages.append)
+    assert "is gone" in messages[0]
+    assert count_leftovers(record) == (0, 0, 0)
+    assert registry.records() == [] and not Path(record.rundir).exists()
+    assert (Path(record.logdir) / "a" / "console.log").exists()
+
+
+def test_lab_names_do_not_repeat_and_old_logs_are_pruned(env):
+    names = [registry.reserve_name("fake")[0] for _ in range(3)]
+    assert names == ["fake-1", "fake-2", "fake-3"]
+    logs = registry.logs_root()
+    for i, name in enumerate(names):
+        os.utime(logs / name, (1000 + i, 1000 + i))
+    registry.prune_logs(keep=2)
+    assert sorted(p.name for p in logs.iterdir()) == ["fake-2", "fake-3"]
+    assert registry.reserve_name("fake")[0] == "fake-4"
+
+
+def vfio_cxl(*args, env_vars=None):
+    return subprocess.run([sys.executable, "-m", "vfio_cxl", *args], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=60, env={**os.environ, **(env_vars or {})})
+
+
+def test_cli_with_no_lab_and_with_two(env):
+    result = vfio_cxl("vm", "ssh", "a", "--", "true")
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("vfio-cxl: error: no lab is running -- "
+                                     "start one with: vfio-cxl vm up TOPOLOGY --detach")
+    assert "no labs running" in vfio_cxl("vm", "ls").stdout
+    first, second = FakeFm(), FakeFm()
+    result = vfio_cxl("fm", "status")
+    assert result.returncode == 1 and "2 labs are running" in result.stderr and "--lab" in result.stderr
+    listing = json.loads(vfio_cxl("vm", "ls", "--json").stdout)
+    assert [lab["name"] for lab in listing] == [first.name, second.name]
+    assert listing[0]["gpus"]["gpu0"] == {"owner": "a", "state": "attached",
+                                          "server_pid": listing[0]["gpus"]["gpu0"]["server_pid"]}
+    status = json.loads(vfio_cxl("fm", "status", "--lab", second.name, "--json").stdout)
+    assert status["name"] == second.name and status["gpus"]["gpu0"]["owner"] == "a"
+    result = vfio_cxl("vm", "down", "--all")
+    assert result.returncode == 0 and registry.records() == []
+    assert first.wait() == 0 and second.wait() == 0
+
+
+def test_down_of_a_hung_manager_kills_it_and_cleans_up(env):
+    fm = FakeFm()
+    record = fm.record
+    os.kill(record.fm["pid"], signal.SIGSTOP)   # takes no requests, handles no signals
+    messages = []
+    down(record, timeout=1, log=messages.append)
+    assert "does not take requests" in messages[0] and "killing it" in messages[1]
+    assert fm.proc.wait(10) == -signal.SIGKILL
+    assert count_leftovers(record) == (0, 0, 0)
+    assert registry.records() == []
+
+
+def test_detach_with_a_bad_topology_fails_before_anything_starts(env):
+    result = vfio_cxl("vm", "up", "nosuch", "--detach")
+    assert result.returncode == 1 and "unknown topology 'nosuch'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert registry.records() == [] and list(registry.logs_root().iterdir()) == []
+    result = vfio_cxl("vm", "up", "single", "--detach", "--run", "true")
+    assert result.returncode == 1 and "--run and --detach do not go together" in result.stderr
+
+
+def test_a_lab_that_fails_to_start_leaves_nothing_but_its_logs(env):
+    """The real fabric manager and Lab: the SSH port is taken, so the lab fails before QEMU starts."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        result = vfio_cxl("vm", "up", "single", "--detach", "--ssh-port", str(port))
+    assert result.returncode == 1, result.stdout
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"vfio-cxl: error: port {port} on 127.0.0.1 is already in use")
+    logdir = registry.logs_root() / "single-1"
+    assert f"(logs: {logdir})" in error and (logdir / "fm.log").exists()
+    assert "start failed" in (logdir / "fm.log").read_text()
+    assert registry.records() == []
+    assert list(Path(os.environ["VFIO_CXL_RUNDIR"]).iterdir()) == []
