@@ -27,7 +27,7 @@ import threading
 import time
 import zlib
 
-from ..channel import ChannelFull, ChannelTimeout, Consumer, CorruptRecord, Producer
+from ..channel import COHERENT, ChannelFull, ChannelTimeout, Consumer, CorruptRecord, Producer
 from ..gpu import regs
 from ..gpu.regs import Op
 from . import cxl
@@ -132,7 +132,7 @@ def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, 
     with DaxMapping(dax_device) as dax, GpuDriver.open() as gpu:
         view = _channel_view(dax)
         on_publish = (lambda seq, offset, length: notifier.sendall(b"%d\n" % seq)) if notifier else None
-        producer = Producer.create(view, ring_entries=ring_entries, on_publish=on_publish)
+        producer = Producer.create(view, coherence=COHERENT, ring_entries=ring_entries, on_publish=on_publish)
         start = time.monotonic()
         with gpu.map(dax.map, GpuDriver.DATA_IOVA):
             for _ in range(count):
@@ -190,7 +190,7 @@ def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
     error = None
     with DaxMapping(dax_device) as dax:
         view = _channel_view(dax)
-        consumer = Consumer.open(view, wait=timeout)
+        consumer = Consumer.open(view, coherence=COHERENT, wait=timeout)
         try:
             if server:
                 conn, _ = server.accept()
