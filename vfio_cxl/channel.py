@@ -396,11 +396,12 @@ class Reservation:
 class Producer(_Side):
     """The writing side.  Create the channel with ``Producer.create(buf, coherence=...)``."""
 
-    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence, on_publish=None):
+    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence, on_publish=None, *,
+                 fresh: bool = False):
         super().__init__(view, geo, coherence)
         self.on_publish = on_publish
         self._pending: deque[Reservation] = deque()
-        self._seq, self._head = self._recover()
+        self._seq, self._head = (0, 0) if fresh else self._recover()
 
     def _recover(self) -> tuple[int, int]:
         """Next seq and data head, rebuilt from what is in shared memory: the consumer's line and the commit words.
@@ -459,7 +460,7 @@ class Producer(_Side):
         view[0:8] = MAGIC                             # the header's commit: written last
         coh.flush(view, 0, LINE)
         coh.fence()
-        return cls(view, read_header(view, coh), coh, on_publish)
+        return cls(view, Geometry(ring_entries, data_off, data_size, epoch), coh, on_publish, fresh=True)
 
     @classmethod
     def attach(cls, buf, *, coherence: Coherence, on_publish=None) -> "Producer":
@@ -548,9 +549,10 @@ class Producer(_Side):
             checksum = zlib.crc32(res.view)
         slot = self._slot(seq)
         view[slot:slot + RECORD.size] = _record_bytes(epoch, seq, offset, length, res.end, checksum)
-        coh.flush(view, offset, length)               # 1. the payload (if this CPU wrote it)
-        coh.flush(view, slot, RECORD.size)            # 2. the record fields
-        coh.fence()                                   #    both in memory before the commit word is stored
+        coh.flush(view, offset, length)               # 1. the payload (if this CPU wrote it) in memory,
+        coh.fence()                                   #    before the commit word is stored
+        # 2. the fields need no flush of their own: they share the commit word's line, which goes to memory
+        # whole, with them in place (a line evicted before the commit only shows uncommitted fields).
         self._words[self._commit_index(seq)] = _marker(epoch, seq)   # 3. the commit word
         self._words[W_PUBLISHED] = seq + 1            # 4. a hint (counts, messages); restart ignores it
         coh.flush(view, slot + COMMIT_AT, 8)
