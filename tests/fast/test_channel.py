@@ -475,9 +475,9 @@ def test_ordering_payload_then_fields_then_commit_each_written_back_and_fenced(m
     marker = channel._marker(p.geometry.epoch, 0)
     assert [op[:3] for op in rec.ops] == [
         ("invalidate", r.offset, 100), ("fence", None, None),      # no checksum given: CRC over memory
-        ("flush", r.offset, 100), ("flush", 192, 40), ("fence", None, None),   # payload, fields
-        ("flush", 192 + 56, 8), ("flush", 64, 8), ("fence", None, None)]       # commit word, published hint
-    assert [op[3] for op in rec.ops] == [0] * 5 + [marker] * 3      # the commit word is stored after the fence
+        ("flush", r.offset, 100), ("fence", None, None),           # the payload
+        ("flush", 192 + 56, 8), ("flush", 64, 8), ("fence", None, None)]   # commit word (with the fields' line), hint
+    assert [op[3] for op in rec.ops] == [0] * 4 + [marker] * 3      # the commit word is stored after the fence
     rec.ops.clear()
     got = c.receive(0)
     assert [op[:3] for op in rec.ops] == [("invalidate", 192 + 56, 8), ("fence", None, None),
