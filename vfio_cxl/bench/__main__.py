@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "boot": "vfio_cxl.bench.boot",
     "routes": "vfio_cxl.bench.routes",
     "share": "vfio_cxl.bench.share",
+    "channel": "vfio_cxl.bench.channel",
 }
 
 
