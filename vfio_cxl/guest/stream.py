@@ -60,7 +60,7 @@ def coherence(name: str) -> Coherence:
         raise cxl.CxlError(f"--coherence x86: {e.what}", e.fix) from None
 
 
-def _channel_view(dax: DaxMapping) -> memoryview:
+def channel_view(dax: DaxMapping) -> memoryview:
     if dax.size < CHANNEL_BASE + CHANNEL_SIZE:
         raise cxl.CxlError(f"devdax is {dax.size} bytes; the channel needs {CHANNEL_BASE + CHANNEL_SIZE}")
     return dax.view[CHANNEL_BASE:CHANNEL_BASE + CHANNEL_SIZE]
@@ -143,7 +143,7 @@ def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, 
     done_at: list[float] = []
     full_waits = 0
     with DaxMapping(dax_device) as dax, GpuDriver.open() as gpu:
-        view = _channel_view(dax)
+        view = channel_view(dax)
         on_publish = (lambda seq, offset, length: notifier.sendall(b"%d\n" % seq)) if notifier else None
         producer = Producer.create(view, coherence=coherence(coherence_name), ring_entries=ring_entries,
                                    on_publish=on_publish)
@@ -203,7 +203,7 @@ def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
     delivered, rejected, bad_bytes, seen_at = [], [], [], []
     error = None
     with DaxMapping(dax_device) as dax:
-        view = _channel_view(dax)
+        view = channel_view(dax)
         consumer = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout)
         try:
             if server:
