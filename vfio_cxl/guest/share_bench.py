@@ -103,7 +103,9 @@ def send(transport: str, plan, peer: str, timeout: float, coherence_name: str) -
                 header = HEADER.pack(size, crc)
                 for _ in range(count):
                     sent_at.append(time.monotonic())
-                    sock.sendmsg([header, data])        # one copy into the kernel, like the channel's one copy
+                    done = sock.sendmsg([header, data])     # one copy into the kernel, like the channel's one copy
+                    if done < len(header) + size:           # a full socket buffer takes part of it
+                        sock.sendall((header + data)[done:] if done < len(header) else data[done - len(header):])
                     if mode == "paced" and sock.recv(1) != b"k":
                         raise cxl.CxlError("the TCP receiver closed the connection", "see its output")
             if sock.recv(1) != b"k":                    # everything received and checked
