@@ -11,6 +11,7 @@
    Beside them, the guest's own zlib.crc32 rate.
 2. GPU-placed records (``vfio_cxl.guest.stream``): GPU completion (MSI-X) in a
    -> record visible in b, polling and "record N ready" over the link, 1..16 KiB.
+3. The cost of the x86 cache operations (``vfio_cxl.cacheline bench``) in VM b.
 
 ``--json``: one object with ``channel_mb_s`` and ``tcp_mb_s`` (1 MiB records),
 ``guest_crc32_mb_s``, ``poll_latency_ms_median`` and ``tcp_latency_ms_median``
@@ -23,6 +24,7 @@ import argparse
 import json
 import statistics
 
+from .. import cacheline
 from ..demos.share import B_LINK_ADDRESS, STREAM, latencies_ms, stream
 from ..guest.share_bench import DEFAULT_PLAN, parse_plan
 from ..lab import topology
@@ -80,7 +82,15 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     plan = parse_plan(args.plan)
     gpu_rows = []
+    try:
+        cacheline.build()                     # the guests load the host's build of the x86 cache operations
+        guest_cache_ops: dict | str = {}
+    except cacheline.CachelineError as e:
+        guest_cache_ops = f"not measured: {e}"
     with Lab(topology.load("shared"), log=lambda *_: None) as lab:
+        if isinstance(guest_cache_ops, dict):
+            guest_cache_ops = json.loads(lab["b"].run("python3 -m vfio_cxl.cacheline bench --json",
+                                                      timeout=300).stdout)
         runs = {t: transport_run(lab, t, args.plan) for t in ("channel", "tcp")}
         table = {t: phases(plan, *runs[t]) for t in runs}
         crc_rate = runs["channel"][1]["guest_crc32_mb_s"]
@@ -102,7 +112,7 @@ def main(argv: list[str]) -> int:
               "tcp_latency_ms_median": table["tcp"][small].get("latency_ms_median"),
               "clock_rtt_ms": clock_rtt,
               "sizes": [{"size": s, "channel": table["channel"][s], "tcp": table["tcp"][s]} for s in sizes],
-              "gpu": gpu_rows}
+              "gpu": gpu_rows, "guest_cache_operations": guest_cache_ops}
     if args.json:
         print(json.dumps(result))
         return 0
@@ -120,6 +130,14 @@ def main(argv: list[str]) -> int:
               f"{cell(c, 'mb_s', '>9.1f')} {cell(t, 'mb_s', '>9.1f')} {ratio:>8}")
     print(f"guest zlib.crc32: {crc_rate:.0f} MB/s; latency medians, one record in flight; clock offset error "
           f"<= half the clock rtt ({clock_rtt:.2f} ms)")
+    if isinstance(guest_cache_ops, dict):
+        per_mib, line = guest_cache_ops["per_size_us"], guest_cache_ops["per_line_ns_single_call"]
+        print(f"\ncache operations in VM b ({guest_cache_ops['coherence']}; TCG, so no real caches behind them): "
+              f"write back a dirty MiB {per_mib['flush_dirty']:.0f} us, invalidate a MiB {per_mib['invalidate']:.0f} us, "
+              f"one line per call + MFENCE {line['flush+fence']:.0f} ns (cffi call alone "
+              f"{line['cffi_call_overhead(nop, no fence)']:.0f} ns)")
+    else:
+        print(f"\ncache operations in the guest: {guest_cache_ops}")
     if gpu_rows:
         print(f"\n{args.records} GPU-placed records of 1..{args.max_size} bytes, GPU in VM a -> shared CXL -> VM b")
         print(f"{'mode':18} {'latency median':>15} {'p95':>9} {'records/s':>10} {'MB/s':>7} {'clock rtt':>10}")
