@@ -11,8 +11,10 @@ with its CRC32 known; the receiving side checks the CRC32 of every payload
 in one ``zlib.crc32`` call (the channel does it in ``receive()``; the TCP
 receiver after ``recv_into``) and records when it has a checked payload, on
 its CLOCK_MONOTONIC.  The sender records when each payload was handed over
-(just before ``publish`` / ``sendmsg``) and measures the clock offset to b
-over the link (``vfio_cxl.guest.stream``).  ``recv`` also reports the
+(just before ``publish`` / ``sendmsg``) and, for paced records, when it saw
+b's ack (the channel's acked count, or one byte back): a round trip on a's
+clock alone.  It also measures the clock offset to b over the link
+(``vfio_cxl.guest.stream``) for one-way figures.  ``recv`` also reports the
 guest's own zlib.crc32 rate over 1 MiB of devdax memory.
 
 The channel uses the devdax region of ``vfio_cxl.guest.stream`` and polls
@@ -77,6 +79,7 @@ def send(transport: str, plan, peer: str, timeout: float, coherence_name: str) -
     payloads = _payloads(plan)
     clock = measure_clock_offset(peer, CLOCK_PORT, timeout)
     sent_at: list[float] = []
+    acked_at: list[float | None] = []       # paced records: when a saw b's ack (round trip on a's clock alone)
     if transport == "channel":
         with DaxMapping(cxl.ensure_ram_devdax()) as dax:
             view = channel_view(dax)
@@ -90,6 +93,9 @@ def send(transport: str, plan, peer: str, timeout: float, coherence_name: str) -
                     seq = p.publish(r.offset, size, crc)
                     if mode == "paced":
                         _wait(lambda: p.acked > seq, timeout, f"no ack of record {seq}")
+                        acked_at.append(time.monotonic())
+                    else:
+                        acked_at.append(None)
             # the receiver's last ack: it has checked everything before we unmap
             _wait(lambda: p.acked == p.next_seq, timeout, "not all records acked")
             p.close()
@@ -106,11 +112,15 @@ def send(transport: str, plan, peer: str, timeout: float, coherence_name: str) -
                     done = sock.sendmsg([header, data])     # one copy into the kernel, like the channel's one copy
                     if done < len(header) + size:           # a full socket buffer takes part of it
                         sock.sendall((header + data)[done:] if done < len(header) else data[done - len(header):])
-                    if mode == "paced" and sock.recv(1) != b"k":
-                        raise cxl.CxlError("the TCP receiver closed the connection", "see its output")
+                    if mode == "paced":
+                        if sock.recv(1) != b"k":
+                            raise cxl.CxlError("the TCP receiver closed the connection", "see its output")
+                        acked_at.append(time.monotonic())
+                    else:
+                        acked_at.append(None)
             if sock.recv(1) != b"k":                    # everything received and checked
                 raise cxl.CxlError("the TCP receiver did not confirm the end", "see its output")
-    return {"transport": transport, "sent_at": sent_at, "clock": clock}
+    return {"transport": transport, "sent_at": sent_at, "acked_at": acked_at, "clock": clock}
 
 
 # -- receiving side (VM b) -------------------------------------------------------------------------
