@@ -206,7 +206,8 @@ class Coherence:
         """Coherent memory: no stale copies to drop."""
 
     def fence(self) -> None:
-        """Coherent memory: program order (x86 TSO) already orders the channel's stores and loads."""
+        """Coherent memory: x86 TSO keeps stores in order and loads in order, which is all the channel needs
+        (it never relies on a store being seen before a later load of its own)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__}: {self.name}>"
