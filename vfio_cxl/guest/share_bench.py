@@ -36,7 +36,8 @@ import zlib
 from ..channel import Consumer, CorruptRecord, Producer
 from . import cxl
 from .dax import DaxMapping
-from .stream import CLOCK_PORT, channel_view, coherence, connect_with_retry, measure_clock_offset, serve_clock
+from .stream import (CLOCK_PORT, channel_view, coherence, connect_with_retry, measure_clock_offset, prefault,
+                     serve_clock)
 
 TCP_PORT = 7003
 HEADER = struct.Struct("<II")        # TCP framing: payload length, CRC32
@@ -83,6 +84,7 @@ def send(transport: str, plan, peer: str, timeout: float, coherence_name: str) -
     if transport == "channel":
         with DaxMapping(cxl.ensure_ram_devdax()) as dax:
             view = channel_view(dax)
+            prefault(view, write=True)
             p = Producer.create(view, coherence=coherence(coherence_name), ring_entries=256)
             for size, count, mode in plan:
                 data, crc = payloads[size]
@@ -156,6 +158,7 @@ def recv(transport: str, plan, timeout: float, coherence_name: str) -> dict:
             crc_rate = guest_crc32_rate(dax)
             if transport == "channel":
                 view = channel_view(dax)
+                prefault(view, write=False)
                 c = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout)
                 try:
                     for size, count, _ in plan:
