@@ -2,6 +2,7 @@
 
 import mmap
 import platform
+import shutil
 import random
 import zlib
 from pathlib import Path
@@ -13,6 +14,8 @@ from vfio_cxl.cacheline import CachelineError
 from vfio_cxl.channel import Consumer, Producer
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instructions")
+needs_helper = pytest.mark.skipif(not (cacheline.library_path().exists() or shutil.which("cc")),
+                                  reason="no C compiler to build the helper, and no build of it")
 
 
 def cpuinfo_flags() -> set[str]:
@@ -22,6 +25,7 @@ def cpuinfo_flags() -> set[str]:
     return set()
 
 
+@needs_helper
 def test_cpuid_agrees_with_the_kernel_and_the_choice_follows_it():
     f = cacheline.features()
     flags = cpuinfo_flags()
@@ -33,6 +37,7 @@ def test_cpuid_agrees_with_the_kernel_and_the_choice_follows_it():
     assert name.endswith("fence MFENCE")
 
 
+@needs_helper
 def test_operations_cover_the_first_and_last_line_of_a_mapping_without_faulting():
     coh = cacheline.x86()
     with mmap.mmap(-1, 2 * mmap.PAGESIZE) as m:
@@ -48,6 +53,7 @@ def test_operations_cover_the_first_and_last_line_of_a_mapping_without_faulting(
         view.release()                                   # the operations keep no export of it
 
 
+@needs_helper
 def test_channel_streams_with_the_real_instructions():
     coh = cacheline.x86()
     rng = random.Random(3)
