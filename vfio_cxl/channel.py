@@ -3,30 +3,36 @@
 VM a (producer) and VM b (consumer) map the same memory -- ``/dev/dax0.0`` in
 the guests, any writable buffer (an mmap of a file) elsewhere.  Payloads are
 placed in the shared data area (by the CPU, or by a GPU's DMA) and announced by
-records in a ring; the consumer reads them in place, with no copy.
+records in a ring; the consumer checks them and reads them in place, with no copy.
 
     # VM a                                        # VM b
-    p = Producer.create(dax.map)                  c = Consumer.open(dax.map, wait=30)
+    p = Producer.create(mm, coherence=C)          c = Consumer.open(mm, coherence=C, wait=30)
     r = p.reserve(n)        # where to put it     rec = c.receive(timeout=5)
-    gpu DMAs n bytes to IOVA_BASE + r.offset      use(rec.view)   # zero copy
+    gpu DMAs n bytes to IOVA_BASE + r.offset      use(rec.view)   # zero copy, CRC32 checked
     seq = p.publish(r.offset, r.length)           c.ack(rec)      # frees its space
     p.send(b"small things are copied in")
+
+``C`` says how each host keeps its caches honest (see "Coherence"): the lab's
+memory is coherent, so it passes ``COHERENT`` (explicitly no cache
+maintenance); real CXL 2.0 shared memory needs ``vfio_cxl.cacheline.x86()``.
 
 Offsets are relative to the start of the buffer handed to ``create``/``open``
 (the devdax offset when the whole device is the channel).
 
 API
 ---
-* ``Producer.create(buf, ring_entries=256, on_publish=None)`` writes a fresh
-  header; ``Producer.attach(buf)`` resumes on an existing channel.
+* ``Producer.create(buf, coherence=, ring_entries=256, on_publish=None)``
+  writes a fresh header; ``Producer.attach(buf, coherence=)`` resumes on an
+  existing channel (after a crash too: see "Restart").
   ``reserve(length, align=64, timeout=None) -> Reservation`` (``.offset``,
   ``.length``, ``.view``), ``publish(offset, length, checksum=None) -> seq``,
   ``send(data, timeout=None) -> seq``.  Several reservations may be
   outstanding; they are published in reserve order.
-* ``Consumer.open(buf, wait=0)`` (resumes after the last ack),
+* ``Consumer.open(buf, coherence=, wait=0)`` (resumes after the last ack),
   ``receive(timeout=None, expect=None) -> Record`` (``.seq``, ``.offset``,
-  ``.length``, ``.view``, ``.tobytes()``), ``ack(record=None)`` (cumulative),
-  ``skip()`` after a CorruptRecord, ``wait_for(seq, timeout)``, ``published``.
+  ``.length``, ``.checksum``, ``.view``, ``.tobytes()``), ``ack(record=None)``
+  (cumulative), ``skip()`` after a CorruptRecord, ``wait_for(seq, timeout)``,
+  ``published``.
 * Timeouts: None waits forever, 0 looks once.  Errors are ChannelError
   subclasses: NoChannel (BadMagic), VersionMismatch, BadHeader, ChannelFull,
   ChannelTimeout (also a TimeoutError), CorruptRecord (``.seq``, ``.reason``).
@@ -38,77 +44,108 @@ Memory layout (little endian; every line is 64 bytes, one cache line)
 ::
 
     0    header, written once by Producer.create (magic last)
-         0 magic b"VCXLCHAN" | 8 u32 version | 12 u32 ring entries N
+         0 magic b"VCXLCHAN" | 8 u32 version (2) | 12 u32 ring entries N
          16 u32 record size (64) | 20 u32 flags (0) | 24 u64 ring offset (192)
          32 u64 data offset | 40 u64 data size | 48 u64 epoch (random, per create)
          56 u32 reserved | 60 u32 CRC32 of bytes 8..60
     64   producer line (only the producer writes it)
-         64 u64 records published (= next seq) | 72 u64 data head (bytes allocated)
+         64 u64 records published: a hint, written after the commit | 72 reserved
     128  consumer line (only the consumer writes it)
          128 u64 records acked (= oldest unreleased seq) | 136 u64 data tail (bytes freed)
-    192  record ring: N records of 64 bytes, record ``seq`` in slot ``seq % N``
+    192  record ring: N records of 64 bytes (one line each), record ``seq`` in slot ``seq % N``
          +0 u64 seq | +8 u64 payload offset | +16 u64 length | +24 u64 end
          +32 u32 payload CRC32 | +36 u32 CRC32 of +0..+36 (seeded with the epoch)
          +40..+56 reserved | +56 u64 commit word = (epoch & 0xffffffff) << 32 | (seq + 1) & 0xffffffff
     data offset (4 KiB aligned, after the ring) .. end: the data area
 
 The data area is a circular byte buffer addressed by monotonic positions:
-``head`` (producer) and ``tail`` (consumer) only grow; position ``p`` lives at
-``data_offset + p % data_size``.  A payload is never split: if it does not fit
-before the end of the area, the producer skips to the start of the next lap.
-A record's ``end`` is the
-position just after its payload; acking it moves ``tail`` to ``end``.  Space is
-reused only when ``end - tail <= data_size`` (back-pressure); ring slots only
-when fewer than N records are unacked.  Acks are cumulative.  (Bytes skipped
-at the end of a lap are freed with the record placed after them, so free space
-is counted conservatively.)
+the producer's head and the consumer's ``tail`` only grow; position ``p`` lives
+at ``data_offset + p % data_size``.  Payloads start on a cache line (``align``
+>= 64), so two payloads never share a line.  A payload is never split: if it
+does not fit before the end of the area, the producer skips to the start of
+the next lap.  A record's ``end`` is the position just after its payload;
+acking it moves ``tail`` to ``end``.  Space is reused only when
+``end - tail <= data_size`` (back-pressure); ring slots only when fewer than N
+records are unacked.  Acks are cumulative.  (Bytes skipped at the end of a lap
+are freed with the record placed after them, so free space is counted
+conservatively.)
 
-Checksums are zlib's CRC32 (C, GB/s): one over the payload, one over the
-record's fields seeded with the channel's epoch.  They catch torn, stale and
-accidentally corrupted records, not a malicious writer.
+Checksums are zlib's CRC32 (C, GB/s; one call per payload): one over the
+payload, one over the record's fields seeded with the channel's epoch.  They
+catch torn, stale and accidentally corrupted records, not a malicious writer.
+The consumer never copies or walks a payload in Python.
 
 The commit word tells the consumer that *this* seq (of *this* channel
 incarnation) is complete; a slot still holding the previous lap's record, a
 zeroed slot or a slot from before a re-create never matches.
 
-Ordering rules
---------------
-Producer: payload bytes -> record fields (+0..+40) -> commit word (+56) ->
-published count.  Consumer: commit word -> record fields -> payload; it
+Coherence
+---------
+Every cross-host store and load of the channel goes through three cache
+operations of a ``Coherence`` object: ``flush(view, offset, length)`` (write
+this host's modified lines back to memory), ``invalidate(view, offset,
+length)`` (drop this host's copies, so later loads come from memory) and
+``fence()`` (wait for the earlier two, order loads and stores).  Flushes and
+invalidations are weak, as on x86: they may complete in any order, at any time
+up to this host's next fence.
+
+* ``COHERENT``: no-ops.  Right for one host and for the lab, where both
+  guests map one host file through QEMU and host memory is coherent (x86 TSO),
+  so program order is enough.
+* ``vfio_cxl.cacheline.x86()``: CLWB (else CLFLUSHOPT) / CLFLUSHOPT (else
+  CLFLUSH) over the lines, and MFENCE, through cffi -- what CXL 2.0 memory
+  shared between hosts needs, since it is **not** coherent between hosts: each
+  host may keep lines the other has changed, and may write its own modified
+  lines back at any time.
+* The fast tests run the channel on a model of non-coherent memory (per-host
+  write-back caches, random eviction), and a mutation test removes each call
+  below in turn to show that every one is needed.
+
+Ordering rules (each arrow is a flush + fence, or an invalidate + fence)
+-----------------------------------------------------------------------
+Producer publish: payload and record fields written back -> fence -> commit
+word and published hint stored and written back -> fence (the record is now
+visible; then ``on_publish`` is called).  When the caller has no checksum (a
+DMA placed the payload), the payload lines are first invalidated so the CRC is
+computed over memory, not over stale lines.  Before a reserved range is
+handed out, this CPU's modified lines over it are written back (a producer
+that died mid-record may have left some), so they cannot land later on top of
+a DMA-written payload.
+
+Consumer receive: invalidate the commit word's line -> fence -> load it; the
+fields come from the same line (fetched with the commit word); check them;
+invalidate the payload lines -> fence -> one CRC32 over the payload.  It
 validates the field CRC, the seq, the bounds (offset/length inside the data
-area and consistent with ``end``) and the payload CRC, and raises
-``CorruptRecord`` instead of ever delivering bad data.  Consumer ack: data tail,
-then acked count.  8-byte words (commit, counters) are single aligned stores
-and loads through a ``memoryview.cast("Q")``.
+area, consistent with ``end``, not over unacked data) and the payload CRC, and
+raises ``CorruptRecord`` instead of ever delivering bad data.  Consumer ack:
+data tail and acked count (one line) written back -> fence.  The producer
+invalidates the consumer's line before each look at the acks; each side reads
+the header and its own counters from memory when it starts.
 
-In the lab both guests map the same host file through QEMU, and host memory is
-coherent (x86 TSO, one host), so program order of these stores is enough and
-``_flush``/``_invalidate``/``_fence`` below are documented no-ops.
+Assumptions: a cache line is written back and fetched whole (64 bytes); the
+8-byte words (commit, counters) are single aligned stores and loads through
+a ``memoryview.cast("Q")``; only the producer writes the producer line, ring
+and payloads, only the consumer the consumer line.  A device that DMAs a
+payload may bypass the producer CPU's caches.
 
-On real CXL 2.0 hardware shared between two hosts there is **no** hardware
-coherence for this memory: each host may cache lines the other has changed.
-Then (x86 names):
+Restart
+-------
+``Producer.attach`` rebuilds its state from shared memory only: the
+consumer's acked count and tail, and the commit words from there on (every
+seq whose slot holds its commit word is published; the head is the end of the
+last one).  The published hint is never trusted, so a producer that died
+between its commit and anything after it neither republishes a record the
+consumer may have received nor reuses space the consumer has not acked.
+Reserved but uncommitted records are forgotten.  Its invalidation of the ring
+also writes back a commit word the dead producer stored but did not flush (a
+restart on the same host); a restart on another host sees exactly what the
+consumer can see.
 
-* producer: CLWB/CLFLUSHOPT the payload lines and the record lines, SFENCE,
-  store the commit word, CLWB its line, SFENCE -- otherwise the consumer may see
-  the commit flag in memory before the payload or fields got there;
-* before handing a reserved range to a DMA engine the producer must write back
-  and invalidate (CLFLUSHOPT) its lines over that range, so no dirty line of
-  the producer CPU is evicted later on top of the DMA-written payload;
-* consumer: CLFLUSH (invalidate) the record line before each poll of the commit
-  word and the payload lines before reading them (then MFENCE, so no load is
-  served early), because its cache may hold stale copies from an earlier lap;
-  likewise the producer invalidates the
-  consumer line before reading the consumer's ack, and each side flushes the
-  line it writes (producer/consumer counters, header).
-
-Every place this applies calls one of the hooks, so a port to such hardware
-(e.g. through a small C extension) replaces three functions.
-
-Notification: ``Producer.create(buf, on_publish=callback)`` calls ``callback(seq, offset,
-length)`` after the commit is visible (e.g. to send "record N ready" over a
-socket); the consumer can ``wait_for(seq)`` by polling, or be told a seq and call
-``receive(expect=seq)`` which validates it is the next one.
+Notification: ``Producer.create(buf, coherence=..., on_publish=callback)``
+calls ``callback(seq, offset, length)`` after the commit is visible (e.g. to
+send "record N ready" over a socket); the consumer can ``wait_for(seq)`` by
+polling, or be told a seq and call ``receive(expect=seq)`` which validates it
+is the next one.
 """
 
 from __future__ import annotations
@@ -120,7 +157,7 @@ import zlib
 from collections import deque
 
 MAGIC = b"VCXLCHAN"
-VERSION = 1
+VERSION = 2
 LINE = 64
 RECORD_SIZE = 64
 PRODUCER_LINE = 64
@@ -132,22 +169,51 @@ HEADER = struct.Struct("<8sIIIIQQQQII")     # 64 bytes
 RECORD = struct.Struct("<QQQQII")           # 40 bytes of fields; commit word at +56
 COMMIT_AT = 56
 # indices of the 8-byte words in the control area (memoryview.cast("Q"))
-W_PUBLISHED, W_HEAD = PRODUCER_LINE // 8, PRODUCER_LINE // 8 + 1
+W_PUBLISHED = PRODUCER_LINE // 8
 W_ACKED, W_TAIL = CONSUMER_LINE // 8, CONSUMER_LINE // 8 + 1
 
 
-# --- coherence hooks: no-ops on coherent memory (see "Ordering rules") ---------
+# --- coherence: how this host's stores reach the other host, and back -------------
 
-def _flush(view: memoryview, start: int, end: int) -> None:
-    """Write back the cache lines over ``view[start:end]`` (CLWB/CLFLUSHOPT).  No-op here."""
+class Coherence:
+    """The three cache operations the channel needs on memory shared between hosts.
+
+    ``offset``/``length`` are relative to ``view`` (the channel's buffer).  The
+    operations are *weak*, like the x86 instructions behind them: a flush or an
+    invalidation may take effect at any time up to the next ``fence()`` of this
+    host, in any order, and only ``fence()`` waits for them.
+
+    * ``flush(view, offset, length)``: write this host's modified cache lines
+      over the range back to memory (CLWB, or CLFLUSHOPT).
+    * ``invalidate(view, offset, length)``: drop this host's copies of the lines
+      (a modified line is written back first), so loads after the next fence come
+      from memory (CLFLUSHOPT, or CLFLUSH).
+    * ``fence()``: wait for this host's earlier flushes and invalidations and
+      order its earlier loads and stores before later ones (MFENCE).
+
+    This class itself is the choice for *coherent* memory -- one host, or
+    QEMU's shared file in the lab -- where all three do nothing: use
+    ``COHERENT``.  ``vfio_cxl.cacheline`` has the x86 instructions for real
+    CXL shared memory; the fast tests have a model of non-coherent memory.
+    """
+
+    name = "coherent (no cache maintenance)"
+
+    def flush(self, view: memoryview, offset: int, length: int) -> None:
+        """Coherent memory: nothing to write back."""
+
+    def invalidate(self, view: memoryview, offset: int, length: int) -> None:
+        """Coherent memory: no stale copies to drop."""
+
+    def fence(self) -> None:
+        """Coherent memory: x86 TSO keeps stores in order and loads in order, which is all the channel needs
+        (it never relies on a store being seen before a later load of its own)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {self.name}>"
 
 
-def _invalidate(view: memoryview, start: int, end: int) -> None:
-    """Drop this CPU's cached copies of ``view[start:end]`` (CLFLUSH).  No-op here."""
-
-
-def _fence() -> None:
-    """Order flushes before later stores (SFENCE), invalidations before later loads (MFENCE).  No-op here."""
+COHERENT = Coherence()
 
 
 # --- errors --------------------------------------------------------------------
@@ -252,11 +318,12 @@ def _as_view(buf) -> memoryview:
     return view.cast("B")
 
 
-def read_header(view: memoryview) -> Geometry:
+def read_header(view: memoryview, coherence: Coherence) -> Geometry:
     """Validate the header at offset 0 of ``view``; raise a ChannelError subclass if unusable."""
-    _invalidate(view, 0, LINE)
     if len(view) < HEADER.size:
         raise BadHeader(f"the buffer is {len(view)} bytes, too small for a channel header", "map the whole device")
+    coherence.invalidate(view, 0, LINE)
+    coherence.fence()
     magic, version, entries, rec_size, _flags, ring_off, data_off, data_size, epoch, _r, crc = \
         HEADER.unpack_from(view, 0)
     if magic == bytes(8):
@@ -283,23 +350,17 @@ def read_header(view: memoryview) -> Geometry:
 
 
 class _Side:
-    """What producer and consumer share: the buffer views and the geometry."""
+    """What producer and consumer share: the buffer views, the geometry, the cache operations."""
 
-    def __init__(self, view: memoryview, geo: Geometry):
-        self._view, self.geometry = view, geo
+    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence):
+        self._view, self.geometry, self.coherence = view, geo, coherence
         self._words = view[:geo.data_offset].cast("Q")
 
     def _slot(self, seq: int) -> int:
         return RING_OFFSET + (seq % self.geometry.ring_entries) * RECORD_SIZE
 
-    def _word(self, index: int, invalidate: bool = True) -> int:
-        if invalidate:
-            _invalidate(self._view, index * 8, index * 8 + 8)
-        return self._words[index]
-
-    def _store(self, index: int, value: int) -> None:
-        self._words[index] = value
-        _flush(self._view, index * 8, index * 8 + 8)
+    def _commit_index(self, seq: int) -> int:
+        return (self._slot(seq) + COMMIT_AT) // 8
 
     def close(self) -> None:
         """Release the views of the buffer (the caller can then close its mmap)."""
@@ -311,6 +372,14 @@ class _Side:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_coherence(coherence) -> Coherence:
+    if not all(callable(getattr(coherence, op, None)) for op in ("flush", "invalidate", "fence")):
+        raise ChannelError(f"coherence={coherence!r} has no flush/invalidate/fence",
+                           "pass channel.COHERENT for coherent memory (the lab), or a Coherence such as "
+                           "vfio_cxl.cacheline.x86() for real non-coherent shared memory")
+    return coherence
 
 
 class Reservation:
@@ -326,18 +395,51 @@ class Reservation:
 
 
 class Producer(_Side):
-    """The writing side.  Create the channel with ``Producer.create(buf)``."""
+    """The writing side.  Create the channel with ``Producer.create(buf, coherence=...)``."""
 
-    def __init__(self, view: memoryview, geo: Geometry, on_publish=None):
-        super().__init__(view, geo)
+    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence, on_publish=None, *,
+                 fresh: bool = False):
+        super().__init__(view, geo, coherence)
         self.on_publish = on_publish
-        self._seq = self._word(W_PUBLISHED)
-        self._head = self._word(W_HEAD)
         self._pending: deque[Reservation] = deque()
+        self._seq, self._head = (0, 0) if fresh else self._recover()
+
+    def _recover(self) -> tuple[int, int]:
+        """Next seq and data head, rebuilt from what is in shared memory: the consumer's line and the commit words.
+
+        The published count in the producer line is only a hint written after
+        the commit; a producer that died between its commit and that hint must
+        not reuse the committed record's slot or space.  Every seq from the
+        consumer's acked count on whose slot holds its commit word is
+        published; the head is just after the last one's payload.
+        """
+        geo, view, coh, words = self.geometry, self._view, self.coherence, self._words
+        # Fresh copies of the consumer's line and the ring; this host's modified lines (a commit stored by
+        # a producer that died before flushing it) are written back by the invalidation.
+        coh.invalidate(view, CONSUMER_LINE, LINE)
+        coh.invalidate(view, RING_OFFSET, geo.ring_entries * RECORD_SIZE)
+        coh.fence()
+        acked, head = words[W_ACKED], words[W_TAIL]
+        seq = acked
+        while seq < acked + geo.ring_entries and words[self._commit_index(seq)] == _marker(geo.epoch, seq):
+            slot = self._slot(seq)
+            fields = bytes(view[slot:slot + RECORD.size])
+            rseq, _offset, _length, end, _crc, meta = RECORD.unpack(fields)
+            if rseq != seq or zlib.crc32(fields[:36], geo.epoch & 0xFFFF_FFFF) != meta:
+                raise ChannelError(f"cannot resume: record {seq} is committed but its fields are corrupt",
+                                   "recreate the channel with Producer.create")
+            head = max(head, end)
+            seq += 1
+        return seq, head
 
     @classmethod
-    def create(cls, buf, *, ring_entries: int = 256, on_publish=None) -> "Producer":
-        """Write a fresh header (new epoch) and empty ring over ``buf``; the data area is the rest."""
+    def create(cls, buf, *, coherence: Coherence, ring_entries: int = 256, on_publish=None) -> "Producer":
+        """Write a fresh header (new epoch) and empty ring over ``buf``; the data area is the rest.
+
+        ``coherence``: ``channel.COHERENT`` for coherent memory, else the cache
+        operations of this host (see Coherence).
+        """
+        coh = _check_coherence(coherence)
         view = _as_view(buf)
         data_off = -(-(RING_OFFSET + ring_entries * RECORD_SIZE) // DATA_ALIGN) * DATA_ALIGN
         data_size = (len(view) - data_off) // LINE * LINE
@@ -348,42 +450,56 @@ class Producer(_Side):
                                f"(the data area would start at {data_off})",
                                "use a bigger buffer or fewer ring entries")
         epoch = int.from_bytes(os.urandom(8), "little") | 1
-        view[0:8] = bytes(8)                          # invalidate the old header first
-        _flush(view, 0, 8)
-        _fence()
-        view[8:data_off] = bytes(data_off - 8)        # counters and ring
+        # Header (magic zero), counters and ring in one go: the header line is written back whole, so a
+        # consumer sees no magic until the last step; commit words never match the new epoch.
+        view[0:data_off] = bytes(data_off)
         view[8:60] = HEADER.pack(MAGIC, VERSION, ring_entries, RECORD_SIZE, 0, RING_OFFSET,
                                  data_off, data_size, epoch, 0, 0)[8:60]
         view[60:64] = struct.pack("<I", zlib.crc32(view[8:60]))
-        _flush(view, 8, data_off)
-        _fence()
+        coh.flush(view, 0, data_off)
+        coh.fence()
         view[0:8] = MAGIC                             # the header's commit: written last
-        _flush(view, 0, 8)
-        _fence()
-        return cls(view, read_header(view), on_publish)
+        coh.flush(view, 0, LINE)
+        coh.fence()
+        return cls(view, Geometry(ring_entries, data_off, data_size, epoch), coh, on_publish, fresh=True)
 
     @classmethod
-    def attach(cls, buf, *, on_publish=None) -> "Producer":
-        """Resume producing on an existing channel (e.g. after a producer restart)."""
+    def attach(cls, buf, *, coherence: Coherence, on_publish=None) -> "Producer":
+        """Resume producing on an existing channel (e.g. after a producer restart, on this host or another).
+
+        The next seq and the data head are rebuilt from the commit words and the
+        consumer's acks in shared memory; records reserved but not committed
+        before the restart are forgotten (their space is reused).
+        """
+        coh = _check_coherence(coherence)
         view = _as_view(buf)
         try:
-            geo = read_header(view)
+            return cls(view, read_header(view, coh), coh, on_publish)
         except ChannelError:
             view.release()
             raise
-        return cls(view, geo, on_publish)
+
+    def _room(self, state: dict, end: int) -> bool:
+        coh, geo = self.coherence, self.geometry
+        coh.invalidate(self._view, CONSUMER_LINE, 16)
+        coh.fence()
+        state["acked"], state["tail"] = self._words[W_ACKED], self._words[W_TAIL]
+        return self._seq + len(self._pending) - state["acked"] < geo.ring_entries and \
+            end - state["tail"] <= geo.data_size
 
     def reserve(self, length: int, *, align: int = LINE, timeout: float | None = None) -> Reservation:
         """Space for a ``length``-byte payload; the caller (or its DMA engine) fills it, then publish().
 
-        Waits up to ``timeout`` seconds (None: forever, 0: not at all) for the
-        consumer to free space, then raises ChannelFull.  Several reservations
-        may be outstanding; publish them in the order they were reserved.
+        ``align`` is a power of two from 64 (a cache line: two payloads never
+        share a line) to 4096.  Waits up to ``timeout`` seconds (None: forever,
+        0: not at all) for the consumer to free space, then raises ChannelFull.
+        Several reservations may be outstanding; publish them in the order they
+        were reserved.
         """
         geo = self.geometry
         size = geo.data_size
-        if length < 0 or align < 1 or align & (align - 1) or align > DATA_ALIGN:
-            raise ValueError(f"bad length {length} or align {align} (a power of two <= {DATA_ALIGN})")
+        if length < 0 or align < LINE or align & (align - 1) or align > DATA_ALIGN:
+            raise ValueError(f"bad length {length} or align {align} (a power of two from {LINE} to {DATA_ALIGN})")
         if length > size:
             raise ChannelError(f"a {length}-byte payload can never fit the {size}-byte data area",
                                "split the payload or create the channel over more memory")
@@ -393,13 +509,8 @@ class Producer(_Side):
         if start - lap + max(length, 1) > size:       # not before the end of the area: next lap
             start = lap + size
         end = start + length
-        state = {}
-
-        def room() -> bool:
-            state["acked"], state["tail"] = self._word(W_ACKED), self._word(W_TAIL)
-            return self._seq + len(self._pending) - state["acked"] < geo.ring_entries and end - state["tail"] <= size
-
-        if not _poll(room, timeout):
+        state: dict = {}
+        if not _poll(lambda: self._room(state, end), timeout):
             if self._seq + len(self._pending) - state["acked"] >= geo.ring_entries:
                 what = (f"all {geo.ring_entries} ring records are in use ({len(self._pending)} reserved, "
                         f"consumer acked up to seq {state['acked']})")
@@ -409,8 +520,11 @@ class Producer(_Side):
             raise ChannelFull(f"channel full after {timeout}s: {what}",
                               "the consumer must receive() and ack(); wait longer or use a bigger channel")
         offset = geo.data_offset + start % size
-        # Real CXL: write back + invalidate this CPU's lines over the range before a DMA engine fills it.
-        _flush(self._view, offset, offset + length)
+        # A DMA engine may fill this range without snooping this CPU's caches: write back any modified line
+        # over it first (one left by a producer that died before publishing), so that it cannot land later,
+        # on top of the payload.
+        self.coherence.flush(self._view, offset, length)
+        self.coherence.fence()
         self._head = end
         res = Reservation(offset, length, end, self._view[offset:offset + length])
         self._pending.append(res)
@@ -421,25 +535,30 @@ class Producer(_Side):
 
         ``checksum`` is the payload's ``zlib.crc32`` if the caller already has
         it; otherwise it is computed here from the bytes in shared memory.
+        When publish() returns (and before ``on_publish`` is called), the record
+        is visible to the consumer.
         """
         if not self._pending or (self._pending[0].offset, self._pending[0].length) != (offset, length):
             oldest = self._pending[0] if self._pending else "none"
             raise ChannelError(f"publish({offset:#x}, {length}) does not match the oldest reservation ({oldest})",
                                "publish reservations in the order reserve() returned them")
-        res = self._pending[0]
+        res, view, coh = self._pending[0], self._view, self.coherence
         seq, epoch = self._seq, self.geometry.epoch
         if checksum is None:
-            _invalidate(self._view, offset, offset + length)     # DMA-written bytes: read them from memory
+            coh.invalidate(view, offset, length)      # DMA-written bytes: read them from memory
+            coh.fence()
             checksum = zlib.crc32(res.view)
         slot = self._slot(seq)
-        _flush(self._view, offset, offset + length)              # 1. payload in memory
-        self._view[slot:slot + RECORD.size] = _record_bytes(epoch, seq, offset, length, res.end, checksum)
-        _flush(self._view, slot, slot + RECORD.size)             # 2. record fields in memory
-        _fence()
-        self._store((slot + COMMIT_AT) // 8, _marker(epoch, seq))  # 3. commit word, last (and flushed)
-        _fence()
-        self._store(W_HEAD, res.end)
-        self._store(W_PUBLISHED, seq + 1)
+        view[slot:slot + RECORD.size] = _record_bytes(epoch, seq, offset, length, res.end, checksum)
+        coh.flush(view, offset, length)               # 1. the payload (if this CPU wrote it) in memory,
+        coh.fence()                                   #    before the commit word is stored
+        # 2. the fields need no flush of their own: they share the commit word's line, which goes to memory
+        # whole, with them in place (a line evicted before the commit only shows uncommitted fields).
+        self._words[self._commit_index(seq)] = _marker(epoch, seq)   # 3. the commit word
+        self._words[W_PUBLISHED] = seq + 1            # 4. a hint (counts, messages); restart ignores it
+        coh.flush(view, slot + COMMIT_AT, 8)
+        coh.flush(view, PRODUCER_LINE, 8)
+        coh.fence()                                   # visible before publish() returns / on_publish is told
         self._pending.popleft()
         _release(res.view)
         self._seq = seq + 1
@@ -460,7 +579,9 @@ class Producer(_Side):
     @property
     def acked(self) -> int:
         """How many records the consumer has acked (its counter in shared memory)."""
-        return self._word(W_ACKED)
+        state: dict = {}
+        self._room(state, 0)
+        return state["acked"]
 
     def close(self) -> None:
         for res in self._pending:
@@ -486,28 +607,32 @@ class Record:
 
 
 class Consumer(_Side):
-    """The reading side.  Open with ``Consumer.open(buf, wait=seconds)``."""
+    """The reading side.  Open with ``Consumer.open(buf, coherence=..., wait=seconds)``."""
 
-    def __init__(self, view: memoryview, geo: Geometry):
-        super().__init__(view, geo)
-        self._next = self._acked = self._word(W_ACKED)
-        self._tail = self._last_end = self._word(W_TAIL)
+    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence):
+        super().__init__(view, geo, coherence)
+        coherence.invalidate(view, CONSUMER_LINE, 16)   # our own line, as memory has it (re-created channel,
+        coherence.fence()                               # or a consumer moved to another host)
+        self._next = self._acked = self._words[W_ACKED]
+        self._tail = self._last_end = self._words[W_TAIL]
         self._outstanding: deque[Record | tuple[int, int | None]] = deque()
         self._rejected: tuple[int, int | None] | None = None
 
     @classmethod
-    def open(cls, buf, *, wait: float | None = 0) -> "Consumer":
+    def open(cls, buf, *, coherence: Coherence, wait: float | None = 0) -> "Consumer":
         """Attach to the channel at offset 0 of ``buf``, resuming after the last ack.
 
-        ``wait``: seconds to poll for the producer to create the channel
-        (None: forever).  A wrong version fails at once.
+        ``coherence``: as for Producer.create.  ``wait``: seconds to poll for the
+        producer to create the channel (None: forever).  A wrong version fails
+        at once.
         """
+        coh = _check_coherence(coherence)
         view = _as_view(buf)
-        last: list[ChannelError] = []
+        last: list = []
 
         def valid() -> bool:
             try:
-                last[:] = [read_header(view)]
+                last[:] = [read_header(view, coh)]
                 return True
             except (NoChannel, BadHeader) as e:
                 last[:] = [e]
@@ -522,7 +647,7 @@ class Consumer(_Side):
             if wait:
                 raise type(e)(f"no valid channel after waiting {wait}s: {e.what}", e.fix)
             raise e
-        return cls(view, last[0])
+        return cls(view, last[0], coh)
 
     @property
     def next_seq(self) -> int:
@@ -531,16 +656,20 @@ class Consumer(_Side):
 
     @property
     def published(self) -> int:
-        """How many records the producer has published so far (its counter in shared memory)."""
-        return self._word(W_PUBLISHED)
+        """How many records the producer has published so far (its hint in shared memory)."""
+        self.coherence.invalidate(self._view, PRODUCER_LINE, 8)
+        self.coherence.fence()
+        return self._words[W_PUBLISHED]
 
     def _committed(self, seq: int) -> bool:
-        index = (self._slot(seq) + COMMIT_AT) // 8
-        return self._word(index) == _marker(self.geometry.epoch, seq)
+        index = self._commit_index(seq)
+        self.coherence.invalidate(self._view, index * 8, 8)
+        self.coherence.fence()
+        return self._words[index] == _marker(self.geometry.epoch, seq)
 
     def _timeout(self, seq: int, timeout: float | None) -> ChannelTimeout:
         try:
-            current = read_header(self._view).epoch
+            current = read_header(self._view, self.coherence).epoch
         except ChannelError as e:
             return ChannelTimeout(f"no record {seq} within {timeout}s, and the header is gone: {e.what}",
                                   "the producer is re-creating the channel; reopen the consumer")
@@ -548,7 +677,7 @@ class Consumer(_Side):
             return ChannelTimeout(f"no record {seq} within {timeout}s: the producer re-created the channel",
                                   "reopen the consumer (Consumer.open)")
         return ChannelTimeout(f"no record {seq} within {timeout}s (the producer has published "
-                              f"{self._word(W_PUBLISHED)} records)",
+                              f"{self.published} records)",
                               "is the producer running and publishing? wait longer")
 
     def wait_for(self, seq: int, timeout: float | None = None) -> None:
@@ -568,6 +697,7 @@ class Consumer(_Side):
         (None: wait forever, 0: just look), CorruptRecord if the committed
         record fails a check (it stays the next record until skip()).  With
         ``expect`` (a seq announced out of band) it must be the next record.
+        The payload is checked with one zlib.crc32 call and not copied.
         """
         seq, geo = self._next, self.geometry
         if expect is not None and expect != seq:
@@ -575,9 +705,10 @@ class Consumer(_Side):
                                "a notification was lost or repeated; receive in seq order")
         if not _poll(lambda: self._committed(seq), timeout):
             raise self._timeout(seq, timeout)
+        # The fields share the commit word's cache line, which _committed() just fetched from memory after
+        # the producer had written it back with the fields in place (line-sized write-backs and fetches),
+        # and x86 loads are not reordered with older loads: no second invalidation.
         slot = self._slot(seq)
-        _invalidate(self._view, slot, slot + RECORD_SIZE)
-        _fence()
         fields = bytes(self._view[slot:slot + RECORD.size])
         rseq, offset, length, end, crc, meta = RECORD.unpack(fields)
         self._rejected = (seq, None)
@@ -591,8 +722,8 @@ class Consumer(_Side):
             raise CorruptRecord(seq, f"payload {offset:#x}+{length} (end {end}) is outside the free part of the "
                                      f"data area {geo.data_offset:#x}+{size:#x}")
         self._rejected = (seq, end)
-        _invalidate(self._view, offset, offset + length)
-        _fence()
+        self.coherence.invalidate(self._view, offset, length)   # stale copies from an earlier lap
+        self.coherence.fence()
         view = self._view[offset:offset + length]
         if zlib.crc32(view) != crc:
             view.release()
@@ -618,6 +749,7 @@ class Consumer(_Side):
         """Release ``record`` and every record before it (default: all received or skipped).
 
         Their views are released; the producer may then overwrite the space.
+        When ack() returns, the producer can see the freed space.
         """
         upto = (record.seq if record is not None else self._next - 1)
         if record is not None and not self._acked <= upto < self._next:
@@ -632,8 +764,10 @@ class Consumer(_Side):
             if end is not None:
                 tail = max(tail, end)
         self._tail, self._acked = tail, upto + 1
-        self._store(W_TAIL, tail)                   # tail, then acked count (both only grow)
-        self._store(W_ACKED, upto + 1)
+        self._words[W_TAIL] = tail                  # both in this line, written back together
+        self._words[W_ACKED] = upto + 1
+        self.coherence.flush(self._view, CONSUMER_LINE, 16)
+        self.coherence.fence()
 
     @staticmethod
     def _seq_of(item) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from vfio_cxl import channel
-from vfio_cxl.channel import (BadHeader, BadMagic, ChannelError, ChannelFull, ChannelTimeout, Consumer,
+from vfio_cxl.channel import (COHERENT, BadHeader, BadMagic, ChannelError, ChannelFull, ChannelTimeout, Consumer,
                               CorruptRecord, NoChannel, Producer, VersionMismatch)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ payload = _ns["payload"]
 
 CHILD_PRELUDE = '''
 import json, mmap, sys, zlib
-from vfio_cxl.channel import ChannelFull, Consumer, Producer
+from vfio_cxl.channel import COHERENT, ChannelFull, Consumer, Producer
 with open(sys.argv[1], "r+b") as f:
     mm = mmap.mmap(f.fileno(), 0)
 '''
@@ -70,8 +70,8 @@ def mm(tmp_path):
 @pytest.fixture
 def pair(mm):
     """A producer and a consumer in this process over a 16-entry ring and a 56 KiB data area."""
-    p = Producer.create(mm, ring_entries=16)
-    c = Consumer.open(mm)
+    p = Producer.create(mm, coherence=COHERENT, ring_entries=16)
+    c = Consumer.open(mm, coherence=COHERENT)
     yield p, c
     p.close()
     c.close()
@@ -81,7 +81,7 @@ def pair(mm):
 
 STREAM_PRODUCER = PAYLOAD_SRC + '''
 count, corrupt = int(sys.argv[2]), {int(s) for s in sys.argv[3].split(",")}
-p = Producer.create(mm, ring_entries=16)
+p = Producer.create(mm, coherence=COHERENT, ring_entries=16)
 for seq in range(count):
     data = payload(seq)
     if seq in corrupt:                          # a bad record: its checksum does not match
@@ -104,7 +104,7 @@ def test_stream_between_two_processes_no_loss_no_duplicate_no_corruption(tmp_pat
     path, m = shared_file(tmp_path, 64 * KIB)
     count, corrupt = 1500, {500, 1001}
     proc = child(STREAM_PRODUCER, path, count, ",".join(map(str, sorted(corrupt))))
-    c = Consumer.open(m, wait=20)
+    c = Consumer.open(m, coherence=COHERENT, wait=20)
     delivered, rejected, total, since_ack = [], [], 0, 0
     while len(delivered) + len(rejected) < count:
         try:
@@ -134,7 +134,7 @@ def test_stream_between_two_processes_no_loss_no_duplicate_no_corruption(tmp_pat
 
 
 BLOCKED_PRODUCER = '''
-p = Producer.create(mm, ring_entries=4)
+p = Producer.create(mm, coherence=COHERENT, ring_entries=4)
 for i in range(4):
     p.send(b"early %d" % i)
 try:
@@ -151,7 +151,7 @@ def test_producer_blocks_on_a_full_ring_until_the_other_process_acks(tmp_path):
     proc = child(BLOCKED_PRODUCER, path)
     first = proc.stdout.readline()
     assert first.startswith("full channel full after 0s: all 4 ring records are in use"), first
-    c = Consumer.open(m)
+    c = Consumer.open(m, coherence=COHERENT)
     assert c.published == 4 and proc.poll() is None        # the producer waits in send(b"late")
     assert c.receive(timeout=5).tobytes() == b"early 0"     # slot 0 and its data were not overwritten
     c.ack()                                      # frees one slot: the blocked send goes through
@@ -165,7 +165,7 @@ def test_producer_blocks_on_a_full_ring_until_the_other_process_acks(tmp_path):
 
 EARLY_CONSUMER = '''
 print("waiting", flush=True)
-c = Consumer.open(mm, wait=20)
+c = Consumer.open(mm, coherence=COHERENT, wait=20)
 out = []
 for _ in range(3):
     r = c.receive(timeout=20)
@@ -181,7 +181,7 @@ def test_consumer_started_before_the_producer_waits_for_the_header(tmp_path):
     proc = child(EARLY_CONSUMER, path)
     assert proc.stdout.readline() == "waiting\n"
     assert proc.poll() is None                  # no header yet: it must not have failed
-    with Producer.create(m, ring_entries=8) as p:
+    with Producer.create(m, coherence=COHERENT, ring_entries=8) as p:
         for word in ("one", "two", "three"):
             p.send(word.encode(), timeout=5)
         assert json.loads(finish(proc)) == [[0, "one"], [1, "two"], [2, "three"]]
@@ -192,63 +192,63 @@ def test_consumer_started_before_the_producer_waits_for_the_header(tmp_path):
 
 def test_consumer_before_producer_times_out_clearly(mm):
     with pytest.raises(NoChannel, match="producer has not created the channel") as e:
-        Consumer.open(mm)                       # wait=0: look once
+        Consumer.open(mm, coherence=COHERENT)   # wait=0: look once
     assert "start the producer first" in str(e.value)
     t0 = time.monotonic()
     with pytest.raises(NoChannel, match=r"no valid channel after waiting 0.2s: no channel header"):
-        Consumer.open(mm, wait=0.2)
+        Consumer.open(mm, coherence=COHERENT, wait=0.2)
     assert 0.2 <= time.monotonic() - t0 < 2
 
 
 def test_wrong_magic(mm):
     mm[0:8] = b"NOTACHAN"
     with pytest.raises(BadMagic, match=r"magic is b'NOTACHAN', expected b'VCXLCHAN'") as e:
-        Consumer.open(mm)
+        Consumer.open(mm, coherence=COHERENT)
     assert isinstance(e.value, NoChannel) and "offset is wrong" in e.value.fix
 
 
 def test_wrong_version_fails_at_once_even_when_waiting(mm):
-    Producer.create(mm).close()
+    Producer.create(mm, coherence=COHERENT).close()
     struct.pack_into("<I", mm, 8, channel.VERSION + 1)
     t0 = time.monotonic()
     with pytest.raises(VersionMismatch, match=f"version {channel.VERSION + 1}, this code speaks version "
                                               f"{channel.VERSION}"):
-        Consumer.open(mm, wait=10)
+        Consumer.open(mm, coherence=COHERENT, wait=10)
     assert time.monotonic() - t0 < 2
 
 
 def test_corrupt_header_and_geometry_that_does_not_fit(tmp_path, mm):
-    Producer.create(mm).close()
+    Producer.create(mm, coherence=COHERENT).close()
     mm[41] ^= 0xFF                              # data size
     with pytest.raises(BadHeader, match="fails its checksum"):
-        Consumer.open(mm)
-    Producer.create(mm).close()
+        Consumer.open(mm, coherence=COHERENT)
+    Producer.create(mm, coherence=COHERENT).close()
     small = mmap.mmap(-1, 16 * KIB)
     small[:64] = mm[:64]                        # same header, a smaller mapping
     with pytest.raises(BadHeader, match="does not fit this 16384-byte buffer"):
-        Consumer.open(small)
+        Consumer.open(small, coherence=COHERENT)
     small.close()
 
 
 def test_create_refuses_unusable_buffers(mm):
     with pytest.raises(ChannelError, match="cannot hold a channel with 1024 ring entries"):
-        Producer.create(mm, ring_entries=1024)
+        Producer.create(mm, coherence=COHERENT, ring_entries=1024)
     with pytest.raises(ChannelError, match="writable"):
-        Producer.create(bytes(64 * KIB))
+        Producer.create(bytes(64 * KIB), coherence=COHERENT)
 
 
 def test_memory_layout_matches_the_docstring(mm):
-    p = Producer.create(mm, ring_entries=16)
-    c = Consumer.open(mm)
+    p = Producer.create(mm, coherence=COHERENT, ring_entries=16)
+    c = Consumer.open(mm, coherence=COHERENT)
     assert mm[0:8] == b"VCXLCHAN"
     magic, version, entries, rec, flags, ring, data_off, data_size, epoch, _, crc = struct.unpack_from(
         "<8sIIIIQQQQII", mm, 0)
-    assert (version, entries, rec, flags, ring) == (1, 16, 64, 0, 192)
+    assert (version, entries, rec, flags, ring) == (2, 16, 64, 0, 192)
     assert data_off == 4096 and data_size == 60 * KIB and crc == zlib.crc32(mm[8:60]) and epoch & 1
     seq = p.send(b"payload")
     rec0 = c.receive(0)
     assert rec0.offset == data_off
-    assert struct.unpack_from("<QQ", mm, 64) == (1, 7)                      # published, head
+    assert struct.unpack_from("<QQ", mm, 64) == (1, 0)                      # published (a hint), reserved
     fields = struct.unpack_from("<QQQQII", mm, 192)
     assert fields[:5] == (seq, data_off, 7, 7, zlib.crc32(b"payload"))
     assert struct.unpack_from("<Q", mm, 192 + 56)[0] == (epoch & 0xFFFFFFFF) << 32 | 1
@@ -352,14 +352,15 @@ def test_receive_timeout_expect_and_recreated_channel(mm, pair):
     with pytest.raises(ChannelError, match="told that record 1 is ready, but the next record in order is 0"):
         c.receive(timeout=0, expect=1)
     assert c.receive(timeout=0, expect=0).tobytes() == b"a"
-    Producer.create(mm, ring_entries=16).close()   # someone re-creates the channel under the consumer
+    Producer.create(mm, coherence=COHERENT, ring_entries=16).close()   # re-created under the consumer
     with pytest.raises(ChannelTimeout, match="re-created the channel"):
         c.receive(timeout=0)
 
 
 def test_notification_hook_and_wait_for(mm):
     told = []
-    with Producer.create(mm, ring_entries=8, on_publish=lambda *a: told.append(a)) as p, Consumer.open(mm) as c:
+    with Producer.create(mm, coherence=COHERENT, ring_entries=8, on_publish=lambda *a: told.append(a)) as p, \
+            Consumer.open(mm, coherence=COHERENT) as c:
         for word in (b"zero", b"one", b"two"):
             p.send(word)
         assert [t[0] for t in told] == [0, 1, 2] and told[1][2] == 3
@@ -374,7 +375,7 @@ def test_notification_hook_and_wait_for(mm):
 
 
 def test_ring_full_back_pressure(mm):
-    with Producer.create(mm, ring_entries=4) as p, Consumer.open(mm) as c:
+    with Producer.create(mm, coherence=COHERENT, ring_entries=4) as p, Consumer.open(mm, coherence=COHERENT) as c:
         for i in range(4):
             p.send(b"%d" % i)
         with pytest.raises(ChannelFull, match="all 4 ring records are in use .*acked up to seq 0"):
@@ -388,7 +389,7 @@ def test_ring_full_back_pressure(mm):
 
 def test_a_payload_filling_the_whole_data_area_blocks_the_next_byte(tmp_path):
     _, m = shared_file(tmp_path, 4096 + 8 * KIB)
-    with Producer.create(m, ring_entries=16) as p, Consumer.open(m) as c:
+    with Producer.create(m, coherence=COHERENT, ring_entries=16) as p, Consumer.open(m, coherence=COHERENT) as c:
         full = bytes(range(256)) * 32
         p.send(full, timeout=0)
         with pytest.raises(ChannelFull, match="no room for 1 bytes"):
@@ -401,7 +402,7 @@ def test_a_payload_filling_the_whole_data_area_blocks_the_next_byte(tmp_path):
 
 def test_data_area_back_pressure_and_wrap(tmp_path):
     _, m = shared_file(tmp_path, 4096 + 8 * KIB)    # data area: 8 KiB
-    with Producer.create(m, ring_entries=16) as p, Consumer.open(m) as c:
+    with Producer.create(m, coherence=COHERENT, ring_entries=16) as p, Consumer.open(m, coherence=COHERENT) as c:
         base = p.geometry.data_offset
         first = p.reserve(5000)
         assert first.offset == base
@@ -436,38 +437,66 @@ def test_consumer_and_producer_resume_after_reopen(mm, pair):
     c.receive(0)                                # received but not acked: delivered again after a reopen
     c.close()
     p.close()
-    with Consumer.open(mm) as c2, Producer.attach(mm) as p2:
+    with Consumer.open(mm, coherence=COHERENT) as c2, Producer.attach(mm, coherence=COHERENT) as p2:
         assert p2.next_seq == 3 and c2.next_seq == 1
         assert c2.receive(0).tobytes() == b"r1"
         assert p2.send(b"r3") == 3
         assert [c2.receive(0).tobytes() for _ in range(2)] == [b"r2", b"r3"]
 
 
-def test_ordering_payload_then_fields_then_commit_and_hooks_in_place(mm, pair, monkeypatch):
-    p, c = pair
-    commit_at = 192 + 56
-    flushes, invalidations = [], []
+class Recording(channel.Coherence):
+    """Records each cache operation with the commit word of slot 0 at that moment (coherent memory)."""
 
-    def commit_word():
-        return struct.unpack_from("<Q", mm, commit_at)[0]
+    def __init__(self, mm):
+        self.mm, self.ops = mm, []
 
-    monkeypatch.setattr(channel, "_flush", lambda v, s, e: flushes.append((s, e, commit_word())))
-    monkeypatch.setattr(channel, "_invalidate", lambda v, s, e: invalidations.append((s, e)))
+    def _log(self, op, offset=None, length=None):
+        self.ops.append((op, offset, length, struct.unpack_from("<Q", self.mm, 192 + 56)[0]))
+
+    def flush(self, view, offset, length):
+        self._log("flush", offset, length)
+
+    def invalidate(self, view, offset, length):
+        self._log("invalidate", offset, length)
+
+    def fence(self):
+        self._log("fence")
+
+
+def test_ordering_payload_then_fields_then_commit_each_written_back_and_fenced(mm):
+    rec = Recording(mm)
+    p = Producer.create(mm, coherence=rec, ring_entries=16)
+    c = Consumer.open(mm, coherence=rec)
     r = p.reserve(100)
-    assert flushes == [(r.offset, r.offset + 100, 0)]          # lines over a DMA target written back first
+    assert rec.ops[-2:] == [("flush", r.offset, 100, 0), ("fence", None, None, 0)]   # before a DMA fills it
     r.view[:] = bytes(range(100))
+    rec.ops.clear()
     p.publish(r.offset, r.length)
     marker = channel._marker(p.geometry.epoch, 0)
-    spans = [(s, e) for s, e, _ in flushes]
-    i_payload = spans.index((r.offset, r.offset + 100), 1)
-    i_fields = spans.index((192, 232))
-    i_commit = spans.index((commit_at, commit_at + 8))
-    assert i_payload < i_fields < i_commit
-    assert flushes[i_fields][2] == 0 and flushes[i_commit][2] == marker   # the commit word is written last
-    assert spans.index((64, 72)) > i_commit                               # then the published count
-    invalidations.clear()
-    c.receive(0)
-    assert invalidations.index((commit_at, commit_at + 8)) < invalidations.index((r.offset, r.offset + 100))
+    assert [op[:3] for op in rec.ops] == [
+        ("invalidate", r.offset, 100), ("fence", None, None),      # no checksum given: CRC over memory
+        ("flush", r.offset, 100), ("fence", None, None),           # the payload
+        ("flush", 192 + 56, 8), ("flush", 64, 8), ("fence", None, None)]   # commit word (with the fields' line), hint
+    assert [op[3] for op in rec.ops] == [0] * 4 + [marker] * 3      # the commit word is stored after the fence
+    rec.ops.clear()
+    got = c.receive(0)
+    assert [op[:3] for op in rec.ops] == [("invalidate", 192 + 56, 8), ("fence", None, None),
+                                          ("invalidate", r.offset, 100), ("fence", None, None)]
+    rec.ops.clear()
+    c.ack(got)
+    assert [op[:3] for op in rec.ops] == [("flush", 128, 16), ("fence", None, None)]
+    rec.ops.clear()
+    assert p.acked == 1 and [op[:3] for op in rec.ops] == [("invalidate", 128, 16), ("fence", None, None)]
+    p.close()
+    c.close()
+
+
+def test_coherence_must_be_chosen_explicitly(mm):
+    with pytest.raises(TypeError, match="coherence"):
+        Producer.create(mm)                       # pylint: disable=missing-kwoa
+    with pytest.raises(ChannelError, match="has no flush/invalidate/fence") as e:
+        Producer.create(mm, coherence=None)
+    assert "channel.COHERENT" in e.value.fix
 
 
 def test_module_imports_only_the_standard_library():

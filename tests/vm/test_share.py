@@ -4,7 +4,10 @@ import json
 import re
 import time
 
+from vfio_cxl import cacheline
+from vfio_cxl.bench.share import phases, transport_run
 from vfio_cxl.demos.share import B_LINK_ADDRESS, STREAM, seed_flow, stream
+from vfio_cxl.guest.share_bench import parse_plan
 from vfio_cxl.guest.stream import CHANNEL_BASE
 
 
@@ -47,6 +50,25 @@ def test_notification_over_the_link_delivers_too(shared_lab):
     result = stream(shared_lab, 100, notify=True, max_size=8 << 10)
     assert result["b"]["error"] is None
     assert result["b"]["delivered"] == list(range(100)) and result["b"]["bad_bytes"] == []
+
+
+def test_stream_with_the_real_x86_cache_operations_in_both_guests(shared_lab):
+    cacheline.build()                  # on the host: the guests have no compiler and load this build
+    info = json.loads(shared_lab["b"].run("python3 -m vfio_cxl.cacheline info --json").stdout)
+    assert info["built"] and info["coherence"].startswith("x86: flush ")
+    result = stream(shared_lab, 200, max_size=16 << 10, coherence="x86")
+    b = result["b"]
+    assert b["error"] is None and b["delivered"] == list(range(200)) and b["bad_bytes"] == []
+
+
+def test_channel_and_tcp_carry_the_same_checked_payloads(shared_lab):
+    plan = "64:3:paced,4096:20:stream,1048576:3:stream"
+    for transport in ("channel", "tcp"):
+        sent, got = transport_run(shared_lab, transport, plan)
+        assert got["bad"] == 0 and len(got["seen_at"]) == len(sent["sent_at"]) == 26, (transport, got)
+        table = phases(parse_plan(plan), sent, got)
+        assert table[64]["rtt_ms_median"] > 0 and table[1048576]["mb_s"] > 0
+    assert got["guest_crc32_mb_s"] > 0
 
 
 def test_ring_full_back_pressure(shared_lab):

@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "share": "vfio_cxl.bench.share",
     "chaos": "vfio_cxl.bench.chaos",
     "supervision": "vfio_cxl.bench.supervision",
+    "channel": "vfio_cxl.bench.channel",
 }
 
 

@@ -39,14 +39,16 @@ B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.netconfig: 169.254.0.<VM index
 
 def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ...] = (),
            ring_entries: int = 256, stall_until_full: bool = False, max_size: int = 64 << 10,
-           paced: bool = False, timeout: float = 30) -> dict:
+           paced: bool = False, timeout: float = 30, coherence: str = "coherent") -> dict:
     """Run the consumer in VM b and the producer in VM a at once; both sides' JSON.
 
     The producer waits for the consumer (clock echo, notification listener)
-    itself, so the two may start in either order."""
+    itself, so the two may start in either order.  ``coherence``: "coherent"
+    (the lab's memory is) or "x86" (real cache-line instructions; the host
+    must have built ``vfio_cxl.cacheline`` first)."""
     a, b = lab["a"], lab["b"]
     a.run(f"{STREAM} reset")
-    common = f"--count {count} --max-size {max_size} --timeout {timeout}"
+    common = f"--count {count} --max-size {max_size} --timeout {timeout} --coherence {coherence}"
     consumer_cmd = f"{STREAM} consume {common}" + (" --notify" if notify else "") + \
         (" --stall-until-full" if stall_until_full else "")
     producer_cmd = f"{STREAM} produce {common} --ring-entries {ring_entries} --peer {B_LINK_ADDRESS}" + \

@@ -1,0 +1,32 @@
+"""The CXL-vs-TCP benchmark's own logic: its plan and how figures come out of both sides' timestamps."""
+
+import pytest
+
+from vfio_cxl.bench.share import phases
+from vfio_cxl.guest.cxl import CxlError
+from vfio_cxl.guest.share_bench import DEFAULT_PLAN, parse_plan
+
+
+def test_default_plan_covers_the_four_sizes_paced_and_streamed():
+    plan = parse_plan(DEFAULT_PLAN)
+    assert sorted({s for s, _, _ in plan}) == [64, 4096, 65536, 1 << 20]
+    assert {(s, m) for s, _, m in plan} == {(s, m) for s in (64, 4096, 65536, 1 << 20) for m in ("paced", "stream")}
+
+
+@pytest.mark.parametrize("bad", ["64:10", "64:10:fast", "0:10:paced", "64:1:stream", "x:1:paced"])
+def test_bad_plan_items_are_named(bad):
+    with pytest.raises(CxlError, match=f"bad plan item '{bad}'"):
+        parse_plan(bad)
+
+
+def test_phases_latency_round_trip_and_throughput():
+    plan = parse_plan("64:3:paced,1000:3:stream")
+    sent = {"transport": "tcp", "clock": {"offset": 100.0},          # b's clock runs 100 s ahead of a's
+            "sent_at": [0.0, 1.0, 2.0, 10.0, 10.1, 10.2], "acked_at": [0.004, 1.006, 2.008, None, None, None]}
+    got = {"bad": 0, "seen_at": [100.001, 101.003, 102.002, 110.5, 110.6, 110.7]}
+    table = phases(plan, sent, got)
+    assert table[64]["latency_ms_median"] == pytest.approx(2.0)
+    assert table[64]["rtt_ms_median"] == pytest.approx(6.0)
+    assert table[1000]["mb_s"] == pytest.approx(2 * 1000 / 0.2 / 1e6)
+    with pytest.raises(RuntimeError, match="1 bad payloads, 6 of 6 records checked"):
+        phases(plan, sent, dict(got, bad=1))
