@@ -34,7 +34,7 @@ def seed_flow(lab: Lab, size: int, offset: int) -> dict:
 
 
 STREAM = "python3 -m vfio_cxl.guest.stream"
-B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.netconfig: 169.254.0.<VM index>
+B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.netconfig: 169.254.<link>.<VM index>, link 0
 
 
 def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ...] = (),
