@@ -148,7 +148,7 @@ def _root_decoders() -> list[str]:
 
 
 def _regions_json() -> list[dict]:
-    return _as_list(tool("cxl", "list", "-R", "-X", "-v"))
+    return _as_list(tool("cxl", "list", "-R", "-X", "-T"))   # -T: the mappings (memdevs by position)
 
 
 def _members(region: dict) -> list[str]:
