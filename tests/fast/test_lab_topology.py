@@ -88,6 +88,8 @@ EXPECTED = dict([
      "t.toml: vm[0].region[0].memdevs: under host bridge 'hb0' the memdevs use 2 root ports unevenly -- spread them evenly over 1, 2, 4, ... root ports"),
     ('window too small',
      't.toml: vm[0].region[1]: the regions in window 1 need 512M, more than its 256M -- make window[1].size larger'),
+    ('one region per pass-through host bridge',
+     't.toml: vm[0].region[2]: host bridge \'hb1\' has one root port, so its decoder is a pass-through that the guest kernel (6.12) gives to one region only (here \'pr0\'); region \'r1\' would fail with \'no decoder available\' -- give hb1 a second root port (root_ports = ["rp2", "..."])'),
     ('fsdax is for pmem',
      't.toml: vm[0].region[0].use: fsdax is a pmem namespace mode; a ram region gives devdax -- use "devdax" or "none" for a ram region'),
     ('region type',

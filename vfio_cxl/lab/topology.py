@@ -593,6 +593,7 @@ def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
               "use fewer host bridges, root ports or switch ports")
 
     in_region: dict[tuple[str, str], str] = {}
+    per_bridge: dict[str, list[str]] = {hb.name: [] for hb in vm.host_bridges}
     window_use = [0] * len(vm.windows)
     t3_names = [t.name for t in vm.type3]
     for r, region in enumerate(vm.regions):
@@ -658,6 +659,14 @@ def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
         if window_use[region.window] > window.size:
             _fail(f"{path}", f"the regions in window {region.window} need {format_size(window_use[region.window])}, "
                   f"more than its {format_size(window.size)}", f"make window[{region.window}].size larger")
+        for hb_name in window.targets:
+            hb = next(h for h in vm.host_bridges if h.name == hb_name)
+            per_bridge[hb_name].append(region.name)
+            if len(hb.root_ports) == 1 and len(per_bridge[hb_name]) > 1:
+                _fail(f"{path}", f"host bridge {hb_name!r} has one root port, so its decoder is a pass-through "
+                      f"that the guest kernel (6.12) gives to one region only (here {per_bridge[hb_name][0]!r}); "
+                      f"region {region.name!r} would fail with 'no decoder available'",
+                      f"give {hb_name} a second root port (root_ports = [\"{hb.root_ports[0]}\", \"...\"])")
         if region.type == "ram" and region.use == "fsdax":
             _fail(f"{path}.use", "fsdax is a pmem namespace mode; a ram region gives devdax",
                   "use \"devdax\" or \"none\" for a ram region")
