@@ -81,3 +81,21 @@ def test_topology_tree():
     assert "mem0: Type3 (volatile shared 256M, shared with b)" in out
     assert "unowned GPUs (for hot-plug): gpu1 (64M VRAM, msix)" in out
     assert "link a <-> b" in out
+
+
+def test_demo_dma_checks_its_arguments_before_booting():
+    # No VM boots: each of these fails in well under a second with the rule in words.
+    cases = {
+        ("--size", "0"): "vfio-cxl: error: --size 0 is too small: the payload starts with the 26-byte message "
+                         "'DMA FROM GPU TO CXL MEMORY' -- use --size 27 or more (default 1 MiB)",
+        ("--offset", "100"): "vfio-cxl: error: --offset 100 is not a multiple of 4096 -- the GPU DMAs into "
+                             "devdax at page granularity: use 0, 4096, 8192, ...",
+        ("--size", str(128 << 20)): "vfio-cxl: error: --size 134217728 is larger than the GPU's VRAM (64M) -- "
+                                    "use --size 67108864 or less",
+        ("--size", str(64 << 20), "--offset", str(255 << 20)):
+            "vfio-cxl: error: --size 67108864 at --offset 267386880 runs past the end of the 256M devdax "
+            "region -- keep offset + size <= 268435456",
+    }
+    for args, message in cases.items():
+        result = vfio_cxl("demo", "dma", *args)
+        assert result.returncode == 1 and result.stderr.strip() == message, result.stderr
