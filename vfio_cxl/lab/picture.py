@@ -157,7 +157,8 @@ def graph(topo: Topology):
 
     g = graphviz.Digraph(topo.name, graph_attr={"rankdir": "TB", "fontname": "Helvetica", "fontsize": "11",
                                                "label": f"{topo.name}", "labelloc": "t"},
-                         node_attr={"fontname": "Helvetica", "fontsize": "11"})
+                         node_attr={"fontname": "Helvetica", "fontsize": "11"},
+                         edge_attr={"fontname": "Helvetica", "fontsize": "10"})
     for vm_node in tree(topo):
         with g.subgraph(name=f"cluster_{vm_node.id}") as c:
             c.attr(label=vm_node.label, style="rounded", color="#777777")
@@ -209,3 +210,24 @@ def render(topo: Topology, path: Path, fmt: str, log=print) -> None:
     except Exception as err:   # graphviz.ExecutableNotFound, CalledProcessError
         raise LabError(f"graphviz could not draw {topo.name}: {err}", "is Debian's graphviz (dot) installed?") from None
     path.write_bytes(data)
+
+
+def draw_all(directory: Path, log=print) -> list[Path]:
+    """docs pictures: NAME.gv (graphviz source) and NAME.svg for every shipped topology."""
+    from . import topology
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in topology.available():
+        topo = topology.load(name)
+        (directory / f"{name}.gv").write_text(graph(topo).source)
+        render(topo, directory / f"{name}.svg", "svg", log)
+        written += [directory / f"{name}.gv", directory / f"{name}.svg"]
+    return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    for path in draw_all(Path(sys.argv[1] if len(sys.argv) > 1 else "docs/topologies")):
+        print(path)
