@@ -49,3 +49,10 @@ def test_svg_and_png_render(tmp_path):
     picture.render(topo, tmp_path / "f.png", "png")
     assert re.search(r"<svg width=\"\d+pt\"", (tmp_path / "f.svg").read_text())
     assert (tmp_path / "f.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_docs_complete_example_is_valid():
+    text = (REPO_ROOT / "docs" / "topologies.md").read_text()
+    example = text.split("## A complete example\n\n```toml\n", 1)[1].split("```", 1)[0]
+    topo = topology.parse(example, "example", "docs/topologies.md")
+    assert [vm.name for vm in topo.vms] == ["a", "b"] and topo.unowned_gpus()[0].name == "gpu1"
