@@ -205,3 +205,17 @@ def test_errors_in_a_file_name_the_file(tmp_path):
     with pytest.raises(LabError) as err:
         topology.load(str(path))
     assert str(err.value).startswith(f"{path}: vm[0].type3[0].at: 'ds9' is not a CXL root port")
+
+
+@pytest.mark.parametrize("table, old, allowed", [
+    ("backends.m0", '[backends.m0]\nsize = "256M"', "size"),
+    ("gpus.gpu1", 'owner = "h"\n[gpus.gpu1]', "at, irq, owner, vram"),
+    ("vm[0].type3[0]", 'volatile = "m0"', "at, lsa, name, persistent, volatile"),
+    ("vm[0].region[0]", 'memdevs = ["mem0", "mem1"]', "granularity, memdevs, name, type, use, window"),
+])
+def test_unknown_keys_list_what_is_allowed_there(table, old, allowed):
+    text = BASE.replace(old, old + '\ncolour = "red"', 1)
+    with pytest.raises(LabError) as err:
+        topology.parse(text, "t", "t.toml")
+    assert str(err.value) == f"t.toml: {table}.colour: unknown key -- allowed here: {allowed} -- " \
+                             "see docs/topologies.md for every key"

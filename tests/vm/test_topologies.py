@@ -5,12 +5,16 @@ other VM tests).  In every guest it compares ``cxl list -vvv`` (host bridges,
 switches, memdevs by serial, root decoders = windows with their ways,
 granularity and size, regions with ways, granularity, size and memdevs in
 position order), ``daxctl list`` (enabled devdax devices), ``ndctl list``
-(namespaces) and ``lspci`` (GPUs, PCIe switch, root ports) with the topology.
+(namespaces) and ``lspci`` (GPUs, PCIe switch, root ports) with the topology; in an
+interleaved region it writes one chunk per position and finds each in the backend file
+of the memdev the topology puts at that position.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 
 import pytest
 
@@ -127,6 +131,25 @@ def check_pci(topo, spec, vm) -> None:
         assert len(groups) == len(gpus) == len(set(groups))
 
 
+def check_interleave(lab, topo, spec, vm) -> None:
+    """In a multi-way RAM region, chunk i of the dax device lands at offset 0 of the
+    backend of the memdev at position i: the position order the lab computed is the
+    one the decoders use."""
+    for region in spec.regions:
+        if region.type != "ram" or region.use != "devdax" or region.ways == 1:
+            continue
+        granularity = region.granularity or spec.windows[region.window].granularity
+        chunks = [bytes([0x41 + i]) * 64 + os.urandom(64) for i in range(region.ways)]
+        device = f"/dev/{vm.regions[region.name]['dax']}"
+        for i, chunk in enumerate(chunks):
+            vm.run(f"python3 -m vfio_cxl.guest.cxltool write {device} {i * granularity}",
+                   stdin=base64.b64encode(chunk).decode())
+        for i, memdev in enumerate(spec.region_order(region)):
+            backend = spec.type3_named(memdev).volatile
+            assert lab.read_backend(backend, 0, len(chunks[i])) == chunks[i], \
+                f"{region.name}: chunk {i} is not at the start of {memdev}'s backend {backend}"
+
+
 @pytest.mark.parametrize("topology_name", topology.available())
 def test_guest_agrees_with_the_topology(labs, topology_name):
     lab = labs.get(topology_name)
@@ -136,3 +159,4 @@ def test_guest_agrees_with_the_topology(labs, topology_name):
         check_cxl(topo, spec, vm)
         check_dax_and_namespaces(topo, spec, vm)
         check_pci(topo, spec, vm)
+        check_interleave(lab, topo, spec, vm)

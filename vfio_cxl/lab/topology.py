@@ -423,16 +423,18 @@ def _key_path(loc: tuple) -> str:
 
 def _model_at(loc: tuple):
     """The model class whose table ``loc`` points into (for listing allowed keys)."""
-    model = Topology
+    model, dict_key_next = Topology, False
     for part in loc:
-        if isinstance(part, int) or model is None:
+        if model is None:
+            return None
+        if isinstance(part, int) or dict_key_next:   # a list index, or a [backends.NAME] key
+            dict_key_next = False
             continue
         field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
         if field is None:
-            if model in (Topology,) and part in ("backends", "gpus"):
-                continue
             return None
         ann = field.annotation
+        dict_key_next = typing.get_origin(ann) is dict
         while typing.get_origin(ann) in (list, dict, typing.Union, Annotated, tuple) or \
                 type(ann).__name__ == "UnionType":
             args = [a for a in typing.get_args(ann) if a is not type(None) and a is not str]
