@@ -1,11 +1,12 @@
 """vfio-cxl: the command line.
 
     vfio-cxl provision                       host packages, QEMU runtime, guest image
-    vfio-cxl vm up TOPOLOGY [--dry-run]      boot a topology (Ctrl-C stops it)
+    vfio-cxl vm up TOPOLOGY [--dry-run]      boot a topology: a name or a .toml path (Ctrl-C stops it)
     vfio-cxl vm up TOPOLOGY --detach         boot it and return; the lab stays up
     vfio-cxl vm ls | ssh VM | down [LAB]     labs that stay up
     vfio-cxl fm status|events|restart        a running lab's fabric manager
     vfio-cxl vm topologies                   list topologies
+    vfio-cxl vm topology TOPOLOGY [--svg F]  the topology as a tree (text), or drawn (--svg/--png)
     vfio-cxl demo tour|dma|share             the demos
     vfio-cxl gpu serve --socket PATH         the vfio-user GPU device server
     vfio-cxl bench NAME                      benchmarks (python -m vfio_cxl.bench)
@@ -42,6 +43,22 @@ def _topologies(args) -> int:
     return 0
 
 
+def _topology_picture(args) -> int:
+    from pathlib import Path
+
+    from .lab import picture, topology
+
+    topo = topology.load(args.topology)
+    if args.svg or args.png:
+        for path, fmt in ((args.svg, "svg"), (args.png, "png")):
+            if path:
+                picture.render(topo, Path(path), fmt)
+                print(f"{topo.name}: {path}")
+        return 0
+    print(picture.text(topo), end="")
+    return 0
+
+
 def _vm_up(args) -> int:
     from pathlib import Path
 
@@ -57,8 +74,12 @@ def _vm_up(args) -> int:
     topo = topology.load(args.topology)
     lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu)
     if args.dry_run:
+        from .lab.qemu_runtime import provisioned_runtime
+
+        runtime = provisioned_runtime()
+        version = runtime.version_string if runtime else "QEMU not provisioned yet (run: vfio-cxl provision)"
         for vm in lab.plan(Path("/tmp/vfio-cxl-DRYRUN")):
-            print(f"# {vm.name}: {vm.runtime.version_string}")
+            print(f"# {vm.name}: {version}")
             print(shlex.join(["qemu-system-x86_64", *vm.argv()]))
         return 0
     with lab:
@@ -111,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=_vm_up)
     fm_cli.add_vm_commands(vm)
     vm.add_parser("topologies", help="list topologies").set_defaults(func=_topologies)
+    pic = vm.add_parser("topology", help="show a topology as a tree, or draw it with graphviz")
+    pic.add_argument("topology", help="a name (see 'vfio-cxl vm topologies') or a .toml path")
+    pic.add_argument("--svg", metavar="FILE", help="draw it as SVG into FILE")
+    pic.add_argument("--png", metavar="FILE", help="draw it as PNG into FILE")
+    pic.set_defaults(func=_topology_picture)
 
     fm_cli.add_fm_parser(sub)
 

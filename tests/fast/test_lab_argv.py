@@ -1,18 +1,28 @@
 """The QEMU command line a topology turns into (pure: nothing is started)."""
 
 import json
+import re
 from pathlib import Path
+
+import pytest
 
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.argv import VmResources, qemu_argv
 
 
-def resources(vm_index=1, gpu=True, links=()):
-    run = Path("/tmp/lab/vm")
+def resources(topo, vm_index=1, gpu=True, links=()):
+    vm = topo.vms[vm_index - 1]
+    run = Path(f"/tmp/lab/{vm.name}")
     return VmResources(index=vm_index, rundir=run, kernel=Path("/img/vmlinuz"), initrd=Path("/img/initrd.img"),
                        rootfs=Path("/img/rootfs.raw"), source=Path("/src"),
-                       backend_files={"cxl0": Path("/tmp/lab/cxl0.mem"), "shared": Path("/tmp/lab/shared.mem")},
-                       ssh_port=2222, gpu_socket=run / "gpu.sock" if gpu else None, link_sockets=links)
+                       backend_files={b: Path(f"/tmp/lab/{b}.mem") for b in topo.backends},
+                       ssh_port=2222, link_sockets=links,
+                       gpu_sockets={g.name: run / f"{g.name}.sock" for g in topo.gpus_of(vm.name)} if gpu else {})
+
+
+def argv_of(name, vm_index=1, **kwargs):
+    topo = topology.load(name)
+    return qemu_argv(topo, topo.vms[vm_index - 1], resources(topo, vm_index, **kwargs))
 
 
 def devices(argv):
@@ -20,8 +30,7 @@ def devices(argv):
 
 
 def test_single_vm_command_line():
-    vm = topology.load("single").vms[0]
-    argv = qemu_argv(vm, resources())
+    argv = argv_of("single")
     joined = " ".join(argv)
     # intel-iommu must be the first PCI device.
     assert devices(argv)[0].startswith("intel-iommu,") and "caching-mode=on" in devices(argv)[0]
@@ -29,32 +38,43 @@ def test_single_vm_command_line():
     assert "memory-backend-memfd,id=ram,size=1024M,share=on" in joined
     assert "memory-backend=ram" in argv[argv.index("-machine") + 1]
     assert "memory-backend-file,id=cxl-cxl0,share=on,mem-path=/tmp/lab/cxl0.mem,size=256M" in joined
-    for dev in ("pxb-cxl,", "cxl-rp,", "cxl-upstream,", "cxl-downstream,", "cxl-type3,"):
-        assert any(d.startswith(dev) for d in devices(argv)), dev
-    assert "cxl-fmw.0.targets.0=cxl.1,cxl-fmw.0.size=4096M" in joined
+    assert [d.split(",")[0] for d in devices(argv) if d.startswith("pxb") or d.startswith("cxl-")] == [
+        "pxb-cxl", "cxl-rp", "cxl-upstream", "cxl-downstream", "cxl-type3"]
+    assert "pxb-cxl,bus_nr=12,bus=pcie.0,id=hb0" in devices(argv)
+    assert "cxl-type3,bus=ds0,id=mem0,sn=0x1000,volatile-memdev=cxl-cxl0" in devices(argv)
+    assert argv[argv.index("-M") + 1] == \
+        "cxl-fmw.0.targets.0=hb0,cxl-fmw.0.size=4096M,cxl-fmw.0.interleave-granularity=8k"
     assert "user,id=ssh,restrict=on,hostfwd=tcp:127.0.0.1:2222-:22" in joined
     assert argv[argv.index("-accel") + 1] == "tcg"
     gpu = [json.loads(d) for d in devices(argv) if d.startswith("{")]
-    assert gpu == [{"driver": "vfio-user-pci", "id": "gpu0", "bus": "gpu_port",
-                    "socket": {"type": "unix", "path": "/tmp/lab/vm/gpu.sock"}}]
+    assert gpu == [{"driver": "vfio-user-pci", "id": "gpu0", "bus": "gpu0-port",
+                    "socket": {"type": "unix", "path": "/tmp/lab/host0/gpu0.sock"}}]
     # Every non-CXL PCI device sits on pcie.0 explicitly (QEMU might pick the pxb-cxl bus).
     for dev in devices(argv):
         if dev.startswith(("virtio-", "pcie-root-port")):
             assert "bus=pcie.0" in dev, dev
 
 
-def test_free_root_ports_without_gpu():
-    vm = topology.load("single").vms[0]
-    argv = qemu_argv(vm, resources(gpu=False))
+def test_root_ports_stay_without_gpu_server_and_hotplug_ports_reserve_the_bar():
+    argv = argv_of("single", gpu=False)
     ports = [d for d in devices(argv) if d.startswith("pcie-root-port")]
-    assert len(ports) == 2
+    assert ports == ["pcie-root-port,id=gpu0-port,bus=pcie.0,chassis=1,slot=1",
+                     "pcie-root-port,id=hp0,bus=pcie.0,chassis=1,slot=2,pref64-reserve=64M"]
     assert not any(d.startswith("{") for d in devices(argv))
 
 
+def test_hotplug_reserve_follows_the_largest_vram(tmp_path):
+    path = tmp_path / "big.toml"
+    path.write_text((topology.TOPOLOGY_DIR / "fabric.toml").read_text().replace(
+        "[gpus.gpu1]", "[gpus.gpu1]\nvram = \"256M\""))
+    topo = topology.load(str(path))
+    argv = qemu_argv(topo, topo.vms[1], resources(topo, 2))
+    assert "pcie-root-port,id=hp0,bus=pcie.0,chassis=1,slot=1,pref64-reserve=256M" in devices(argv)
+
+
 def test_shared_vms_map_one_backend_file():
-    topo = topology.load("shared")
-    a = " ".join(qemu_argv(topo.vms[0], resources(1)))
-    b = " ".join(qemu_argv(topo.vms[1], resources(2, gpu=False)))
+    a = " ".join(argv_of("shared", 1))
+    b = " ".join(argv_of("shared", 2))
     backend = "memory-backend-file,id=cxl-shared,share=on,mem-path=/tmp/lab/shared.mem"
     assert backend in a and backend in b
     assert "vfio-user-pci" in a and "vfio-user-pci" not in b
@@ -62,16 +82,65 @@ def test_shared_vms_map_one_backend_file():
 
 
 def test_link_sockets_make_a_point_to_point_network():
-    vm = topology.load("shared").vms[0]
-    listen = " ".join(qemu_argv(vm, resources(links=((Path("/tmp/lab/link0.sock"), True),))))
-    connect = " ".join(qemu_argv(vm, resources(links=((Path("/tmp/lab/link0.sock"), False),))))
+    listen = " ".join(argv_of("shared", links=((Path("/tmp/lab/link0.sock"), True, 0),)))
+    connect = " ".join(argv_of("shared", links=((Path("/tmp/lab/link3.sock"), False, 3),)))
     assert "stream,id=link0,addr.type=unix,addr.path=/tmp/lab/link0.sock,server=on" in listen
     assert "server=off" in connect
-    assert "52:54:00:1c:00:01" in listen
+    assert "52:54:00:1c:00:01" in listen and "52:54:00:1c:03:01" in connect
 
 
 def test_kvm_needs_split_irqchip():
-    vm = topology.load("single").vms[0]
-    res = resources()
-    argv = qemu_argv(vm, VmResources(**{**res.__dict__, "accel": "kvm"}))
+    topo = topology.load("single")
+    res = resources(topo)
+    argv = qemu_argv(topo, topo.vms[0], VmResources(**{**res.__dict__, "accel": "kvm"}))
     assert "kernel-irqchip=split" in argv[argv.index("-machine") + 1]
+
+
+def test_two_host_bridges_one_machine_option_for_every_window():
+    argv = argv_of("hb2")
+    assert argv.count("-M") == 1   # QEMU: "Parameters 'cxl-fmw.*' used inconsistently" otherwise
+    assert argv[argv.index("-M") + 1] == ("cxl-fmw.0.targets.0=hb0,cxl-fmw.0.targets.1=hb1,cxl-fmw.0.size=4096M,"
+                                          "cxl-fmw.0.interleave-granularity=8k")
+    bridges = [d for d in devices(argv) if d.startswith("pxb-cxl")]
+    assert bridges == ["pxb-cxl,bus_nr=12,bus=pcie.0,id=hb0", "pxb-cxl,bus_nr=19,bus=pcie.0,id=hb1"]
+    assert "cxl-rp,port=1,bus=hb1,id=rp3,chassis=0,slot=5" in devices(argv)
+    # (chassis, slot) pairs are unique across every port of the VM.
+    slots = re.findall(r"chassis=(\d+),slot=(\d+)", " ".join(devices(argv)))
+    assert len(slots) == len(set(slots))
+
+
+def test_persistent_type3_gets_its_label_storage_area():
+    argv = argv_of("pmem")
+    joined = " ".join(argv)
+    assert "memory-backend-file,id=lsa-pmem0,share=on,mem-path=/tmp/lab/host0/pmem0.lsa,size=256K" in joined
+    assert "cxl-type3,bus=rp0,id=pmem0,sn=0x1000,persistent-memdev=cxl-pm0,lsa=lsa-pmem0" in devices(argv)
+    assert ("cxl-type3,bus=rp1,id=both0,sn=0x1001,volatile-memdev=cxl-vm1,persistent-memdev=cxl-pm1,"
+            "lsa=lsa-both0") in devices(argv)
+
+
+def test_gpus_behind_a_pcie_switch():
+    argv = argv_of("p2p")
+    devs = devices(argv)
+    assert "pcie-root-port,id=psw0-port,bus=pcie.0,chassis=1,slot=1" in devs
+    assert "x3130-upstream,id=psw0,bus=psw0-port" in devs
+    assert "xio3130-downstream,id=dp0,bus=psw0,chassis=2,slot=0" in devs
+    gpus = [json.loads(d) for d in devs if d.startswith("{")]
+    assert [(g["id"], g["bus"]) for g in gpus] == [("gpu0", "dp0"), ("gpu1", "dp1")]
+    # The switch comes before its GPUs on the command line.
+    assert devs.index("xio3130-downstream,id=dp1,bus=psw0,chassis=2,slot=1") < devs.index(
+        next(d for d in devs if '"id":"gpu1"' in d))
+
+
+def test_unowned_gpu_is_nowhere_at_boot():
+    for vm_index in (1, 2):
+        gpus = [json.loads(d) for d in devices(argv_of("fabric", vm_index)) if d.startswith("{")]
+        assert "gpu1" not in [g["id"] for g in gpus]
+
+
+@pytest.mark.parametrize("name", topology.available())
+def test_every_shipped_topology_builds(name):
+    topo = topology.load(name)
+    for i, vm in enumerate(topo.vms, start=1):
+        argv = qemu_argv(topo, vm, resources(topo, i))
+        ids = re.findall(r"[,{\"]id[=\":]+([\w.-]+)", " ".join(argv))
+        assert len(ids) == len(set(ids)), f"{name}/{vm.name}: repeated QEMU ids {ids}"

@@ -24,7 +24,8 @@ def test_unknown_topology_is_one_line():
     result = vfio_cxl("vm", "up", "nosuch", "--dry-run")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "vfio-cxl: error: unknown topology 'nosuch' -- use one of: shared, single (or a path to a .toml file)"]
+        "vfio-cxl: error: unknown topology 'nosuch' -- use one of: fabric, hb2, interleave2, mhmld, p2p, pmem, "
+        "pool, shared, single (or a path to a .toml file)"]
 
 
 def test_malformed_topology_file(tmp_path):
@@ -36,4 +37,65 @@ def test_malformed_topology_file(tmp_path):
 
 def test_topologies_listing():
     result = vfio_cxl("vm", "topologies")
-    assert result.returncode == 0 and result.stdout.split()[0] == "shared"
+    assert result.returncode == 0
+    assert [line.split()[0] for line in result.stdout.splitlines()] == [
+        "fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "shared", "single"]
+
+
+def test_dry_run_names_the_qemu_version_or_says_it_is_not_provisioned():
+    from vfio_cxl.lab.qemu_runtime import provisioned_runtime
+
+    runtime = provisioned_runtime()
+    first = vfio_cxl("vm", "up", "single", "--dry-run").stdout.splitlines()[0]
+    if runtime:
+        assert first == f"# host0: {runtime.version_string}" and "0.0.0" not in first
+    else:
+        assert first == "# host0: QEMU not provisioned yet (run: vfio-cxl provision)"
+
+
+def test_vm_up_takes_a_path(tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text((REPO_ROOT / "qemu" / "topologies" / "single.toml").read_text().replace('"host0"', '"box"'))
+    result = vfio_cxl("vm", "up", str(mine), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "-name box" in result.stdout
+
+
+def test_bad_topology_file_is_one_line_naming_file_key_and_rule(tmp_path):
+    mine = tmp_path / "mine.toml"
+    mine.write_text((REPO_ROOT / "qemu" / "topologies" / "hb2.toml").read_text().replace(
+        'granularity = "8K"', 'granularity = "3K"'))
+    result = vfio_cxl("vm", "up", str(mine), "--dry-run")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"vfio-cxl: error: {mine}: vm[0].window[0].granularity: interleave granularity 3K is not a CXL "
+        "granularity: use a power of two from 256 to 16K (256, 512, 1K, 2K, 4K, 8K, 16K) -- see "
+        "docs/topologies.md for every key"]
+
+
+def test_topology_tree():
+    result = vfio_cxl("vm", "topology", "fabric")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "│  ├─ gpu0-port: root port\n│  │  └─ gpu0: GPU (64M VRAM, msix)" in out
+    assert "mem0: Type3 (volatile shared 256M, shared with b)" in out
+    assert "unowned GPUs (for hot-plug): gpu1 (64M VRAM, msix)" in out
+    assert "link a <-> b" in out
+
+
+def test_demo_dma_checks_its_arguments_before_booting():
+    # No VM boots: each of these fails in well under a second with the rule in words.
+    cases = {
+        ("--size", "0"): "vfio-cxl: error: --size 0 is too small: the payload starts with the 26-byte message "
+                         "'DMA FROM GPU TO CXL MEMORY' -- use --size 27 or more (default 1 MiB)",
+        ("--offset", "100"): "vfio-cxl: error: --offset 100 is not a multiple of 4096 -- the GPU DMAs into "
+                             "devdax at page granularity: use 0, 4096, 8192, ...",
+        ("--size", str(128 << 20)): "vfio-cxl: error: --size 134217728 is larger than the GPU's VRAM (64M) -- "
+                                    "use --size 67108864 or less",
+        ("--size", str(64 << 20), "--offset", str(255 << 20)):
+            "vfio-cxl: error: --size 67108864 at --offset 267386880 runs past the end of the 256M devdax "
+            "region -- keep offset + size <= 268435456",
+    }
+    for args, message in cases.items():
+        result = vfio_cxl("demo", "dma", *args)
+        assert result.returncode == 1 and result.stderr.strip() == message, result.stderr

@@ -1,55 +1,221 @@
-"""Topologies: the shipped ones load; bad ones fail with one clear line."""
+"""Topologies: the shipped ones load; every validation rule has a bad file and its exact error.
+
+The bad files are the base topology of ``test_lab_topology_cases`` with one edit each."""
 
 import pytest
 
 from vfio_cxl.errors import LabError
 from vfio_cxl.lab import topology
 
+from test_lab_topology_cases import BASE, CASES, variant
 
-def test_shipped_topologies_load():
-    assert topology.available() == ["shared", "single"]
+SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "shared", "single"]
+
+EXPECTED = dict([
+    ('malformed TOML',
+     "t.toml: malformed TOML: Expected ']]' at the end of an array declaration (at line 58, column 5) -- fix the file's syntax"),
+    ('no VM',
+     't.toml: vm: no [[vm]] defined -- add at least one [[vm]] table with a name'),
+    ('unknown key',
+     't.toml: vm[0].colour: unknown key -- allowed here: cpus, host_bridge, hotplug_ports, memory, name, pcie_switch, region, switch, type3, window -- see docs/topologies.md for every key'),
+    ('bad name',
+     "t.toml: vm[1].name: bad name 'G 2': use 1-16 lower-case letters, digits or '-', starting with a letter -- see docs/topologies.md for every key"),
+    ('reserved name',
+     "t.toml: vm[0].region[0].name: name 'ram' is reserved by the lab -- choose another name (reserved: console, pcie, ram, root, src, ssh)"),
+    ('unique names in a VM',
+     "t.toml: vm[0].type3[1].name: name 'mem0' is already used by vm[0].type3[0].name in VM 'h' -- give every host bridge, port, switch, Type3 device and region of a VM its own name"),
+    ('unique VM names',
+     "t.toml: vm[1].name: VM name 'h' repeats -- give each [[vm]] its own name"),
+    ('bad size',
+     't.toml: vm[0].window[1].size: bad size \'lots\': write sizes like "256M" or "4G" -- see docs/topologies.md for every key'),
+    ('backend size in 256M units',
+     't.toml: backends.m1.size: a CXL memory backend\'s size must be a positive multiple of 256M, not 100M: use e.g. "256M", "512M", "1G" -- see docs/topologies.md for every key'),
+    ('memory',
+     't.toml: vm[0].memory: memory must be a multiple of 2M from 256M to 64G, not 100M -- see docs/topologies.md for every key'),
+    ('cpus',
+     't.toml: vm[0].cpus: cpus must be a whole number from 1 to 16, not 0 -- see docs/topologies.md for every key'),
+    ('hotplug ports',
+     't.toml: vm[0].hotplug_ports: hotplug_ports must be a whole number from 0 to 8, not 9 -- see docs/topologies.md for every key'),
+    ('unknown backend',
+     "t.toml: vm[0].type3[1].volatile: unknown backend 'nope' -- declare it as [backends.nope] with a size; known: m0, m1, p0"),
+    ('unused backend',
+     "t.toml: backends.m2: backend 'm2' is not used by any Type3 device -- name it in a [[vm.type3]] (volatile = or persistent =), or remove it"),
+    ('backend mapped twice in a VM',
+     "t.toml: vm[0].type3[1].volatile: backend 'm0' is mapped twice in VM 'h' (also by mem0) -- a VM maps a backend through one Type3 device; share it with other VMs, or declare a second backend"),
+    ('Type3 without memory',
+     't.toml: vm[0].type3[1]: Type3 \'mem1\' has no memory -- give it volatile = "BACKEND", persistent = "BACKEND" or both'),
+    ('LSA without persistent memory',
+     't.toml: vm[0].type3[1].lsa: a label storage area is for persistent memory only -- drop lsa, or add persistent = "BACKEND"'),
+    ('switch on a root port',
+     "t.toml: vm[0].switch[0].at: 'ds1' is not a CXL root port of VM 'h' -- a CXL switch's upstream port sits on a root port: one of rp0, rp1, rp2"),
+    ('Type3 on a CXL port',
+     "t.toml: vm[0].type3[1].at: 'dp1' is not a CXL root port or switch downstream port of VM 'h' -- use one of: rp0, rp1, rp2, ds0, ds1"),
+    ('port over-subscribed',
+     "t.toml: vm[0].type3[1].at: port 'ds0' is over-subscribed: Type3 mem0 already sits on it -- a port carries one device: add a root port or a switch downstream port"),
+    ('window ways',
+     't.toml: vm[0].window[0].targets: 5 host bridges make a 5-way interleave, which CXL does not have: use 1, 2, 3, 4, 6, 8, 12 or 16 host bridges -- see docs/topologies.md for every key'),
+    ('window target exists',
+     "t.toml: vm[0].window[0].targets[0]: 'hb9' is not a host bridge of VM 'h' -- a window interleaves over host bridges: hb0, hb1"),
+    ('window targets distinct',
+     "t.toml: vm[0].window[0].targets: targets ['hb0', 'hb0'] repeat a host bridge -- list each host bridge once"),
+    ('window granularity',
+     't.toml: vm[0].window[0].granularity: interleave granularity 3K is not a CXL granularity: use a power of two from 256 to 16K (256, 512, 1K, 2K, 4K, 8K, 16K) -- see docs/topologies.md for every key'),
+    ('window size per way',
+     "t.toml: vm[0].window[0].size: a 2-way window's size must be a multiple of 512M (256M per way), not 768M -- use e.g. 8G"),
+    ('region ways',
+     't.toml: vm[0].region[0].memdevs: 5 memdevs make a 5-way interleave, which CXL does not have: use 1, 2, 3, 4, 6, 8, 12 or 16 memdevs -- see docs/topologies.md for every key'),
+    ('region granularity',
+     't.toml: vm[0].region[0].granularity: interleave granularity 32K is not a CXL granularity: use a power of two from 256 to 16K (256, 512, 1K, 2K, 4K, 8K, 16K) -- see docs/topologies.md for every key'),
+    ('region granularity in a multi-way window',
+     't.toml: vm[0].region[0].granularity: a region in a 2-way window must use the window\'s granularity 8K, not 4K -- drop granularity or write granularity = "8K"'),
+    ('region window exists',
+     "t.toml: vm[0].region[0].window: window 5 does not exist in VM 'h' -- use 0..1"),
+    ('region memdev exists',
+     "t.toml: vm[0].region[0].memdevs[1]: 'mem7' is not a Type3 device of VM 'h' -- use one of: mem0, mem1, pm"),
+    ('region memdev listed once',
+     "t.toml: vm[0].region[0].memdevs: memdevs ['mem0', 'mem0'] list a memdev twice -- list each memdev once"),
+    ('region memdevs reachable under the window',
+     "t.toml: vm[0].region[1].memdevs[0]: Type3 'pm' sits under host bridge 'hb1', which window 0 does not interleave over (hb0) -- a region's memdevs must be reachable under its window's host bridges"),
+    ('region memdev has the capacity',
+     't.toml: vm[0].region[0].memdevs[1]: Type3 \'pm\' has no volatile memory for a ram region -- give it volatile = "BACKEND", or make the region type = "pmem"'),
+    ('memdev in one region',
+     "t.toml: vm[0].region[2].memdevs[0]: Type3 'pm''s pmem capacity is already in region 'pr0' -- a region takes a memdev's whole capacity: use another memdev"),
+    ("region ways a multiple of the window's",
+     't.toml: vm[0].region[0].memdevs: a 1-way region cannot span a 2-way window -- use a multiple of 2 memdevs, the same number under each host bridge'),
+    ('same share under each host bridge',
+     "t.toml: vm[0].region[0].memdevs: host bridge 'hb0' has 2 of the region's memdevs, not 1 -- a region puts the same number of memdevs under each of its window's host bridges"),
+    ('memdevs spread evenly over root ports',
+     "t.toml: vm[0].region[0].memdevs: under host bridge 'hb0' the memdevs use 2 root ports unevenly -- spread them evenly over 1, 2, 4, ... root ports"),
+    ('window too small',
+     't.toml: vm[0].region[1]: the regions in window 1 need 512M, more than its 256M -- make window[1].size larger'),
+    ('one region per pass-through host bridge',
+     't.toml: vm[0].region[2]: host bridge \'hb1\' has one root port, so its decoder is a pass-through that the guest kernel (6.12) gives to one region only (here \'pr0\'); region \'r1\' would fail with \'no decoder available\' -- give hb1 a second root port (root_ports = ["rp2", "..."])'),
+    ('fsdax is for pmem',
+     't.toml: vm[0].region[0].use: fsdax is a pmem namespace mode; a ram region gives devdax -- use "devdax" or "none" for a ram region'),
+    ('region type',
+     "t.toml: vm[0].region[1].type: Input should be 'ram' or 'pmem' -- see docs/topologies.md for every key"),
+    ('one owner per GPU',
+     "t.toml: gpus.gpu0.owner: one owner per GPU: owner must be one VM name or left out (unowned), not ['h', 'g'] -- see docs/topologies.md for every key"),
+    ('GPU owner exists',
+     "t.toml: gpus.gpu0.owner: 'zz' is not a VM of this topology -- use one of: h, g, or leave owner out for an unowned GPU"),
+    ('unowned GPU has no placement',
+     "t.toml: gpus.spare.at: an unowned GPU has no placement yet -- drop 'at' (the fabric manager hot-plugs it into a VM's hot-plug port), or set owner"),
+    ('GPU on a PCIe switch port',
+     "t.toml: gpus.gpu1.at: 'ds0' is not a PCIe switch downstream port of VM 'h' -- use one of: dp0, dp1, or leave 'at' out for a root port of its own"),
+    ('GPU VRAM is a BAR',
+     't.toml: gpus.gpu1.vram: VRAM is a PCI BAR: a power of two from 1M to 4G, not 48M -- see docs/topologies.md for every key'),
+    ('link joins two VMs',
+     't.toml: link[0].vms: a link must join two different VMs of this topology, not [\'h\', \'zz\'] -- write vms = ["h", "..."] with names from: h, g'),
+    ('link declared once',
+     't.toml: link[1].vms: g and h are already linked -- declare each link once'),
+])
+
+
+def test_every_rule_has_an_expected_error():
+    assert [rule for rule, _ in CASES] == list(EXPECTED)
+
+
+@pytest.mark.parametrize("rule, edits", CASES, ids=[rule for rule, _ in CASES])
+def test_bad_topology_names_file_key_rule_and_fix(rule, edits):
+    with pytest.raises(LabError) as err:
+        topology.parse(variant(edits), "t", "t.toml")
+    assert str(err.value) == EXPECTED[rule]
+
+
+def test_the_base_topology_is_valid():
+    topo = topology.parse(BASE, "t", "t.toml")
+    h = topo.vm("h")
+    assert [g.name for g in topo.gpus_of("h")] == ["gpu0", "gpu1"] and topo.unowned_gpus()[0].name == "spare"
+    assert h.hotplug_port_ids() == ["hp0"]
+
+
+def test_shipped_topologies_load_with_descriptions():
+    assert topology.available() == SHIPPED
+    for name in SHIPPED:
+        topo = topology.load(name)
+        assert len(topo.description) > 40, name
+        assert sum(len(vm.regions) for vm in topo.vms) >= 1, name
+
+
+def test_single_and_shared_keep_their_shape():
     single = topology.load("single")
-    assert [vm.name for vm in single.vms] == ["host0"]
-    assert single.vms[0].gpu and len(single.vms[0].type3) == 1
+    (host0,) = single.vms
+    assert host0.name == "host0" and [g.name for g in single.gpus_of("host0")] == ["gpu0"]
+    assert [t.volatile for t in host0.type3] == ["cxl0"]
     shared = topology.load("shared")
     a, b = shared.vms
-    assert a.gpu and not b.gpu
+    assert single.gpus_of("a") == [] and [g.owner for g in shared.gpus.values()] == ["a"]
     # Both Type3 devices name the same backend: that is the sharing.
-    assert a.type3[0].backend is b.type3[0].backend
+    assert a.type3[0].volatile == b.type3[0].volatile == "shared"
+    assert shared.backend_users("shared") == [("a", "mem0"), ("b", "mem0")]
     assert shared.links[0].vms == ("a", "b")
+
+
+def test_fabric_has_an_unowned_gpu_and_free_hotplug_ports():
+    fabric = topology.load("fabric")
+    assert {g.name: g.owner for g in fabric.gpus.values()} == {"gpu0": "a", "gpu1": None}
+    assert [vm.hotplug_port_ids() for vm in fabric.vms] == [["hp0"], ["hp0"]]
+    assert fabric.gpus["gpu1"].irq == "msix" and fabric.gpus["gpu1"].vram == 64 << 20
+
+
+def test_region_order_follows_the_decoders():
+    hb2 = topology.load("hb2").vms[0]
+    # Window over hb0, hb1: position p under target p mod 2, then root port p div 2.
+    assert hb2.region_order(hb2.regions[0]) == ["mem0", "mem2", "mem1", "mem3"]
+    i2 = topology.load("interleave2").vms[0]
+    assert i2.region_order(i2.regions[0]) == ["mem0", "mem1"]
+
+
+def test_region_sizes():
+    topo = topology.load("hb2")
+    vm = topo.vms[0]
+    assert vm.region_size(vm.regions[0], topo.backends) == 1 << 30
+
+
+def test_bus_numbers_leave_room_for_each_host_bridge():
+    assert topology.load("single").vms[0].bus_numbers() == {"hb0": 12}   # Type3 at 0000:0f:00.0
+    assert topology.load("hb2").vms[0].bus_numbers() == {"hb0": 12, "hb1": 19}
 
 
 def test_sizes():
     assert topology.parse_size("256M", "x") == 256 << 20
     assert topology.parse_size("4G", "x") == 4 << 30
+    assert topology.format_size(8 << 10) == "8K"
     with pytest.raises(LabError, match="bad size"):
         topology.parse_size("lots", "x")
-
-
-@pytest.mark.parametrize("text, message", [
-    ("[[vm]\nname='a'", "malformed TOML"),
-    ("", "no \\[\\[vm\\]\\] defined"),
-    ("[[vm]]\nname='a'\ncolour='red'", "unknown key.*colour"),
-    ("[[vm]]\nname='A B'", "bad or missing name"),
-    ("[[vm]]\nname='a'\n[[vm.type3]]\nbackend='nope'", "unknown backend 'nope'"),
-    ("[[vm]]\nname='a'\n[[vm]]\nname='a'", "names repeat"),
-    ("[[vm]]\nname='a'\ncpus=0", "cpus must be"),
-    ("[[vm]]\nname='a'\n[[link]]\nvms=['a','zz']", "must join two different VMs"),
-    ("[backends.m]\nsize='huge'\n[[vm]]\nname='a'", "bad size"),
-])
-def test_bad_topologies_name_the_problem(text, message):
-    with pytest.raises(LabError, match=message):
-        topology.parse(text, "t", "t.toml")
 
 
 def test_unknown_topology_lists_the_known_ones():
     with pytest.raises(LabError) as err:
         topology.load("nosuch")
-    assert "shared, single" in str(err.value)
+    assert str(err.value) == ("unknown topology 'nosuch' -- use one of: " + ", ".join(SHIPPED)
+                              + " (or a path to a .toml file)")
 
 
 def test_topology_from_path(tmp_path):
     path = tmp_path / "mine.toml"
-    path.write_text("[backends.m]\nsize='64M'\n[[vm]]\nname='x'\nmemory='512M'\n[[vm.type3]]\nbackend='m'\n")
+    path.write_text((topology.TOPOLOGY_DIR / "single.toml").read_text().replace('memory = "1G"', 'memory = "512M"'))
     topo = topology.load(str(path))
     assert topo.name == "mine" and topo.vms[0].memory == 512 << 20
+
+
+def test_errors_in_a_file_name_the_file(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text((topology.TOPOLOGY_DIR / "single.toml").read_text().replace('at = "ds0"', 'at = "ds9"'))
+    with pytest.raises(LabError) as err:
+        topology.load(str(path))
+    assert str(err.value).startswith(f"{path}: vm[0].type3[0].at: 'ds9' is not a CXL root port")
+
+
+@pytest.mark.parametrize("table, old, allowed", [
+    ("backends.m0", '[backends.m0]\nsize = "256M"', "size"),
+    ("gpus.gpu1", 'owner = "h"\n[gpus.gpu1]', "at, irq, owner, vram"),
+    ("vm[0].type3[0]", 'volatile = "m0"', "at, lsa, name, persistent, volatile"),
+    ("vm[0].region[0]", 'memdevs = ["mem0", "mem1"]', "granularity, memdevs, name, type, use, window"),
+])
+def test_unknown_keys_list_what_is_allowed_there(table, old, allowed):
+    text = BASE.replace(old, old + '\ncolour = "red"', 1)
+    with pytest.raises(LabError) as err:
+        topology.parse(text, "t", "t.toml")
+    assert str(err.value) == f"t.toml: {table}.colour: unknown key -- allowed here: {allowed} -- " \
+                             "see docs/topologies.md for every key"

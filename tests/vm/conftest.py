@@ -17,6 +17,9 @@ from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1}
+# Tests parametrised by topology name (the agreement test) run with the other
+# tests of the same topology, so each topology boots once per session.
+NAME_ORDER = {"single": 0, "shared": 1}
 
 
 class LabPool:
@@ -60,6 +63,9 @@ def pytest_collection_modifyitems(config, items):
     def rank(item):
         fixtures = getattr(item, "fixturenames", ())
         ranks = [TOPOLOGY_ORDER[f] for f in fixtures if f in TOPOLOGY_ORDER]
+        name = getattr(getattr(item, "callspec", None), "params", {}).get("topology_name")
+        if name is not None:
+            ranks.append(NAME_ORDER.get(name, len(TOPOLOGY_ORDER)))
         return min(ranks) if ranks else len(TOPOLOGY_ORDER)
     items.sort(key=rank)   # stable: file order within a topology
 

@@ -49,7 +49,7 @@ def test_stop_leaves_nothing_behind(labs):
     lab = Lab(topology.load("single"), runtime=labs.runtime, image=labs.image).start()
     rundir = lab.rundir
     vm = lab["host0"]
-    pids = [vm.process.pid, lab.gpu_servers["host0"].process.pid]
+    pids = [vm.process.pid, lab.gpu_servers["gpu0"].process.pid]
     assert processes_mentioning(str(rundir))
     assert vm.run("hostname").stdout.strip() == "host0"
     lab.stop()

@@ -12,9 +12,33 @@ import argparse
 import hashlib
 import json
 
-from ..guest.demo_dma import expected_payload
+from ..errors import LabError
+from ..guest.demo_dma import MESSAGE, expected_payload
 from ..lab import topology
 from ..lab.lab import Lab
+from ..lab.topology import Topology, format_size
+
+PAGE = 4096
+
+
+def check_request(topo: Topology, vm_name: str, size: int, offset: int) -> None:
+    """What can be checked before booting: the payload fits the GPU's VRAM and the
+    devdax region the topology declares, at a page-aligned offset."""
+    vm = topo.vm(vm_name)
+    dax_size = next(vm.region_size(r, topo.backends) for r in vm.regions if r.type == "ram")
+    vram = topo.gpus_of(vm_name)[0].vram
+    if offset < 0 or offset % PAGE:
+        raise LabError(f"--offset {offset} is not a multiple of 4096",
+                       "the GPU DMAs into devdax at page granularity: use 0, 4096, 8192, ...")
+    if size <= len(MESSAGE):
+        raise LabError(f"--size {size} is too small: the payload starts with the {len(MESSAGE)}-byte "
+                       f"message {MESSAGE.decode()!r}", f"use --size {len(MESSAGE) + 1} or more (default 1 MiB)")
+    if size > vram:
+        raise LabError(f"--size {size} is larger than the GPU's VRAM ({format_size(vram)})",
+                       f"use --size {vram} or less")
+    if offset + size > dax_size:
+        raise LabError(f"--size {size} at --offset {offset} runs past the end of the "
+                       f"{format_size(dax_size)} devdax region", f"keep offset + size <= {dax_size}")
 
 
 def run_in_lab(lab: Lab, size: int, offset: int) -> dict:
@@ -33,7 +57,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20, help="bytes (default 1 MiB)")
     parser.add_argument("--offset", type=lambda s: int(s, 0), default=0, help="offset in devdax (4 KiB-aligned)")
     args = parser.parse_args(argv)
-    with Lab(topology.load("single")) as lab:
+    topo = topology.load("single")
+    check_request(topo, "host0", args.size, args.offset)
+    with Lab(topo) as lab:
         r = run_in_lab(lab, args.size, args.offset)
     print(f"GPU → CXL: {r['message']!r} + {r['size'] - len(r['message'])} bytes, "
           f"{r['bytes']} bytes into {r['dax']} ({r['region']}) at offset {r['offset']:#x}")

@@ -16,6 +16,7 @@ import hashlib
 import json
 
 from ..guest.demo_dma import expected_payload
+from .dma import check_request
 from ..lab import topology
 from ..lab.lab import Lab
 
@@ -34,7 +35,7 @@ def seed_flow(lab: Lab, size: int, offset: int) -> dict:
 
 
 STREAM = "python3 -m vfio_cxl.guest.stream"
-B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.netconfig: 169.254.0.<VM index>
+B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.netconfig: 169.254.<link>.<VM index>, link 0
 
 
 def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ...] = (),
@@ -75,7 +76,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--offset", type=lambda s: int(s, 0), default=0)
     parser.add_argument("--records", type=int, default=200, help="records to stream A -> B (0: none)")
     args = parser.parse_args(argv)
-    with Lab(topology.load("shared")) as lab:
+    topo = topology.load("shared")
+    check_request(topo, "a", args.size, args.offset)
+    with Lab(topo) as lab:
         r = seed_flow(lab, args.size, args.offset)
         print(f"[a] GPU DMA'd {r['a']['message']!r} + {args.size - len(r['a']['message'])} bytes into shared "
               f"CXL at {args.offset:#x} (doorbell→MSI-X {r['a']['dma_ms']:.2f} ms); checksum "

@@ -1,35 +1,39 @@
-"""CXL in the guest: discover the tree, bring a Type3 device's RAM up as devdax.
+"""CXL in the guest: discover the tree; bring regions up with the standard tools.
 
-Discovery walks the ``cxl`` and ``dax`` buses with pyudev (the sysfs
-attributes the kernel's CXL core exports) and can be cross-checked with
-``cxl list``/``daxctl list`` JSON.  Region creation follows what
-``cxl create-region -t ram`` does, step by step through sysfs, so each step's
-failure can be named and undone:
+Discovery walks the ``cxl`` bus with pyudev (the sysfs attributes the kernel's
+CXL core exports) and can be cross-checked with ``cxl list`` JSON.  Regions are
+made, enabled and torn down only by cxl-cli, daxctl and ndctl, reading their
+JSON:
 
-1. read ``decoderX.Y/create_ram_region`` on the root decoder, write the name back;
-2. region: ``interleave_granularity`` (the root decoder's), ``interleave_ways`` = 1;
-3. endpoint decoder: ``mode`` = ram, ``dpa_size`` = the memdev's RAM size;
-4. region: ``size``, ``target0``, ``commit`` = 1; bind it to ``cxl_region``;
-5. the region's dax device is bound to ``device_dax`` -> ``/dev/daxN.M``.
+* ``cxl create-region -t ram|pmem -d decoder0.W -w N -g G -m MEM...`` (memdevs
+  in interleave position order: cxl-cli does not sort them; the lab passes
+  them by serial number, ``cxl-type3,sn=``, in the order the decoders need);
+* a ram region's dax device comes up in devdax mode but disabled:
+  ``daxctl enable-device`` binds it to device_dax (kmem stays blacklisted in
+  the image: a shared region must never become system RAM);
+* a pmem region gets a namespace with ``ndctl create-namespace -m fsdax|devdax``
+  (labels in the device's LSA; needs cxl_pmem, libnvdimm, nd_pmem, dax_pmem);
+* ``cxl destroy-region -f`` undoes a region when a later step fails.
 
-Idempotent: a region already committed on the memdev is reused.  On failure
-everything this call created is torn down again.
+One sysfs read stays: ndctl's region listing does not name the CXL region it
+stands for, so an nd region is matched to its CXL region by ``resource``.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyudev
 
 SYS_CXL = Path("/sys/bus/cxl/devices")
+SYS_ND = Path("/sys/bus/nd/devices")
 SYS_DAX = Path("/sys/bus/dax")
 SYS_DAX_DEVICES = SYS_DAX / "devices"
 DEFAULT_DAX_ALIGN = 2 << 20
+PMEM_MODULES = ["cxl_pmem", "libnvdimm", "nd_pmem", "dax_pmem"]
 
 
 class CxlError(Exception):
@@ -42,21 +46,12 @@ def _read(path: Path) -> str:
     return path.read_text().strip()
 
 
-def _write(path: Path, value: str | int) -> None:
-    try:
-        path.write_text(str(value))
-    except OSError as err:
-        raise CxlError(f"writing {value!r} to {path} failed: {err.strerror}",
-                       "see dmesg for the CXL driver's reason") from None
-
-
 @dataclass(frozen=True)
 class Memdev:
     name: str            # mem0
     ram_size: int
     serial: int
     pci_address: str     # the Type3 device's BDF
-    endpoint: str        # endpointN: the memdev's port in the CXL tree
 
 
 @dataclass(frozen=True)
@@ -65,8 +60,31 @@ class DaxDevice:
     size: int
     align: int
     path: Path           # /dev/dax0.0
-    region: str          # region0 (it maps its memdev from DPA 0: dax offset == device offset)
+    region: str          # region0 (a 1-way region maps its memdev from DPA 0: dax offset == device offset)
     resource: int        # host physical address of the region
+
+
+def tool(*argv: str, check: bool = True) -> list | dict:
+    """Run cxl/daxctl/ndctl; their JSON on stdout (``[]`` when they print nothing)."""
+    try:
+        out = subprocess.run(list(argv), capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        raise CxlError(f"{argv[0]} is not installed", "the guest image ships ndctl, cxl and daxctl") from None
+    if check and out.returncode != 0:
+        detail = " / ".join(line for line in out.stderr.splitlines() if line.strip())[-600:]
+        raise CxlError(f"'{' '.join(argv)}' failed: {detail or f'exit {out.returncode}'}",
+                       "see dmesg for the CXL driver's reason")
+    text = out.stdout.strip()
+    if not text:
+        return []
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise CxlError(f"'{' '.join(argv)}' printed no JSON: {text[:200]!r}") from None
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value] if value else []
 
 
 def _cxl_devices(prefix: str) -> list[pyudev.Device]:
@@ -81,8 +99,6 @@ def _uport(port: pyudev.Device) -> Path:
 
 
 def memdevs() -> list[Memdev]:
-    # An endpoint port hangs off its switch port; its uport is the memdev.
-    endpoint_of = {_uport(ep).name: ep.sys_name for ep in _cxl_devices("endpoint")}
     found = []
     for dev in _cxl_devices("mem"):
         sys_path = Path(dev.sys_path)
@@ -92,7 +108,6 @@ def memdevs() -> list[Memdev]:
             ram_size=int(_read(ram), 0) if ram.exists() else 0,
             serial=int(_read(sys_path / "serial"), 0),
             pci_address=sys_path.resolve().parent.name,
-            endpoint=endpoint_of.get(dev.sys_name, ""),
         ))
     return found
 
@@ -117,26 +132,6 @@ def cxl_list() -> list:
     return json.loads(out.stdout or "[]")
 
 
-def _endpoint_decoder(memdev: Memdev) -> Path:
-    decoders = sorted((SYS_CXL / memdev.endpoint).glob(f"decoder{memdev.endpoint[8:]}.*"))
-    if not decoders:
-        raise CxlError(f"{memdev.name} has no endpoint decoder", "is cxl_mem loaded and the memdev enabled?")
-    return SYS_CXL / decoders[0].name
-
-
-def _region_of(memdev: Memdev) -> str | None:
-    """The committed region whose target is this memdev's endpoint decoder, if any."""
-    decoder = _endpoint_decoder(memdev).name
-    for region in regions():
-        path = SYS_CXL / region
-        try:
-            if _read(path / "target0") == decoder and _read(path / "commit") == "1":
-                return region
-        except FileNotFoundError:
-            continue
-    return None
-
-
 def dax_geometry(name: str) -> tuple[int, int]:
     """(size, align) of dax device ``name`` from sysfs."""
     dev = SYS_DAX_DEVICES / name
@@ -144,136 +139,153 @@ def dax_geometry(name: str) -> tuple[int, int]:
     return int(_read(dev / "size"), 0), int(_read(align), 0) if align.exists() else DEFAULT_DAX_ALIGN
 
 
-def _dax_of(region: str) -> DaxDevice | None:
-    region_path = SYS_CXL / region
-    for dax_region in region_path.glob("dax_region*"):
-        for dev in sorted(dax_region.glob("dax*.*")):
-            size, align = dax_geometry(dev.name)
-            return DaxDevice(
-                name=dev.name,
-                size=size,
-                align=align,
-                path=Path("/dev") / dev.name,
-                region=region,
-                resource=int(_read(region_path / "resource"), 0),
-            )
-    return None
+# ---------------------------------------------------------------- regions with cxl-cli
+
+def _root_decoders() -> list[str]:
+    """Root decoders (one per CXL fixed memory window, in window order)."""
+    names = [d["decoder"] for d in _as_list(tool("cxl", "list", "-D", "-d", "root"))]
+    return sorted(names, key=lambda n: int(n.split(".")[1]))
 
 
-def _dax_driver(name: str) -> str:
-    link = SYS_DAX_DEVICES / name / "driver"
-    return link.resolve().name if link.exists() else ""
+def _regions_json() -> list[dict]:
+    return _as_list(tool("cxl", "list", "-R", "-X", "-T"))   # -T: the mappings (memdevs by position)
 
 
-def _bind_device_dax(dax: DaxDevice) -> None:
-    """Bind the dax device to device_dax (not kmem), so /dev/daxN.M can be opened.
-
-    A CXL RAM region's dax device prefers kmem; with kmem blacklisted it stays
-    unbound (its /dev node exists but opening it fails with ENXIO), and
-    device_dax takes it only once its name is added with new_id.
-    """
-    if _dax_driver(dax.name) == "device_dax":
-        return
-    subprocess.run(["modprobe", "device_dax"], check=False)
-    driver = SYS_DAX / "drivers" / "device_dax"
-    if not driver.exists():
-        raise CxlError("the device_dax driver is not available", "modprobe device_dax")
-    if _dax_driver(dax.name):
-        _write(SYS_DAX_DEVICES / dax.name / "driver" / "unbind", dax.name)
-    _write(driver / "new_id", dax.name)
-    if _dax_driver(dax.name) != "device_dax":
-        _write(driver / "bind", dax.name)
-    if _dax_driver(dax.name) != "device_dax":
-        raise CxlError(f"{dax.name} did not bind to device_dax", "see dmesg")
+def _members(region: dict) -> list[str]:
+    return [m["memdev"] for m in sorted(region.get("mappings", []), key=lambda m: m["position"])]
 
 
-def ensure_ram_devdax(memdev_name: str | None = None) -> DaxDevice:
-    """A devdax device over a RAM region on ``memdev_name`` (default: the only memdev).
-
-    Reuses the region if one is committed already; otherwise creates it and
-    removes it again if any later step fails.
-    """
-    devs = memdevs()
-    if not devs:
-        raise CxlError("no CXL memdev in this VM", "boot a topology with a Type3 device (vfio-cxl vm up single)")
-    if memdev_name is None:
-        if len(devs) > 1:
-            raise CxlError(f"several memdevs: {', '.join(d.name for d in devs)}", "name one")
-        memdev = devs[0]
-    else:
-        matches = [d for d in devs if d.name == memdev_name]
-        if not matches:
-            raise CxlError(f"no memdev {memdev_name}", f"known: {', '.join(d.name for d in devs)}")
-        memdev = matches[0]
-    if memdev.ram_size == 0:
-        raise CxlError(f"{memdev.name} has no volatile (RAM) capacity", "use a volatile-memdev Type3 device")
-
-    region = _region_of(memdev)
-    with ExitStack() as undo:
-        if region is None:
-            region = _create_ram_region(memdev, undo)
-        dax = _dax_of(region)
-        if dax is None:
-            raise CxlError(f"{region} has no dax device", "is dax_cxl loaded? (modprobe dax_cxl)")
-        _bind_device_dax(dax)
-        undo.pop_all()   # success: keep what we made
-    return dax
+def _dax_devices(region: dict) -> list[dict]:
+    return region.get("daxregion", {}).get("devices", [])
 
 
-def _create_ram_region(memdev: Memdev, undo: ExitStack) -> str:
-    roots = root_decoders()
-    if not roots:
-        raise CxlError("no CXL root decoder (no CXL fixed memory window)", "is cxl_acpi loaded?")
-    root = SYS_CXL / roots[0]
-    endpoint = _endpoint_decoder(memdev)
-    if int(_read(endpoint / "dpa_size"), 0) != 0:
-        raise CxlError(f"{endpoint.name} is already in use (dpa_size {_read(endpoint / 'dpa_size')})",
-                       "destroy the region that uses it (destroy_region) first")
-    name = _read(root / "create_ram_region")
-    _write(root / "create_ram_region", name)
-    region = SYS_CXL / name
-    undo.callback(_delete_region, root, name)
-    _write(region / "interleave_granularity", _read(root / "interleave_granularity"))
-    _write(region / "interleave_ways", 1)
-    _write(endpoint / "mode", "ram")
-    _write(endpoint / "dpa_size", memdev.ram_size)
-    undo.callback(_release_dpa, endpoint)
-    _write(region / "size", memdev.ram_size)
-    _write(region / "target0", endpoint.name)
-    _write(region / "commit", 1)
-    undo.callback(_write, region / "commit", 0)
-    driver = Path("/sys/bus/cxl/drivers/cxl_region")
-    if not (region / "driver").exists():
-        _write(driver / "bind", name)
-    return name
+def _enable_dax(region_name: str) -> DaxDevice:
+    """The region's dax device, enabled in devdax mode (device_dax, never kmem)."""
+    (region,) = _as_list(tool("cxl", "list", "-R", "-X", "-r", region_name))
+    devices = _dax_devices(region)
+    if not devices:
+        raise CxlError(f"{region_name} has no dax device", "is dax_cxl loaded? (modprobe dax_cxl)")
+    dev = devices[0]
+    if dev.get("mode") != "devdax":
+        tool("daxctl", "reconfigure-device", "--mode=devdax", dev["chardev"])
+    elif dev.get("state") == "disabled":
+        tool("daxctl", "enable-device", dev["chardev"])
+    size, align = dax_geometry(dev["chardev"])
+    return DaxDevice(dev["chardev"], size, align, Path("/dev") / dev["chardev"], region_name, region["resource"])
 
 
-def _release_dpa(endpoint: Path) -> None:
-    try:
-        _write(endpoint / "dpa_size", 0)
-    except CxlError:
-        pass
+def _nd_region(cxl_region: dict) -> str:
+    for nd in sorted(SYS_ND.glob("region*")):
+        try:
+            if int(_read(nd / "resource"), 0) == cxl_region["resource"]:
+                return nd.name
+        except (OSError, ValueError):
+            continue
+    raise CxlError(f"no nvdimm region for {cxl_region['region']}", f"are {', '.join(PMEM_MODULES)} loaded?")
 
 
-def _delete_region(root: Path, name: str) -> None:
-    region = SYS_CXL / name
-    try:
-        if (region / "driver").exists():
-            _write(Path("/sys/bus/cxl/drivers/cxl_region/unbind"), name)
-        if (region / "commit").exists() and _read(region / "commit") == "1":
-            _write(region / "commit", 0)
-        if (region / "target0").exists() and _read(region / "target0"):
-            _write(region / "target0", "")
-        _write(root / "delete_region", name)
-    except (CxlError, FileNotFoundError):
-        pass
+def _namespace(cxl_region: dict, mode: str) -> dict:
+    nd = _nd_region(cxl_region)
+    for region in _as_list(tool("ndctl", "list", "-R", "-N", "-r", nd)):
+        for ns in region.get("namespaces", []):
+            if ns.get("mode") == mode:
+                return ns
+    return tool("ndctl", "create-namespace", "-m", mode, "-r", nd)
+
+
+def load_pmem_modules() -> None:
+    out = subprocess.run(["modprobe", "-a", *PMEM_MODULES], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise CxlError(f"modprobe {' '.join(PMEM_MODULES)} failed: {out.stderr.strip()}",
+                       "the guest kernel needs CONFIG_CXL_PMEM and CONFIG_BLK_DEV_PMEM")
 
 
 def destroy_region(region: str) -> None:
-    """Tear down a region made by ``ensure_ram_devdax`` (dax unbound, decoders released)."""
-    path = SYS_CXL / region
-    target = _read(path / "target0") if (path / "target0").exists() else ""
-    roots = root_decoders()
-    _delete_region(SYS_CXL / roots[0], region)
-    if target:
-        _release_dpa(SYS_CXL / target)
+    """Tear a region down (namespaces and dax devices with it): ``cxl destroy-region -f``."""
+    tool("cxl", "destroy-region", "-f", region)
+
+
+def create_region(kind: str, window: int, memdevs: list[str], granularity: int | None = None) -> dict:
+    """``cxl create-region``; memdevs in interleave position order.  Its JSON."""
+    roots = _root_decoders()
+    if window >= len(roots):
+        raise CxlError(f"no root decoder for window {window} (the guest has {len(roots)})",
+                       "is cxl_acpi loaded, and does the topology declare the window?")
+    argv = ["cxl", "create-region", "-t", kind, "-d", roots[window], "-w", str(len(memdevs))]
+    if granularity:
+        argv += ["-g", str(granularity)]
+    before = {r["region"] for r in _regions_json()}
+    try:
+        return tool(*argv, "-m", *memdevs)
+    except CxlError:
+        for region in _regions_json():   # cxl-cli cleans up after itself; make sure
+            if region["region"] not in before:
+                destroy_region(region["region"])
+        raise
+
+
+def bring_up(plan: dict) -> list[dict]:
+    """Create the regions a topology declares (idempotent), ram before pmem:
+    an endpoint decoder must map a memdev's ram (DPA 0) before its pmem.
+
+    ``plan``: {"pmem": bool, "regions": [{"name", "type", "window", "granularity",
+    "serials" (position order), "use"}]}.  Returns what each region became."""
+    if plan.get("pmem"):
+        load_pmem_modules()
+    by_serial = {m["serial"]: m["memdev"] for m in _as_list(tool("cxl", "list", "-M"))}
+    results = []
+    for spec in sorted(plan["regions"], key=lambda r: r["type"] != "ram"):
+        missing = [s for s in spec["serials"] if s not in by_serial]
+        if missing:
+            raise CxlError(f"region {spec['name']}: no memdev with serial {', '.join(map(hex, missing))}",
+                           "is cxl_mem loaded and every Type3 device enabled? (cxl list -M)")
+        mems = [by_serial[s] for s in spec["serials"]]
+        region = next((r for r in _regions_json() if _members(r) == mems and r["type"] == spec["type"]), None)
+        created = region is None
+        if created:
+            region = create_region(spec["type"], spec["window"], mems, spec.get("granularity"))
+        result = {"name": spec["name"], "region": region["region"], "type": spec["type"], "memdevs": mems,
+                  "size": region["size"], "ways": region["interleave_ways"],
+                  "granularity": region["interleave_granularity"], "use": spec["use"]}
+        try:
+            if spec["use"] == "devdax" and spec["type"] == "ram":
+                result["dax"] = _enable_dax(region["region"]).name
+            elif spec["use"] in ("devdax", "fsdax"):
+                ns = _namespace(region, spec["use"])
+                result["namespace"] = ns["dev"]
+                result["blockdev"] = ns.get("blockdev")
+                result["dax"] = next((d["chardev"] for d in _dax_devices(ns)), None)
+        except CxlError:
+            if created:
+                destroy_region(region["region"])
+            raise
+        results.append(result)
+    return results
+
+
+def ensure_ram_devdax(memdev_name: str | None = None) -> DaxDevice:
+    """A devdax device over a RAM region (on ``memdev_name``; default: the only one).
+
+    Reuses the region the lab brought up at boot; without one (a topology that
+    declares no region), creates a 1-way ram region on the memdev with cxl-cli."""
+    ram = [r for r in _regions_json() if r["type"] == "ram"]
+    if memdev_name is not None:
+        ram = [r for r in ram if memdev_name in _members(r)]
+    if len(ram) > 1:
+        raise CxlError(f"several RAM regions: {', '.join(r['region'] for r in ram)}", "name a memdev")
+    if ram:
+        return _enable_dax(ram[0]["region"])
+    devs = [m for m in _as_list(tool("cxl", "list", "-M")) if m.get("ram_size")]
+    if memdev_name is not None:
+        devs = [m for m in devs if m["memdev"] == memdev_name]
+    if not devs:
+        raise CxlError(f"no CXL memdev with volatile (RAM) capacity{' named ' + memdev_name if memdev_name else ''}",
+                       "boot a topology with a volatile Type3 device (vfio-cxl vm up single)")
+    if len(devs) > 1:
+        raise CxlError(f"several memdevs: {', '.join(d['memdev'] for d in devs)}", "name one")
+    region = create_region("ram", 0, [devs[0]["memdev"]])
+    try:
+        return _enable_dax(region["region"])
+    except CxlError:
+        destroy_region(region["region"])
+        raise

@@ -2,6 +2,7 @@
 
     python3 -m vfio_cxl.guest.cxltool list             discovery (pyudev) + cxl list
     python3 -m vfio_cxl.guest.cxltool up [MEMDEV]      RAM region as devdax (idempotent)
+    python3 -m vfio_cxl.guest.cxltool regions < plan   the topology's regions (JSON plan from the lab)
     python3 -m vfio_cxl.guest.cxltool down REGION      destroy a region
     python3 -m vfio_cxl.guest.cxltool write DAX OFFSET < base64
     python3 -m vfio_cxl.guest.cxltool read DAX OFFSET LENGTH > base64
@@ -44,6 +45,8 @@ def main(argv: list[str]) -> int:
                          "cxl_list": cxl.cxl_list()}))
         elif command == "up":
             print(_json(cxl.ensure_ram_devdax(args[0] if args else None)))
+        elif command == "regions":
+            print(json.dumps(cxl.bring_up(json.loads(sys.stdin.read()))))
         elif command == "down":
             cxl.destroy_region(args[0])
         elif command == "write":

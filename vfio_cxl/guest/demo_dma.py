@@ -32,7 +32,8 @@ def run(size: int, offset: int) -> dict:
     dax_device = cxl.ensure_ram_devdax()
     if offset % 4096 or offset < 0 or size <= len(MESSAGE) or offset + size > dax_device.size:
         raise cxl.CxlError(f"--size {size} at --offset {offset} does not fit devdax {dax_device.name} "
-                           f"({dax_device.size} bytes; offset must be 4 KiB-aligned, size > {len(MESSAGE)})",
+                           f"({dax_device.size} bytes): the offset must be a multiple of 4096, the size more than "
+                           f"{len(MESSAGE)} bytes (the message), and offset + size at most the devdax size",
                            f"use --size <= {dax_device.size - offset}")
     with DaxMapping(dax_device) as dax, GpuDriver.open() as gpu:
         if size > gpu.vram_size:

@@ -7,9 +7,9 @@ The lab gives each VM NICs with MAC addresses that say what they are for
   slirp's fixed address 10.0.2.15/24 (the init sets it at boot with ip(8),
   since importing pyroute2 costs seconds under TCG; here it is only checked);
   the host reaches it only through a port forwarded on 127.0.0.1;
-* ``52:54:00:1c:00:xx`` -- a private point-to-point link to another VM: link-local
-  addresses only (IPv4 169.254.0.xx/16, derived from the MAC, plus the
-  kernel's IPv6 fe80:: address).
+* ``52:54:00:1c:LL:VV`` -- private point-to-point link number LL to another VM
+  (VV: this VM's index in its topology): link-local addresses only (IPv4
+  169.254.LL.VV/24, derived from the MAC, plus the kernel's IPv6 fe80:: address).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import sys
 from pyroute2 import IPRoute
 
 SSH_NIC_PREFIX = "52:54:00:5c:00:"
-LINK_NIC_PREFIX = "52:54:00:1c:00:"
+LINK_NIC_PREFIX = "52:54:00:1c:"
 SLIRP_GUEST_ADDRESS = "10.0.2.15"
 
 
 def link_local_address(mac: str) -> str:
-    """The IPv4 link-local address of a link NIC: 169.254.0.<last MAC byte>."""
-    return f"169.254.0.{int(mac.rsplit(':', 1)[1], 16)}"
+    """The IPv4 link-local address of a link NIC: 169.254.<link>.<VM index> (its last two MAC bytes)."""
+    link, vm = mac.split(":")[-2:]
+    return f"169.254.{int(link, 16)}.{int(vm, 16)}"
 
 
 def configure(ipr: IPRoute) -> list[tuple[str, str]]:
@@ -41,7 +42,7 @@ def configure(ipr: IPRoute) -> list[tuple[str, str]]:
         if mac.startswith(SSH_NIC_PREFIX):
             address, prefix = SLIRP_GUEST_ADDRESS, 24
         elif mac.startswith(LINK_NIC_PREFIX):
-            address, prefix = link_local_address(mac), 16
+            address, prefix = link_local_address(mac), 24
         else:
             continue
         ipr.link("set", index=index, state="up")

@@ -7,16 +7,14 @@ started.  ``vfio-cxl vm up --dry-run`` prints what this builds.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .topology import VmSpec
+from .topology import Topology, Vm, format_size
 
 SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
-LINK_NIC_MAC = "52:54:00:1c:00:{:02x}"
+LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
-GPU_ROOT_PORT = "gpu_port"
-SPARE_ROOT_PORT = "spare_port"
 
 
 @dataclass(frozen=True)
@@ -32,8 +30,8 @@ class VmResources:
     backend_files: dict[str, Path]
     ssh_port: int
     accel: str = "tcg"
-    gpu_socket: Path | None = None
-    link_sockets: tuple[tuple[Path, bool], ...] = ()   # (socket, this VM listens)
+    gpu_sockets: dict[str, Path] = field(default_factory=dict)   # owned GPU name -> server socket
+    link_sockets: tuple[tuple[Path, bool, int], ...] = ()   # (socket, this VM listens, link number)
 
     @property
     def console_log(self) -> Path:
@@ -43,12 +41,16 @@ class VmResources:
     def qmp_socket(self) -> Path:
         return self.rundir / "qmp.sock"
 
+    def lsa_file(self, type3: str) -> Path:
+        """The label storage area of a persistent Type3 device (private to this VM)."""
+        return self.rundir / f"{type3}.lsa"
+
 
 def _mib(size: int) -> str:
     return f"{size >> 20}M"
 
 
-def _machine(vm: VmSpec, res: VmResources) -> list[str]:
+def _machine(vm: Vm, res: VmResources) -> list[str]:
     machine = "q35,cxl=on,memory-backend=ram"
     if res.accel == "kvm":
         machine += ",kernel-irqchip=split"   # intel-iommu's intremap needs it under KVM
@@ -73,36 +75,84 @@ def _iommu() -> list[str]:
     return ["-device", "intel-iommu,intremap=on,caching-mode=on"]
 
 
-def _cxl(vm: VmSpec, res: VmResources) -> list[str]:
-    if not vm.type3:
+def _cxl(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
+    """Backends, host bridges, root ports, switches, Type3 devices and ONE ``-M``
+    with every window (QEMU rejects ``cxl-fmw.*`` keys spread over several -M)."""
+    if not vm.host_bridges:
         return []
     args = []
-    for backend in {t.backend.name: t.backend for t in vm.type3}.values():
-        args += ["-object", f"memory-backend-file,id=cxl-{backend.name},share=on,"
-                 f"mem-path={res.backend_files[backend.name]},size={_mib(backend.size)}"]
-    args += [
-        "-device", "pxb-cxl,bus_nr=12,bus=pcie.0,id=cxl.1",
-        "-device", "cxl-rp,port=0,bus=cxl.1,id=cxl_rp0,chassis=0,slot=2",
-        "-device", "cxl-upstream,bus=cxl_rp0,id=cxl_us0",
-    ]
-    for i, dev in enumerate(vm.type3):
-        args += [
-            "-device", f"cxl-downstream,port={i},bus=cxl_us0,id=cxl_ds{i},chassis=0,slot={4 + i}",
-            "-device", f"cxl-type3,bus=cxl_ds{i},volatile-memdev=cxl-{dev.backend.name},id=cxl-vmem{i}",
-        ]
-    args += ["-M", f"cxl-fmw.0.targets.0=cxl.1,cxl-fmw.0.size={_mib(vm.cxl_window)}"]
+    for t3 in vm.type3:
+        for backend in (t3.volatile, t3.persistent):
+            if backend:
+                args += ["-object", f"memory-backend-file,id=cxl-{backend},share=on,"
+                         f"mem-path={res.backend_files[backend]},size={_mib(topo.backends[backend].size)}"]
+        if t3.persistent:
+            args += ["-object", f"memory-backend-file,id=lsa-{t3.name},share=on,"
+                     f"mem-path={res.lsa_file(t3.name)},size={format_size(t3.lsa_size)}"]
+    slot = 2   # chassis 0: CXL root and downstream ports; chassis 1 and up: PCIe
+    buses = vm.bus_numbers()
+    for hb in vm.host_bridges:
+        args += ["-device", f"pxb-cxl,bus_nr={buses[hb.name]},bus=pcie.0,id={hb.name}"]
+        for port, rp in enumerate(hb.root_ports):
+            args += ["-device", f"cxl-rp,port={port},bus={hb.name},id={rp},chassis=0,slot={slot}"]
+            slot += 1
+            sw = vm.switch_at(rp)
+            if sw:
+                args += ["-device", f"cxl-upstream,bus={rp},id={sw.name}"]
+                for dport, ds in enumerate(sw.downstream_ports):
+                    args += ["-device", f"cxl-downstream,port={dport},bus={sw.name},id={ds},chassis=0,slot={slot}"]
+                    slot += 1
+    for t3 in vm.type3:
+        dev = f"cxl-type3,bus={t3.at},id={t3.name},sn={vm.serial(t3.name):#x}"
+        if t3.volatile:
+            dev += f",volatile-memdev=cxl-{t3.volatile}"
+        if t3.persistent:
+            dev += f",persistent-memdev=cxl-{t3.persistent},lsa=lsa-{t3.name}"
+        args += ["-device", dev]
+    fmw = []
+    for w, window in enumerate(vm.windows):
+        fmw += [f"cxl-fmw.{w}.targets.{t}={target}" for t, target in enumerate(window.targets)]
+        fmw += [f"cxl-fmw.{w}.size={_mib(window.size)}",
+                f"cxl-fmw.{w}.interleave-granularity={format_size(window.granularity).lower()}"]
+    if fmw:
+        args += ["-M", ",".join(fmw)]
     return args
 
 
-def _gpu(vm: VmSpec, res: VmResources) -> list[str]:
-    # The GPU's root port is always there; the vfio-user GPU sits on it when
-    # the VM has one.  The spare port stays free for hot-plug experiments.
-    args = ["-device", f"pcie-root-port,id={GPU_ROOT_PORT},bus=pcie.0,chassis=1,slot=1",
-            "-device", f"pcie-root-port,id={SPARE_ROOT_PORT},bus=pcie.0,chassis=1,slot=2"]
-    if vm.gpu and res.gpu_socket:
-        device = {"driver": "vfio-user-pci", "id": "gpu0", "bus": GPU_ROOT_PORT,
-                  "socket": {"type": "unix", "path": str(res.gpu_socket)}}
-        args += ["-device", json.dumps(device, separators=(",", ":"))]
+def _gpu_device(name: str, bus: str, socket: Path) -> str:
+    device = {"driver": "vfio-user-pci", "id": name, "bus": bus,
+              "socket": {"type": "unix", "path": str(socket)}}
+    return json.dumps(device, separators=(",", ":"))
+
+
+def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
+    """GPUs (on root ports of their own or behind PCIe switches) and hot-plug root ports.
+
+    Every owned GPU gets its port even when no server is attached (``--no-gpu``);
+    hot-plug ports reserve a 64-bit prefetchable window as large as the largest
+    VRAM BAR, or a hot-added GPU's BAR2 finds no space."""
+    args = []
+    slot = 1
+    sockets = res.gpu_sockets
+    for gpu in topo.gpus_of(vm.name):
+        if gpu.at is None:
+            args += ["-device", f"pcie-root-port,id={gpu.root_port},bus=pcie.0,chassis=1,slot={slot}"]
+            slot += 1
+            if gpu.name in sockets:
+                args += ["-device", _gpu_device(gpu.name, gpu.root_port, sockets[gpu.name])]
+    for chassis, ps in enumerate(vm.pcie_switches, start=2):
+        args += ["-device", f"pcie-root-port,id={ps.name}-port,bus=pcie.0,chassis=1,slot={slot}",
+                 "-device", f"x3130-upstream,id={ps.name},bus={ps.name}-port"]
+        slot += 1
+        for dslot, ds in enumerate(ps.downstream_ports):
+            args += ["-device", f"xio3130-downstream,id={ds},bus={ps.name},chassis={chassis},slot={dslot}"]
+        for gpu in topo.gpus_of(vm.name):
+            if gpu.at in ps.downstream_ports and gpu.name in sockets:
+                args += ["-device", _gpu_device(gpu.name, gpu.at, sockets[gpu.name])]
+    reserve = format_size(topo.hotplug_reserve())
+    for hp in vm.hotplug_port_ids():
+        args += ["-device", f"pcie-root-port,id={hp},bus=pcie.0,chassis=1,slot={slot},pref64-reserve={reserve}"]
+        slot += 1
     return args
 
 
@@ -113,11 +163,11 @@ def _network(res: VmResources) -> list[str]:
         "-netdev", f"user,id=ssh,restrict=on,hostfwd=tcp:127.0.0.1:{res.ssh_port}-:22",
         "-device", f"virtio-net-pci,netdev=ssh,mac={SSH_NIC_MAC.format(res.index)},bus=pcie.0",
     ]
-    for i, (socket, listens) in enumerate(res.link_sockets):
+    for socket, listens, link in res.link_sockets:
         mode = "server=on" if listens else "server=off,reconnect-ms=100"
         args += [
-            "-netdev", f"stream,id=link{i},addr.type=unix,addr.path={socket},{mode}",
-            "-device", f"virtio-net-pci,netdev=link{i},mac={LINK_NIC_MAC.format(res.index)},bus=pcie.0",
+            "-netdev", f"stream,id=link{link},addr.type=unix,addr.path={socket},{mode}",
+            "-device", f"virtio-net-pci,netdev=link{link},mac={LINK_NIC_MAC.format(link, res.index)},bus=pcie.0",
         ]
     return args
 
@@ -133,15 +183,17 @@ def _storage(res: VmResources) -> list[str]:
     ]
 
 
-def _boot(vm: VmSpec, res: VmResources) -> list[str]:
+def _boot(vm: Vm, res: VmResources) -> list[str]:
     # mitigations=off: a lab VM runs only our code, and under TCG every
-    # patched-in mitigation is emulated work.
-    cmdline = (f"console=ttyS0 intel_iommu=on mitigations=off panic=-1 quiet loglevel=4 "
+    # patched-in mitigation is emulated work.  no_timer_check: on a loaded
+    # host a TCG guest can miss the IO-APIC timer check's deadline and panic
+    # at boot ("IO-APIC + timer doesn't work!"; seen with three VMs booting).
+    cmdline = (f"console=ttyS0 intel_iommu=on mitigations=off no_timer_check panic=-1 quiet loglevel=4 "
                f"vfio_cxl.name={vm.name}")
     return ["-kernel", str(res.kernel), "-initrd", str(res.initrd), "-append", cmdline]
 
 
-def _control(vm: VmSpec, res: VmResources) -> list[str]:
+def _control(vm: Vm, res: VmResources) -> list[str]:
     return [
         "-name", vm.name,
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -151,6 +203,6 @@ def _control(vm: VmSpec, res: VmResources) -> list[str]:
     ]
 
 
-def qemu_argv(vm: VmSpec, res: VmResources) -> list[str]:
-    return [*_machine(vm, res), *_iommu(), *_cxl(vm, res), *_gpu(vm, res),
+def qemu_argv(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
+    return [*_machine(vm, res), *_iommu(), *_cxl(topo, vm, res), *_pcie(topo, vm, res),
             *_network(res), *_storage(res), *_boot(vm, res), *_control(vm, res)]

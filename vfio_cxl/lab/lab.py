@@ -11,6 +11,7 @@ directory.  Ports and paths are chosen per lab, so labs can run side by side.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -24,7 +25,7 @@ from .gpu_process import GpuServerProcess
 from .image import GuestImage, find_image, image_path
 from .logs import archive_logs
 from .qemu_runtime import QemuRuntime, find_runtime, planned_runtime
-from .topology import Topology
+from .topology import Topology, Vm
 from .vm import VirtualMachine
 
 
@@ -50,6 +51,18 @@ MANAGED_MARKER = "fm.json"
 
 def _backend_path(rundir: Path, name: str) -> Path:
     return rundir / f"{name}.mem"
+
+
+def region_plan(topo: Topology, vm: Vm) -> dict:
+    """What the guest's ``cxltool regions`` creates: each region's memdevs as
+    serial numbers (``cxl-type3,sn=``) in interleave position order."""
+    regions = []
+    for region in vm.regions:
+        window = vm.windows[region.window]
+        regions.append({"name": region.name, "type": region.type, "window": region.window,
+                        "granularity": region.granularity or window.granularity, "use": region.use,
+                        "serials": [vm.serial(m) for m in vm.region_order(region)]})
+    return {"pmem": any(t.persistent for t in vm.type3), "regions": regions}
 
 
 def remove_stale_rundirs() -> None:
@@ -110,11 +123,11 @@ class Lab:
         # Nothing needs to be provisioned to plan: the cache paths follow from the recipes.
         runtime = self.runtime or planned_runtime()
         image = self.image or GuestImage(image_path())
-        link_sockets: dict[str, list[tuple[Path, bool]]] = {vm.name: [] for vm in self.topology.vms}
+        link_sockets: dict[str, list[tuple[Path, bool, int]]] = {vm.name: [] for vm in self.topology.vms}
         for i, link in enumerate(self.topology.links):
             sock = rundir / f"link{i}.sock"
-            link_sockets[link.vms[0]].append((sock, True))
-            link_sockets[link.vms[1]].append((sock, False))
+            link_sockets[link.vms[0]].append((sock, True, i))
+            link_sockets[link.vms[1]].append((sock, False, i))
         vms = []
         for index, spec in enumerate(self.topology.vms, start=1):
             if self.ssh_port is not None:
@@ -126,10 +139,11 @@ class Lab:
                 index=index, rundir=vmdir, kernel=image.kernel, initrd=image.initrd, rootfs=image.rootfs,
                 source=REPO_ROOT, backend_files={b: _backend_path(rundir, b) for b in self.topology.backends},
                 ssh_port=port, accel=self.accel,
-                gpu_socket=vmdir / "gpu.sock" if (spec.gpu and self.gpu) else None,
+                gpu_sockets={g.name: vmdir / f"{g.name}.sock" for g in self.topology.gpus_of(spec.name)
+                             if self.gpu},
                 link_sockets=tuple(link_sockets[spec.name]),
             )
-            vms.append(VirtualMachine(spec, res, runtime, image))
+            vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology))
         return vms
 
     def start(self, timeout: float = 180) -> "Lab":
@@ -151,9 +165,15 @@ class Lab:
                     f.truncate(backend.size)   # sparse; both VMs map the same file
             for vm in self.plan(self.rundir):
                 vm.res.rundir.mkdir()
-                if vm.res.gpu_socket:
-                    server = GpuServerProcess(vm.res.gpu_socket, vm.res.rundir / "gpu.log", self.gpu_args)
-                    self.gpu_servers[vm.name] = server
+                for t3 in vm.spec.type3:
+                    if t3.persistent:   # the label storage area: private to the device, zeroed
+                        with open(vm.res.lsa_file(t3.name), "wb") as f:
+                            f.truncate(t3.lsa_size)
+                for gpu_name, sock in vm.res.gpu_sockets.items():   # one server per GPU
+                    vram_mib = self.topology.gpus[gpu_name].vram >> 20
+                    server = GpuServerProcess(sock, vm.res.rundir / f"{gpu_name}.log",
+                                              ["--vram-mib", str(vram_mib), *self.gpu_args])
+                    self.gpu_servers[gpu_name] = server
                     server.start()
                 self.vms[vm.name] = vm
                 vm.start()
@@ -161,6 +181,14 @@ class Lab:
                 seconds = vm.wait_ready(timeout)
                 self.log(f"[{vm.name}] ready in {seconds:.1f} s (ssh 127.0.0.1:{vm.res.ssh_port}, "
                          f"console {vm.res.console_log})")
+            for vm in self.vms.values():   # regions, with cxl-cli/daxctl/ndctl in the guest
+                plan = region_plan(self.topology, vm.spec)
+                if plan["regions"] or plan["pmem"]:
+                    out = vm.run("python3 -m vfio_cxl.guest.cxltool regions", stdin=json.dumps(plan), timeout=300)
+                    vm.regions = {r["name"]: r for r in json.loads(out.stdout)}
+                    self.log(f"[{vm.name}] regions: " + ", ".join(
+                        f"{r['name']}={r['region']}" + (f" {r['dax']}" if r.get("dax") else "")
+                        + (f" {r['blockdev']}" if r.get("blockdev") else "") for r in vm.regions.values()))
             for vm in self.vms.values():
                 if vm.res.link_sockets:   # the private VM-to-VM link: pyroute2 in the guest
                     vm.run("python3 -m vfio_cxl.guest.netconfig up")

@@ -166,6 +166,20 @@ def planned_runtime() -> QemuRuntime:
     return _system_qemu() or QemuRuntime(tree=tree_path() / "tree")
 
 
+def provisioned_runtime() -> QemuRuntime | None:
+    """The runtime in use if it is already there (nothing installed, nothing built), else None."""
+    system = _system_qemu()
+    if system:
+        return system
+    tree = tree_path() / "tree"
+    if not tree.exists() or not shutil.which("bwrap"):
+        return None
+    try:
+        return _tree_runtime(tree)
+    except LabError:
+        return None
+
+
 def find_runtime(provision: bool = True, log=print) -> QemuRuntime:
     """The QEMU to use; provisions the pinned tree when needed and allowed."""
     system = _system_qemu()

@@ -1,118 +1,713 @@
-"""Topologies: lab layouts as data (``qemu/topologies/*.toml``), checked strictly.
+"""Topologies: any CXL/PCIe fabric as data (``qemu/topologies/*.toml``), checked strictly.
 
-A topology names memory backends (files in the lab's run directory, shared by
-every Type3 device that names them), the VMs, what each VM carries (the GPU,
-its Type3 devices) and the point-to-point links between VMs.  Every VM gets
-the same machine skeleton: Q35 + intel-iommu, a free PCIe root port for the
-GPU, and a CXL 2.0 host bridge -> root port -> switch -> Type3 devices.
+    from vfio_cxl.lab import topology
+    topo = topology.load("fabric")            # a shipped name, or a path to a .toml file
+    topo.vms[0].type3[0].volatile             # -> "shared" (a backend name)
+    topo.gpus["gpu1"].owner                   # -> None (free for hot-plug)
+
+The public API is this module's models (pydantic v2, immutable once loaded):
+:class:`Topology` (``backends``, ``gpus``, ``vms``, ``links``), :class:`Vm`
+(``host_bridges``, ``switches``, ``type3``, ``windows``, ``regions``,
+``pcie_switches``, ``hotplug_ports``), :class:`Gpu` (``owner`` or None,
+``at``, ``vram``, ``irq``) and the derived facts the lab needs:
+:meth:`Vm.bus_numbers`, :meth:`Vm.region_order`, :meth:`Vm.hotplug_port_ids`,
+:meth:`Topology.gpus_of`, :meth:`Topology.hotplug_reserve`.
+
+Checking happens in two layers.  pydantic checks shapes, types and each field
+alone (unknown keys, names, sizes, interleave ways and granularity);
+:func:`check` then checks what spans several tables (references, ports, how a
+region's memdevs sit under its window).  Both raise :class:`LabError` naming
+the file, the TOML key, the rule broken and what would be valid.  The keys are
+documented with examples in ``docs/topologies.md``.
 """
 
 from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass, field
+import typing
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from ..errors import LabError
 from ..paths import REPO_ROOT
 
 TOPOLOGY_DIR = REPO_ROOT / "qemu" / "topologies"
-_SIZE = re.compile(r"^(\d+)([KMGT]?)$")
-_NAME = re.compile(r"^[a-z][a-z0-9-]{0,15}$")
+
+MIB = 1 << 20
+GIB = 1 << 30
+CXL_SIZE_UNIT = 256 * MIB                       # HDM decoders work in 256 MiB units
+INTERLEAVE_WAYS = (1, 2, 3, 4, 6, 8, 12, 16)
+INTERLEAVE_GRANULARITIES = tuple(256 << i for i in range(7))   # 256 B .. 16 KiB
+DEFAULT_LSA_SIZE = 256 << 10
+FIRST_CXL_BUS = 12                              # pxb-cxl bus numbers start here (pcie.0 below)
+CXL_BUS_SLACK = 4                               # spare bus numbers after each host bridge
+MAX_HOTPLUG_PORTS = 8
+RESERVED_NAMES = {"ram", "ssh", "root", "src", "console", "pcie"}
+
+_SIZE = re.compile(r"^(\d+)\s*([KMGT]?)I?B?$")
+_NAME_PATTERN = r"^[a-z][a-z0-9-]{0,15}$"
+_NAME = re.compile(_NAME_PATTERN)
+_NAME_RULE = "1-16 lower-case letters, digits or '-', starting with a letter"
 
 
-def parse_size(text: str | int, where: str) -> int:
-    """'256M' -> bytes."""
+def parse_size(text: str | int, where: str = "size") -> int:
+    """'256M' -> bytes (K, M, G, T are powers of 1024; a bare number is bytes)."""
+    if isinstance(text, bool):
+        raise LabError(f"{where}: bad size {text!r}", "write sizes like \"256M\" or \"4G\"")
     if isinstance(text, int):
         return text
     match = _SIZE.match(str(text).strip().upper())
     if not match:
-        raise LabError(f"{where}: bad size {text!r}", "write sizes like 256M or 4G")
+        raise LabError(f"{where}: bad size {text!r}", "write sizes like \"256M\" or \"4G\"")
     number, unit = match.groups()
     return int(number) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[unit]
 
 
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    size: int
+def format_size(size: int) -> str:
+    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
+        if size and size % (1 << shift) == 0:
+            return f"{size >> shift}{unit}"
+    return str(size)
 
 
-@dataclass(frozen=True)
-class Type3:
-    backend: Backend
+def _size(value):
+    if isinstance(value, (str, int)) and not isinstance(value, bool):
+        try:
+            return parse_size(value)
+        except LabError:
+            pass
+    raise ValueError(f"bad size {value!r}: write sizes like \"256M\" or \"4G\"")
 
 
-@dataclass(frozen=True)
-class VmSpec:
-    name: str
-    memory: int
-    cpus: int
-    gpu: bool
-    cxl_window: int
-    type3: tuple[Type3, ...]
+Size = Annotated[int, BeforeValidator(_size)]
+Name = Annotated[str, Field(pattern=_NAME_PATTERN)]
 
 
-@dataclass(frozen=True)
-class Link:
-    vms: tuple[str, str]
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
-@dataclass(frozen=True)
-class Topology:
-    name: str
-    description: str
-    backends: dict[str, Backend]
-    vms: tuple[VmSpec, ...]
-    links: tuple[Link, ...] = field(default=())
+def _ways_rule(ways: int, what: str) -> str:
+    return (f"{ways} {what} make a {ways}-way interleave, which CXL does not have: use "
+            f"{', '.join(map(str, INTERLEAVE_WAYS[:-1]))} or {INTERLEAVE_WAYS[-1]} {what}")
 
-    def vm(self, name: str) -> VmSpec:
+
+def _granularity(value: int) -> int:
+    if value not in INTERLEAVE_GRANULARITIES:
+        raise ValueError(f"interleave granularity {format_size(value)} is not a CXL granularity: use a power "
+                         f"of two from 256 to 16K ({', '.join(map(format_size, INTERLEAVE_GRANULARITIES))})")
+    return value
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Backend(_Table):
+    """A memory backend file in the lab's run directory (``memory-backend-file,share=on``).
+    Named by Type3 devices in one VM (private) or in several (shared)."""
+
+    name: Name = ""
+    size: Size = 256 * MIB
+
+    @field_validator("size")
+    @classmethod
+    def _size_unit(cls, v: int) -> int:
+        if v <= 0 or v % CXL_SIZE_UNIT:
+            raise ValueError(f"a CXL memory backend's size must be a positive multiple of 256M, not "
+                             f"{format_size(v)}: use e.g. \"256M\", \"512M\", \"1G\"")
+        return v
+
+
+class HostBridge(_Table):
+    """A CXL host bridge (``pxb-cxl``) with its CXL root ports (``cxl-rp``), named."""
+
+    name: Name
+    root_ports: list[Name] = Field(min_length=1)
+
+
+class Switch(_Table):
+    """A CXL switch: upstream port on a CXL root port, named downstream ports."""
+
+    name: Name
+    at: Name                    # a CXL root port
+    downstream_ports: list[Name] = Field(min_length=1)
+
+
+class Type3(_Table):
+    """A CXL Type3 memory device on a CXL root port or switch downstream port."""
+
+    name: Name
+    at: Name
+    volatile: Name | None = None        # backend name: volatile capacity (ram regions)
+    persistent: Name | None = None      # backend name: persistent capacity (pmem regions)
+    lsa: Size | None = None             # label storage area size (persistent only; default 256K)
+
+    @property
+    def lsa_size(self) -> int:
+        return self.lsa or DEFAULT_LSA_SIZE
+
+
+class Window(_Table):
+    """A CXL fixed memory window (CFMWS): host bridges it interleaves over, size, granularity."""
+
+    targets: list[Name] = Field(min_length=1)
+    size: Size = 4 * GIB
+    granularity: Size = 8 << 10
+
+    @field_validator("granularity")
+    @classmethod
+    def _granularity(cls, v: int) -> int:
+        return _granularity(v)
+
+    @field_validator("targets")
+    @classmethod
+    def _ways(cls, v: list[str]) -> list[str]:
+        if len(v) not in INTERLEAVE_WAYS:
+            raise ValueError(_ways_rule(len(v), "host bridges"))
+        return v
+
+    @property
+    def ways(self) -> int:
+        return len(self.targets)
+
+
+class Region(_Table):
+    """A region the lab creates at boot with ``cxl create-region`` (and daxctl/ndctl)."""
+
+    name: Name
+    window: int = Field(0, ge=0)
+    type: Literal["ram", "pmem"] = "ram"
+    memdevs: list[Name] = Field(min_length=1)
+    granularity: Size | None = None     # default: the window's
+    # ram: "devdax" (an enabled /dev/daxN.M) or "none"; pmem: "fsdax" (/dev/pmemN),
+    # "devdax" (a devdax namespace) or "none" (leave the region for the user).
+    use: Literal["devdax", "fsdax", "none"] = "devdax"
+
+    @field_validator("granularity")
+    @classmethod
+    def _granularity(cls, v: int | None) -> int | None:
+        return None if v is None else _granularity(v)
+
+    @field_validator("memdevs")
+    @classmethod
+    def _ways(cls, v: list[str]) -> list[str]:
+        if len(v) not in INTERLEAVE_WAYS:
+            raise ValueError(_ways_rule(len(v), "memdevs"))
+        return v
+
+    @property
+    def ways(self) -> int:
+        return len(self.memdevs)
+
+
+class PcieSwitch(_Table):
+    """A PCIe switch (``x3130-upstream`` + ``xio3130-downstream``) on its own root port, for GPUs."""
+
+    name: Name
+    downstream_ports: list[Name] = Field(min_length=1)
+
+
+def _one_owner(value):
+    if isinstance(value, list):
+        raise ValueError(f"one owner per GPU: owner must be one VM name or left out (unowned), not {value!r}")
+    return value
+
+
+class Gpu(_Table):
+    """A GPU as a fabric resource: an initial owner (or none: free for hot-plug) and placement."""
+
+    name: Name = ""
+    owner: Annotated[Name | None, BeforeValidator(_one_owner)] = None
+    at: Name | None = None      # a PCIe switch downstream port in the owner; default: its own root port
+    vram: Size = 64 * MIB
+    irq: Literal["msix", "msi"] = "msix"
+
+    @field_validator("vram")
+    @classmethod
+    def _vram(cls, v: int) -> int:
+        if not _is_power_of_two(v) or not MIB <= v <= 4 * GIB:
+            raise ValueError(f"VRAM is a PCI BAR: a power of two from 1M to 4G, not {format_size(v)}")
+        return v
+
+    @property
+    def root_port(self) -> str:
+        """The id of the root port the lab adds for a GPU that is not behind a switch."""
+        return f"{self.name}-port"
+
+
+class Link(_Table):
+    """A private point-to-point network between two VMs."""
+
+    vms: tuple[Name, Name]
+
+
+class Vm(_Table):
+    name: Name
+    memory: Size = 1 * GIB
+    cpus: int = 2
+    hotplug_ports: int = 0
+    host_bridges: list[HostBridge] = Field([], alias="host_bridge")
+    switches: list[Switch] = Field([], alias="switch")
+    type3: list[Type3] = []
+    windows: list[Window] = Field([], alias="window")
+    regions: list[Region] = Field([], alias="region")
+    pcie_switches: list[PcieSwitch] = Field([], alias="pcie_switch")
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: int) -> int:
+        if not 1 <= v <= 16:
+            raise ValueError(f"cpus must be a whole number from 1 to 16, not {v}")
+        return v
+
+    @field_validator("hotplug_ports")
+    @classmethod
+    def _hotplug(cls, v: int) -> int:
+        if not 0 <= v <= MAX_HOTPLUG_PORTS:
+            raise ValueError(f"hotplug_ports must be a whole number from 0 to {MAX_HOTPLUG_PORTS}, not {v}")
+        return v
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: int) -> int:
+        if v % (2 * MIB) or not 256 * MIB <= v <= 64 * GIB:
+            raise ValueError(f"memory must be a multiple of 2M from 256M to 64G, not {format_size(v)}")
+        return v
+
+    # -- derived facts (the argv builder and the guest bring-up use these) --
+
+    def hotplug_port_ids(self) -> list[str]:
+        return [f"hp{i}" for i in range(self.hotplug_ports)]
+
+    def host_bridge_of_port(self, port: str) -> HostBridge:
+        for hb in self.host_bridges:
+            if port in hb.root_ports:
+                return hb
+        for sw in self.switches:
+            if port in sw.downstream_ports:
+                return self.host_bridge_of_port(sw.at)
+        raise KeyError(port)
+
+    def switch_at(self, root_port: str) -> Switch | None:
+        return next((s for s in self.switches if s.at == root_port), None)
+
+    def type3_named(self, name: str) -> Type3:
+        return next(t for t in self.type3 if t.name == name)
+
+    def serial(self, type3: str) -> int:
+        """The serial number (``cxl-type3,sn=``) that names a Type3 device in the guest."""
+        return 0x1000 + [t.name for t in self.type3].index(type3)
+
+    def _place(self, t3: Type3) -> tuple[HostBridge, str, str | None]:
+        """(host bridge, root port, downstream port or None) of a Type3 device."""
+        for sw in self.switches:
+            if t3.at in sw.downstream_ports:
+                return self.host_bridge_of_port(sw.at), sw.at, t3.at
+        return self.host_bridge_of_port(t3.at), t3.at, None
+
+    def bus_numbers(self) -> dict[str, int]:
+        """``bus_nr`` of each host bridge: above every bus of pcie.0's hierarchy,
+        each followed by room for its root ports and switches (plus slack)."""
+        pcie0 = 2 * self.hotplug_ports + 8   # generous: root ports for GPUs, hot-plug, PCIe switches
+        for ps in self.pcie_switches:
+            pcie0 += 2 + len(ps.downstream_ports)
+        bus = max(FIRST_CXL_BUS, pcie0)
+        numbers = {}
+        for hb in self.host_bridges:
+            numbers[hb.name] = bus
+            need = 1 + len(hb.root_ports)
+            for rp in hb.root_ports:
+                sw = self.switch_at(rp)
+                if sw:
+                    need += 1 + len(sw.downstream_ports)
+            bus += need + CXL_BUS_SLACK
+        return numbers
+
+    def region_order(self, region: Region) -> list[str]:
+        """The region's memdevs in interleave position order, as cxl-cli needs them.
+
+        Position p sits under the window's target ``p mod W`` (host bridges in
+        window order), then under that bridge's root ports in turn, then under a
+        switch's downstream ports in turn: each decoder level interleaves on the
+        next address bits.  ``cxl create-region`` does not sort memdevs itself."""
+        window = self.windows[region.window]
+        W = window.ways
+        positions = {}
+        for hb_index, hb_name in enumerate(window.targets):
+            mine = [m for m in region.memdevs if self._place(self.type3_named(m))[0].name == hb_name]
+            hb = next(h for h in self.host_bridges if h.name == hb_name)
+            rps = [rp for rp in hb.root_ports if any(self._place(self.type3_named(m))[1] == rp for m in mine)]
+            for m in mine:
+                _, rp, ds = self._place(self.type3_named(m))
+                ri = rps.index(rp)
+                if ds is None:
+                    di = 0
+                else:
+                    sw = self.switch_at(rp)
+                    used = [d for d in sw.downstream_ports
+                            if any(self._place(self.type3_named(x))[2] == d for x in mine)]
+                    di = used.index(ds)
+                positions[m] = hb_index + W * (ri + len(rps) * di)
+        return sorted(region.memdevs, key=positions.__getitem__)
+
+    def capacity(self, type3: str, kind: str, backends: dict[str, Backend]) -> int:
+        t3 = self.type3_named(type3)
+        name = t3.volatile if kind == "ram" else t3.persistent
+        return backends[name].size if name else 0
+
+    def region_size(self, region: Region, backends: dict[str, Backend]) -> int:
+        return region.ways * min(self.capacity(m, region.type, backends) for m in region.memdevs)
+
+
+VmSpec = Vm   # the name the lab used before the schema grew
+
+
+class Topology(_Table):
+    name: str = ""
+    description: str = ""
+    backends: dict[Name, Backend] = {}
+    gpus: dict[Name, Gpu] = {}
+    vms: list[Vm] = Field(alias="vm", min_length=1)
+    links: list[Link] = Field([], alias="link")
+    source: str = Field("", exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names_from_keys(cls, data):
+        if isinstance(data, dict):
+            for key in ("backends", "gpus"):
+                table = data.get(key)
+                if isinstance(table, dict):
+                    data[key] = {k: ({**v, "name": k} if isinstance(v, dict) else v) for k, v in table.items()}
+        return data
+
+    def vm(self, name: str) -> Vm:
         for vm in self.vms:
             if vm.name == name:
                 return vm
         raise LabError(f"topology {self.name} has no VM {name!r}",
                        f"use one of: {', '.join(v.name for v in self.vms)}")
 
+    def gpus_of(self, vm: str) -> list[Gpu]:
+        """The GPUs a VM owns at boot, in declaration order."""
+        return [g for g in self.gpus.values() if g.owner == vm]
+
+    def unowned_gpus(self) -> list[Gpu]:
+        return [g for g in self.gpus.values() if g.owner is None]
+
+    def hotplug_reserve(self) -> int:
+        """``pref64-reserve`` of hot-plug ports: the largest VRAM BAR any GPU has (64M at least)."""
+        return max([64 * MIB, *(g.vram for g in self.gpus.values())])
+
+    def backend_users(self, backend: str) -> list[tuple[str, str]]:
+        """(vm, type3) pairs that map a backend: more than one VM means shared."""
+        return [(vm.name, t.name) for vm in self.vms for t in vm.type3 if backend in (t.volatile, t.persistent)]
+
+
+# ---------------------------------------------------------------- errors
+
+def _key_path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += ("." if path else "") + str(part)
+    return path or "(top level)"
+
+
+def _model_at(loc: tuple):
+    """The model class whose table ``loc`` points into (for listing allowed keys)."""
+    model, dict_key_next = Topology, False
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int) or dict_key_next:   # a list index, or a [backends.NAME] key
+            dict_key_next = False
+            continue
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
+        if field is None:
+            return None
+        ann = field.annotation
+        dict_key_next = typing.get_origin(ann) is dict
+        while typing.get_origin(ann) in (list, dict, typing.Union, Annotated, tuple) or \
+                type(ann).__name__ == "UnionType":
+            args = [a for a in typing.get_args(ann) if a is not type(None) and a is not str]
+            ann = args[-1] if args else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return model
+
+
+def _allowed_keys(model) -> str:
+    return ", ".join(sorted((f.alias or n) for n, f in model.model_fields.items()
+                            if n not in ("name", "source") or model not in (Backend, Gpu, Topology)))
+
+
+def _from_pydantic(err: ValidationError, source: str) -> LabError:
+    lines = []
+    for e in err.errors():
+        loc, kind, msg = tuple(e["loc"]), e["type"], e["msg"]
+        if kind == "extra_forbidden":
+            model = _model_at(loc[:-1])
+            allowed = _allowed_keys(model) if model else "see docs/topologies.md"
+            lines.append(f"{_key_path(loc)}: unknown key -- allowed here: {allowed}")
+            continue
+        if kind == "string_pattern_mismatch":
+            msg = f"bad name {e['input']!r}: use {_NAME_RULE}"
+        elif kind == "missing":
+            msg = "required key is missing"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        lines.append(f"{_key_path(loc)}: {msg}")
+    first, *more = lines
+    what = f"{source}: {first}"
+    if more:
+        what += "".join(f"\n{source}: {line}" for line in more)
+    return LabError(what, "see docs/topologies.md for every key")
+
+
+class _Problem(Exception):
+    def __init__(self, path: str, what: str, fix: str):
+        self.path, self.what, self.fix = path, what, fix
+
+
+def _fail(path: str, what: str, fix: str):
+    raise _Problem(path, what, fix)
+
+
+# ---------------------------------------------------------------- cross-table rules
+
+def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
+    where = f"vm[{i}]"
+    # One namespace per VM: every component name becomes a QEMU id.
+    seen: dict[str, str] = {}
+    gpus_here = topo.gpus_of(vm.name)
+
+    def claim(name: str, path: str) -> None:
+        if name in RESERVED_NAMES:
+            _fail(path, f"name {name!r} is reserved by the lab", f"choose another name (reserved: "
+                  f"{', '.join(sorted(RESERVED_NAMES))})")
+        if name in seen:
+            _fail(path, f"name {name!r} is already used by {seen[name]} in VM {vm.name!r}",
+                  "give every host bridge, port, switch, Type3 device and region of a VM its own name")
+        seen[name] = path
+
+    for h, hb in enumerate(vm.host_bridges):
+        claim(hb.name, f"{where}.host_bridge[{h}].name")
+        for r, rp in enumerate(hb.root_ports):
+            claim(rp, f"{where}.host_bridge[{h}].root_ports[{r}]")
+    for s, sw in enumerate(vm.switches):
+        claim(sw.name, f"{where}.switch[{s}].name")
+        for d, ds in enumerate(sw.downstream_ports):
+            claim(ds, f"{where}.switch[{s}].downstream_ports[{d}]")
+    for s, ps in enumerate(vm.pcie_switches):
+        claim(ps.name, f"{where}.pcie_switch[{s}].name")
+        for d, ds in enumerate(ps.downstream_ports):
+            claim(ds, f"{where}.pcie_switch[{s}].downstream_ports[{d}]")
+    for t, t3 in enumerate(vm.type3):
+        claim(t3.name, f"{where}.type3[{t}].name")
+    for r, region in enumerate(vm.regions):
+        claim(region.name, f"{where}.region[{r}].name")
+    for hp in vm.hotplug_port_ids():
+        claim(hp, f"{where}.hotplug_ports")
+    for gpu in gpus_here:
+        claim(gpu.name, f"gpus.{gpu.name}")
+        if gpu.at is None:
+            claim(gpu.root_port, f"gpus.{gpu.name}")
+
+    root_ports = [rp for hb in vm.host_bridges for rp in hb.root_ports]
+    cxl_ds = [ds for sw in vm.switches for ds in sw.downstream_ports]
+    pcie_ds = [ds for ps in vm.pcie_switches for ds in ps.downstream_ports]
+    used: dict[str, str] = {}
+
+    def occupy(port: str, path: str, what: str) -> None:
+        if port in used:
+            _fail(path, f"port {port!r} is over-subscribed: {used[port]} already sits on it",
+                  "a port carries one device: add a root port or a switch downstream port")
+        used[port] = what
+
+    for s, sw in enumerate(vm.switches):
+        if sw.at not in root_ports:
+            _fail(f"{where}.switch[{s}].at", f"{sw.at!r} is not a CXL root port of VM {vm.name!r}",
+                  f"a CXL switch's upstream port sits on a root port: one of {', '.join(root_ports) or '(none: add a [[vm.host_bridge]])'}")
+        occupy(sw.at, f"{where}.switch[{s}].at", f"switch {sw.name}")
+
+    in_vm: dict[str, str] = {}
+    for t, t3 in enumerate(vm.type3):
+        path = f"{where}.type3[{t}]"
+        if t3.at not in root_ports + cxl_ds:
+            _fail(f"{path}.at", f"{t3.at!r} is not a CXL root port or switch downstream port of VM {vm.name!r}",
+                  f"use one of: {', '.join(root_ports + cxl_ds) or '(none: add a [[vm.host_bridge]])'}")
+        occupy(t3.at, f"{path}.at", f"Type3 {t3.name}")
+        if t3.volatile is None and t3.persistent is None:
+            _fail(path, f"Type3 {t3.name!r} has no memory",
+                  "give it volatile = \"BACKEND\", persistent = \"BACKEND\" or both")
+        if t3.lsa is not None and t3.persistent is None:
+            _fail(f"{path}.lsa", "a label storage area is for persistent memory only",
+                  "drop lsa, or add persistent = \"BACKEND\"")
+        for kind in ("volatile", "persistent"):
+            backend = getattr(t3, kind)
+            if backend is None:
+                continue
+            if backend not in topo.backends:
+                _fail(f"{path}.{kind}", f"unknown backend {backend!r}",
+                      f"declare it as [backends.{backend}] with a size; known: {', '.join(topo.backends) or 'none'}")
+            if backend in in_vm:
+                _fail(f"{path}.{kind}", f"backend {backend!r} is mapped twice in VM {vm.name!r} "
+                      f"(also by {in_vm[backend]})", "a VM maps a backend through one Type3 device; "
+                      "share it with other VMs, or declare a second backend")
+            in_vm[backend] = t3.name
+
+    for g, gpu in enumerate(gpus_here):
+        if gpu.at is not None:
+            if gpu.at not in pcie_ds:
+                _fail(f"gpus.{gpu.name}.at", f"{gpu.at!r} is not a PCIe switch downstream port of VM {vm.name!r}",
+                      f"use one of: {', '.join(pcie_ds) or '(none: add a [[vm.pcie_switch]])'}, "
+                      "or leave 'at' out for a root port of its own")
+            occupy(gpu.at, f"gpus.{gpu.name}.at", f"GPU {gpu.name}")
+
+    hb_names = [hb.name for hb in vm.host_bridges]
+    for w, window in enumerate(vm.windows):
+        path = f"{where}.window[{w}]"
+        for t, target in enumerate(window.targets):
+            if target not in hb_names:
+                _fail(f"{path}.targets[{t}]", f"{target!r} is not a host bridge of VM {vm.name!r}",
+                      f"a window interleaves over host bridges: {', '.join(hb_names) or '(none)'}")
+        if len(set(window.targets)) != len(window.targets):
+            _fail(f"{path}.targets", f"targets {window.targets} repeat a host bridge",
+                  "list each host bridge once")
+        unit = CXL_SIZE_UNIT * window.ways
+        if window.size % unit:
+            _fail(f"{path}.size", f"a {window.ways}-way window's size must be a multiple of "
+                  f"{format_size(unit)} (256M per way), not {format_size(window.size)}",
+                  f"use e.g. {format_size(unit * 16)}")
+    if len(vm.windows) > 16:
+        _fail(f"{where}.window", "more than 16 windows", "use at most 16")
+
+    numbers = vm.bus_numbers()
+    if numbers and max(numbers.values()) > 250:
+        _fail(f"{where}.host_bridge", "the host bridges need more PCI bus numbers than there are (255)",
+              "use fewer host bridges, root ports or switch ports")
+
+    in_region: dict[tuple[str, str], str] = {}
+    per_bridge: dict[str, list[str]] = {hb.name: [] for hb in vm.host_bridges}
+    window_use = [0] * len(vm.windows)
+    t3_names = [t.name for t in vm.type3]
+    for r, region in enumerate(vm.regions):
+        path = f"{where}.region[{r}]"
+        if region.window >= len(vm.windows):
+            _fail(f"{path}.window", f"window {region.window} does not exist in VM {vm.name!r}",
+                  f"use 0..{len(vm.windows) - 1}" if vm.windows else "declare a [[vm.window]] first")
+        window = vm.windows[region.window]
+        if len(set(region.memdevs)) != len(region.memdevs):
+            _fail(f"{path}.memdevs", f"memdevs {region.memdevs} list a memdev twice", "list each memdev once")
+        for m, name in enumerate(region.memdevs):
+            if name not in t3_names:
+                _fail(f"{path}.memdevs[{m}]", f"{name!r} is not a Type3 device of VM {vm.name!r}",
+                      f"use one of: {', '.join(t3_names) or '(none)'}")
+            t3 = vm.type3_named(name)
+            if (region.type == "ram" and t3.volatile is None) or (region.type == "pmem" and t3.persistent is None):
+                kind = "volatile" if region.type == "ram" else "persistent"
+                _fail(f"{path}.memdevs[{m}]", f"Type3 {name!r} has no {kind} memory for a {region.type} region",
+                      f"give it {kind} = \"BACKEND\", or make the region type = "
+                      f"\"{'pmem' if region.type == 'ram' else 'ram'}\"")
+            if (name, region.type) in in_region:
+                _fail(f"{path}.memdevs[{m}]", f"Type3 {name!r}'s {region.type} capacity is already in region "
+                      f"{in_region[name, region.type]!r}", "a region takes a memdev's whole capacity: use another memdev")
+            in_region[name, region.type] = region.name
+            hb = vm._place(t3)[0].name
+            if hb not in window.targets:
+                _fail(f"{path}.memdevs[{m}]", f"Type3 {name!r} sits under host bridge {hb!r}, which window "
+                      f"{region.window} does not interleave over ({', '.join(window.targets)})",
+                      "a region's memdevs must be reachable under its window's host bridges")
+        if region.ways % window.ways:
+            _fail(f"{path}.memdevs", f"a {region.ways}-way region cannot span a {window.ways}-way window",
+                  f"use a multiple of {window.ways} memdevs, the same number under each host bridge")
+        per_hb = region.ways // window.ways
+        for hb_name in window.targets:
+            mine = [m for m in region.memdevs if vm._place(vm.type3_named(m))[0].name == hb_name]
+            if len(mine) != per_hb:
+                _fail(f"{path}.memdevs", f"host bridge {hb_name!r} has {len(mine)} of the region's memdevs, "
+                      f"not {per_hb}", "a region puts the same number of memdevs under each of its window's "
+                      "host bridges")
+            rps = {vm._place(vm.type3_named(m))[1] for m in mine}
+            if len(rps) not in INTERLEAVE_WAYS or per_hb % len(rps):
+                _fail(f"{path}.memdevs", f"under host bridge {hb_name!r} the memdevs use {len(rps)} root ports "
+                      f"unevenly", "spread them evenly over 1, 2, 4, ... root ports")
+            for rp in rps:
+                under = [m for m in mine if vm._place(vm.type3_named(m))[1] == rp]
+                if len(under) != per_hb // len(rps):
+                    _fail(f"{path}.memdevs", f"root port {rp!r} has {len(under)} of the region's memdevs, "
+                          f"not {per_hb // len(rps)}", "spread the memdevs evenly over the root ports")
+                if len(under) not in INTERLEAVE_WAYS:
+                    _fail(f"{path}.memdevs", _ways_rule(len(under), f"memdevs under root port {rp!r}"),
+                          "spread the memdevs over more root ports")
+        granularity = region.granularity or window.granularity
+        if window.ways > 1 and granularity != window.granularity:
+            _fail(f"{path}.granularity", f"a region in a {window.ways}-way window must use the window's "
+                  f"granularity {format_size(window.granularity)}, not {format_size(granularity)}",
+                  f"drop granularity or write granularity = \"{format_size(window.granularity)}\"")
+        sizes = {vm.capacity(m, region.type, topo.backends) for m in region.memdevs}
+        if len(sizes) > 1:
+            _fail(f"{path}.memdevs", f"the memdevs' {region.type} capacities differ "
+                  f"({', '.join(map(format_size, sorted(sizes)))})", "interleave memdevs of one size")
+        size = vm.region_size(region, topo.backends)
+        window_use[region.window] += size
+        if window_use[region.window] > window.size:
+            _fail(f"{path}", f"the regions in window {region.window} need {format_size(window_use[region.window])}, "
+                  f"more than its {format_size(window.size)}", f"make window[{region.window}].size larger")
+        for hb_name in window.targets:
+            hb = next(h for h in vm.host_bridges if h.name == hb_name)
+            per_bridge[hb_name].append(region.name)
+            if len(hb.root_ports) == 1 and len(per_bridge[hb_name]) > 1:
+                _fail(f"{path}", f"host bridge {hb_name!r} has one root port, so its decoder is a pass-through "
+                      f"that the guest kernel (6.12) gives to one region only (here {per_bridge[hb_name][0]!r}); "
+                      f"region {region.name!r} would fail with 'no decoder available'",
+                      f"give {hb_name} a second root port (root_ports = [\"{hb.root_ports[0]}\", \"...\"])")
+        if region.type == "ram" and region.use == "fsdax":
+            _fail(f"{path}.use", "fsdax is a pmem namespace mode; a ram region gives devdax",
+                  "use \"devdax\" or \"none\" for a ram region")
+
+
+def check(topo: Topology) -> None:
+    """The rules that span several tables; raises _Problem(path, what, fix)."""
+    names = [vm.name for vm in topo.vms]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            _fail(f"vm[{i}].name", f"VM name {name!r} repeats", "give each [[vm]] its own name")
+    for gname, gpu in topo.gpus.items():
+        if gpu.owner is not None and gpu.owner not in names:
+            _fail(f"gpus.{gname}.owner", f"{gpu.owner!r} is not a VM of this topology",
+                  f"use one of: {', '.join(names)}, or leave owner out for an unowned GPU")
+        if gpu.owner is None and gpu.at is not None:
+            _fail(f"gpus.{gname}.at", "an unowned GPU has no placement yet",
+                  "drop 'at' (the fabric manager hot-plugs it into a VM's hot-plug port), or set owner")
+    for i, vm in enumerate(topo.vms):
+        _check_vm(topo, i, vm)
+    for bname in topo.backends:
+        if not topo.backend_users(bname):
+            _fail(f"backends.{bname}", f"backend {bname!r} is not used by any Type3 device",
+                  "name it in a [[vm.type3]] (volatile = or persistent =), or remove it")
+    pairs = set()
+    for i, link in enumerate(topo.links):
+        a, b = link.vms
+        if a == b or a not in names or b not in names:
+            _fail(f"link[{i}].vms", f"a link must join two different VMs of this topology, not {list(link.vms)}",
+                  f"write vms = [\"{names[0]}\", \"...\"] with names from: {', '.join(names)}")
+        if frozenset(link.vms) in pairs:
+            _fail(f"link[{i}].vms", f"{a} and {b} are already linked", "declare each link once")
+        pairs.add(frozenset(link.vms))
+
+
+# ---------------------------------------------------------------- loading
 
 def available() -> list[str]:
     return sorted(p.stem for p in TOPOLOGY_DIR.glob("*.toml"))
-
-
-def _check_keys(table: dict, allowed: set[str], where: str) -> None:
-    unknown = set(table) - allowed
-    if unknown:
-        raise LabError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}",
-                       f"allowed here: {', '.join(sorted(allowed))}")
-
-
-def _vm(raw: dict, index: int, backends: dict[str, Backend], source: str) -> VmSpec:
-    where = f"{source}: vm[{index}]"
-    if not isinstance(raw, dict):
-        raise LabError(f"{where}: must be a table", "write [[vm]] sections")
-    _check_keys(raw, {"name", "memory", "cpus", "gpu", "cxl_window", "type3"}, where)
-    name = raw.get("name", "")
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise LabError(f"{where}: bad or missing name {name!r}",
-                       "use 1-16 lower-case letters, digits or '-', starting with a letter")
-    type3 = []
-    for j, dev in enumerate(raw.get("type3", [])):
-        _check_keys(dev, {"backend"}, f"{where}.type3[{j}]")
-        if dev.get("backend") not in backends:
-            raise LabError(f"{where}.type3[{j}]: unknown backend {dev.get('backend')!r}",
-                           f"declare it as [backends.NAME]; known: {', '.join(backends) or 'none'}")
-        type3.append(Type3(backends[dev["backend"]]))
-    cpus = raw.get("cpus", 2)
-    if not isinstance(cpus, int) or not 1 <= cpus <= 16:
-        raise LabError(f"{where}: cpus must be a whole number from 1 to 16, not {cpus!r}", "fix the topology")
-    return VmSpec(
-        name=name,
-        memory=parse_size(raw.get("memory", "1G"), f"{where}.memory"),
-        cpus=cpus,
-        gpu=bool(raw.get("gpu", False)),
-        cxl_window=parse_size(raw.get("cxl_window", "4G"), f"{where}.cxl_window"),
-        type3=tuple(type3),
-    )
 
 
 def parse(text: str, name: str, source: str = "<topology>") -> Topology:
@@ -120,42 +715,35 @@ def parse(text: str, name: str, source: str = "<topology>") -> Topology:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise LabError(f"{source}: malformed TOML: {err}", "fix the file's syntax") from None
-    _check_keys(data, {"description", "backends", "vm", "link"}, source)
-    backends = {}
-    for bname, braw in data.get("backends", {}).items():
-        where = f"{source}: backends.{bname}"
-        if not isinstance(braw, dict):
-            raise LabError(f"{where}: must be a table", "write [backends.NAME] with size = \"256M\"")
-        _check_keys(braw, {"size"}, where)
-        if not _NAME.match(bname):
-            raise LabError(f"{where}: bad backend name", "use lower-case letters, digits or '-'")
-        backends[bname] = Backend(bname, parse_size(braw.get("size", "256M"), f"{where}.size"))
-    raw_vms = data.get("vm", [])
-    if not raw_vms:
-        raise LabError(f"{source}: no [[vm]] defined", "add at least one [[vm]] section")
-    vms = tuple(_vm(raw, i, backends, source) for i, raw in enumerate(raw_vms))
-    names = [vm.name for vm in vms]
-    if len(set(names)) != len(names):
-        raise LabError(f"{source}: VM names repeat: {names}", "give each [[vm]] its own name")
-    links = []
-    for i, raw in enumerate(data.get("link", [])):
-        _check_keys(raw, {"vms"}, f"{source}: link[{i}]")
-        pair = raw.get("vms", [])
-        if len(pair) != 2 or not set(pair) <= set(names) or pair[0] == pair[1]:
-            raise LabError(f"{source}: link[{i}] must join two different VMs of this topology, not {pair!r}",
-                           f"write vms = [\"{names[0]}\", \"...\"]")
-        links.append(Link((pair[0], pair[1])))
-    return Topology(name, str(data.get("description", "")).strip(), backends, vms, tuple(links))
+    if not data.get("vm"):
+        raise LabError(f"{source}: vm: no [[vm]] defined", "add at least one [[vm]] table with a name")
+    for key in ("name", "source"):
+        if key in data:
+            raise LabError(f"{source}: {key}: unknown key", "a topology's name is its file name")
+    try:
+        topo = Topology.model_validate({**data, "name": name, "source": source})
+    except ValidationError as err:
+        raise _from_pydantic(err, source) from None
+    try:
+        check(topo)
+    except _Problem as p:
+        raise LabError(f"{source}: {p.path}: {p.what}", p.fix) from None
+    return topo
 
 
-def load(name_or_path: str) -> Topology:
-    """A topology by name (``single``) or by path to a ``.toml`` file."""
+def resolve(name_or_path: str) -> Path:
     path = Path(name_or_path)
-    if path.suffix != ".toml":
+    if path.suffix != ".toml" and "/" not in name_or_path:
         path = TOPOLOGY_DIR / f"{name_or_path}.toml"
         if not path.is_file():
             raise LabError(f"unknown topology {name_or_path!r}",
                            f"use one of: {', '.join(available())} (or a path to a .toml file)")
     elif not path.is_file():
         raise LabError(f"no topology file {path}", "check the path")
-    return parse(path.read_text(), path.stem, str(path))
+    return path
+
+
+def load(name_or_path: str) -> Topology:
+    """A topology by name (``single``) or by path to a ``.toml`` file, validated."""
+    path = resolve(name_or_path)
+    return parse(path.read_text(), path.stem, str(path) if path.parent != TOPOLOGY_DIR else path.name)

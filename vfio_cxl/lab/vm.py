@@ -22,7 +22,7 @@ from .argv import VmResources, qemu_argv
 from .image import GuestImage
 from .qemu_runtime import QemuRuntime
 from .ssh import GuestShell
-from .topology import VmSpec
+from .topology import Topology, Vm
 
 READY_LINE = b"vfio-cxl-init: ready"
 _PR_SET_PDEATHSIG = 1
@@ -42,9 +42,10 @@ def tail(path: Path, lines: int = 15) -> str:
 
 
 class VirtualMachine:
-    def __init__(self, spec: VmSpec, resources: VmResources, runtime: QemuRuntime,
-                 image: GuestImage, extra_ro: list[Path] = ()):
+    def __init__(self, spec: Vm, resources: VmResources, runtime: QemuRuntime,
+                 image: GuestImage, extra_ro: list[Path] = (), *, topology: Topology):
         self.spec = spec
+        self.topology = topology
         self.res = resources
         self.runtime = runtime
         self.image = image
@@ -53,6 +54,7 @@ class VirtualMachine:
         self.qmp: QEMUMonitorProtocol | None = None
         self.shell: GuestShell | None = None
         self.boot_seconds: float | None = None
+        self.regions: dict[str, dict] = {}   # topology region name -> what the guest made of it
         self._started_at = 0.0
 
     @property
@@ -64,7 +66,7 @@ class VirtualMachine:
         return self.res.rundir / "qemu.log"
 
     def argv(self) -> list[str]:
-        return qemu_argv(self.spec, self.res)
+        return qemu_argv(self.topology, self.spec, self.res)
 
     def command(self) -> list[str]:
         rundir = self.res.rundir.parent   # the lab's run dir: sockets and backends of all VMs

@@ -1,0 +1,135 @@
+"""A valid topology that uses most keys, and one edit per validation rule that breaks it.
+
+Kept apart from the tests so the cases read as data: (rule, [(old, new), ...])."""
+
+BASE = '''
+description = "the test's base topology"
+[backends.m0]
+size = "256M"
+[backends.m1]
+size = "256M"
+[backends.p0]
+size = "256M"
+[gpus.gpu0]
+owner = "h"
+[gpus.gpu1]
+owner = "h"
+at = "dp0"
+[gpus.spare]
+[[vm]]
+name = "h"
+hotplug_ports = 1
+[[vm.host_bridge]]
+name = "hb0"
+root_ports = ["rp0", "rp1"]
+[[vm.host_bridge]]
+name = "hb1"
+root_ports = ["rp2"]
+[[vm.switch]]
+name = "sw0"
+at = "rp0"
+downstream_ports = ["ds0", "ds1"]
+[[vm.type3]]
+name = "mem0"
+at = "ds0"
+volatile = "m0"
+[[vm.type3]]
+name = "mem1"
+at = "ds1"
+volatile = "m1"
+[[vm.type3]]
+name = "pm"
+at = "rp2"
+persistent = "p0"
+[[vm.pcie_switch]]
+name = "psw0"
+downstream_ports = ["dp0", "dp1"]
+[[vm.window]]
+targets = ["hb0"]
+size = "4G"
+[[vm.window]]
+targets = ["hb1"]
+size = "1G"
+[[vm.region]]
+name = "r0"
+memdevs = ["mem0", "mem1"]
+[[vm.region]]
+name = "pr0"
+window = 1
+type = "pmem"
+memdevs = ["pm"]
+use = "fsdax"
+[[vm]]
+name = "g"
+[[link]]
+vms = ["h", "g"]
+'''
+
+M2 = ('[gpus.gpu0]', '[backends.m2]\nsize = "256M"\n[gpus.gpu0]')
+T3_MEM2_ON_RP1 = ('[[vm.pcie_switch]]', '[[vm.type3]]\nname = "mem2"\nat = "rp1"\nvolatile = "m2"\n[[vm.pcie_switch]]')
+
+CASES = [
+    ("malformed TOML", [('[[vm]]\nname = "g"', '[[vm]\nname = "g"')]),
+    ("no VM", 'description = "nothing"\n[backends.m0]\nsize = "256M"\n'),
+    ("unknown key", [('hotplug_ports = 1', 'hotplug_ports = 1\ncolour = "red"')]),
+    ("bad name", [('name = "g"', 'name = "G 2"')]),
+    ("reserved name", [('name = "r0"', 'name = "ram"')]),
+    ("unique names in a VM", [('name = "mem1"', 'name = "mem0"')]),
+    ("unique VM names", [('name = "g"', 'name = "h"')]),
+    ("bad size", [('size = "1G"', 'size = "lots"')]),
+    ("backend size in 256M units", [('[backends.m1]\nsize = "256M"', '[backends.m1]\nsize = "100M"')]),
+    ("memory", [('hotplug_ports = 1', 'hotplug_ports = 1\nmemory = "100M"')]),
+    ("cpus", [('hotplug_ports = 1', 'hotplug_ports = 1\ncpus = 0')]),
+    ("hotplug ports", [('hotplug_ports = 1', 'hotplug_ports = 9')]),
+    ("unknown backend", [('volatile = "m1"', 'volatile = "nope"')]),
+    ("unused backend", [M2]),
+    ("backend mapped twice in a VM", [('volatile = "m1"', 'volatile = "m0"')]),
+    ("Type3 without memory", [('volatile = "m1"', '')]),
+    ("LSA without persistent memory", [('volatile = "m1"', 'volatile = "m1"\nlsa = "256K"')]),
+    ("switch on a root port", [('at = "rp0"', 'at = "ds1"')]),
+    ("Type3 on a CXL port", [('at = "ds1"', 'at = "dp1"')]),
+    ("port over-subscribed", [('at = "ds1"', 'at = "ds0"')]),
+    ("window ways", [('targets = ["hb0"]', 'targets = ["hb0", "hb1", "hb0", "hb1", "hb0"]')]),
+    ("window target exists", [('targets = ["hb0"]', 'targets = ["hb9"]')]),
+    ("window targets distinct", [('targets = ["hb0"]', 'targets = ["hb0", "hb0"]')]),
+    ("window granularity", [('size = "4G"', 'size = "4G"\ngranularity = "3K"')]),
+    ("window size per way", [('targets = ["hb0"]\nsize = "4G"', 'targets = ["hb0", "hb1"]\nsize = "768M"')]),
+    ("region ways", [('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem1", "mem0", "mem1", "mem0"]')]),
+    ("region granularity", [('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem1"]\ngranularity = "32K"')]),
+    ("region granularity in a multi-way window",
+     [M2, ('root_ports = ["rp2"]', 'root_ports = ["rp2", "rp3"]'),
+      ('[[vm.pcie_switch]]', '[[vm.type3]]\nname = "mem2"\nat = "rp3"\nvolatile = "m2"\n[[vm.pcie_switch]]'),
+      ('targets = ["hb0"]', 'targets = ["hb0", "hb1"]'), ('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem2"]\ngranularity = "4K"')]),
+    ("region window exists", [('name = "r0"', 'name = "r0"\nwindow = 5')]),
+    ("region memdev exists", [('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem7"]')]),
+    ("region memdev listed once", [('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem0"]')]),
+    ("region memdevs reachable under the window", [M2, T3_MEM2_ON_RP1, ('window = 1', 'window = 0')]),
+    ("region memdev has the capacity", [('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "pm"]')]),
+    ("memdev in one region", [('memdevs = ["pm"]', 'memdevs = ["pm"]\n[[vm.region]]\nname = "pr1"\nwindow = 1\ntype = "pmem"\nmemdevs = ["pm"]')]),
+    ("region ways a multiple of the window's", [('targets = ["hb0"]', 'targets = ["hb0", "hb1"]'), ('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0"]')]),
+    ("same share under each host bridge", [('targets = ["hb0"]', 'targets = ["hb0", "hb1"]'), ('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem1"]\ntype = "ram"')]),
+    ("memdevs spread evenly over root ports", [M2, T3_MEM2_ON_RP1, ('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem1", "mem2"]')]),
+    ("window too small", [('size = "1G"', 'size = "256M"'), ('[backends.p0]\nsize = "256M"', '[backends.p0]\nsize = "512M"')]),
+    ("one region per pass-through host bridge",
+     [M2, ('persistent = "p0"', 'persistent = "p0"\nvolatile = "m2"'),
+      ('use = "fsdax"', 'use = "fsdax"\n[[vm.region]]\nname = "r1"\nwindow = 1\nmemdevs = ["pm"]')]),
+    ("fsdax is for pmem", [('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem1"]\nuse = "fsdax"')]),
+    ("region type", [('type = "pmem"', 'type = "cxl"')]),
+    ("one owner per GPU", [('owner = "h"\n[gpus.gpu1]', 'owner = ["h", "g"]\n[gpus.gpu1]')]),
+    ("GPU owner exists", [('owner = "h"\n[gpus.gpu1]', 'owner = "zz"\n[gpus.gpu1]')]),
+    ("unowned GPU has no placement", [('[gpus.spare]', '[gpus.spare]\nat = "dp1"')]),
+    ("GPU on a PCIe switch port", [('at = "dp0"', 'at = "ds0"')]),
+    ("GPU VRAM is a BAR", [('at = "dp0"', 'at = "dp0"\nvram = "48M"')]),
+    ("link joins two VMs", [('vms = ["h", "g"]', 'vms = ["h", "zz"]')]),
+    ("link declared once", [('vms = ["h", "g"]', 'vms = ["h", "g"]\n[[link]]\nvms = ["g", "h"]')]),
+]
+
+
+def variant(edits) -> str:
+    if isinstance(edits, str):
+        return edits
+    text = BASE
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    return text
