@@ -12,10 +12,9 @@ from .manager import Child
 
 
 def gpu_names(lab: Lab) -> dict[str, str]:
-    """GPU name -> the VM it is plugged into: ``gpu0``, ``gpu1``, ... in VM order.
-
-    The one place that names GPUs until topologies name them (``[gpus.NAME]``)."""
-    return {f"gpu{i}": vm for i, vm in enumerate(lab.gpu_servers)}
+    """GPU name -> the VM it is plugged into, for the GPUs the lab started a server for
+    (the topology's ``[gpus.NAME]`` with an owner)."""
+    return {name: lab.topology.gpus[name].owner for name in lab.gpu_servers}
 
 
 class RealLab:
@@ -41,7 +40,7 @@ class RealLab:
             found.append(Child("vm", vm.name, vm.process, ssh_port=vm.res.ssh_port,
                                files={"console_log": str(vm.res.console_log), "qemu_log": str(vm.qemu_log)}))
         for gpu, owner in gpu_names(self.lab).items():
-            server = self.lab.gpu_servers[owner]
+            server = self.lab.gpu_servers[gpu]
             found.append(Child("gpu", gpu, server.process, owner=owner,
                                files={"socket": str(server.socket), "log": str(server.log)}))
         return found
