@@ -22,6 +22,12 @@ def _provision(args) -> int:
     from .lab.image import find_image
     from .lab.qemu_runtime import find_runtime
 
+    if args.kernel == "lab":
+        from .lab.kernel import build_lab_kernel
+
+        built = build_lab_kernel()
+        print(f"lab kernel {built / 'bzImage'}")
+
     runtime = find_runtime()
     print(runtime.version_string)
     image = find_image()
@@ -83,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("provision", help="install host packages, the QEMU runtime and the guest image"
-                   ).set_defaults(func=_provision)
+    prov = sub.add_parser("provision", help="install host packages, the QEMU runtime and the guest image")
+    prov.add_argument("--kernel", choices=["lab"], help="also build the lab kernel (IOMMUFD, VFIO cdev, CXL)")
+    prov.set_defaults(func=_provision)
 
     vm = sub.add_parser("vm", help="boot topologies").add_subparsers(dest="vm_command", required=True)
     up = vm.add_parser("up", help="boot a topology and keep it running until Ctrl-C")

@@ -79,7 +79,7 @@ def random_transfers(count: int, seed: int) -> dict:
                         verified += 1
                     else:
                         failures.append({"i": i, "offset": offset, "length": length})
-            mappings_left = len(gpu.device.container.mappings) - 1   # the driver's own control ring
+            mappings_left = len(gpu.device.mappings) - 1   # the driver's own control ring
         finally:
             gpu.close()
     return {"count": count, "verified": verified, "failures": failures[:5],
