@@ -50,8 +50,12 @@ def _vm_up(args) -> int:
     from .lab import topology
     from .lab.lab import Lab
 
+    from .lab.kernel import resolve
+
     topo = topology.load(args.topology)
-    lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu)
+    # Checked before anything starts: a missing file or option fails here.
+    kernel = resolve(args.kernel, args.modules, args.append or "", provision=not args.dry_run)
+    lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu, kernel=kernel)
     if args.dry_run:
         for vm in lab.plan(Path("/tmp/vfio-cxl-DRYRUN")):
             print(f"# {vm.name}: {vm.runtime.version_string}")
@@ -84,6 +88,16 @@ def _forward(module: str):
     return run
 
 
+def add_kernel_options(parser: argparse.ArgumentParser) -> None:
+    """--kernel/--modules/--append, for every command that boots VMs."""
+    parser.add_argument("--kernel", metavar="PATH|lab",
+                        help="boot this bzImage instead of the image's Debian kernel; 'lab' is the lab "
+                             "kernel (IOMMUFD; built by 'vfio-cxl provision --kernel lab')")
+    parser.add_argument("--modules", metavar="DIR",
+                        help="the kernel's modules tree (lib/modules/<release>), shared read-only to the guest")
+    parser.add_argument("--append", metavar="ARGS", help="extra kernel command line")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -102,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="accelerator (default tcg; kvm only where it works)")
     up.add_argument("--no-gpu", action="store_true", help="do not attach the vfio-user GPU")
     up.add_argument("--run", metavar="CMD", help="run CMD in every VM over SSH, print it, then stop")
+    add_kernel_options(up)
     up.set_defaults(func=_vm_up)
     vm.add_parser("topologies", help="list topologies").set_defaults(func=_topologies)
 

@@ -15,6 +15,7 @@ from .topology import VmSpec
 SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
 LINK_NIC_MAC = "52:54:00:1c:00:{:02x}"
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
+MODULES_MOUNT_TAG = "vfio_cxl_modules"   # --modules DIR: the guest mounts it at /lib/modules/$(uname -r)
 GPU_ROOT_PORT = "gpu_port"
 SPARE_ROOT_PORT = "spare_port"
 
@@ -34,6 +35,8 @@ class VmResources:
     accel: str = "tcg"
     gpu_socket: Path | None = None
     link_sockets: tuple[tuple[Path, bool], ...] = ()   # (socket, this VM listens)
+    append: str = ""                  # extra kernel command line (--append)
+    modules: Path | None = None       # a modules tree for a kernel not the image's (--modules)
 
     @property
     def console_log(self) -> Path:
@@ -130,7 +133,10 @@ def _storage(res: VmResources) -> list[str]:
         "-device", "virtio-blk-pci,drive=root,bus=pcie.0",
         "-fsdev", f"local,id=src,path={res.source},security_model=none,readonly=on",
         "-device", f"virtio-9p-pci,fsdev=src,mount_tag={SOURCE_MOUNT_TAG},bus=pcie.0",
-    ]
+    ] + ([
+        "-fsdev", f"local,id=modules,path={res.modules},security_model=none,readonly=on",
+        "-device", f"virtio-9p-pci,fsdev=modules,mount_tag={MODULES_MOUNT_TAG},bus=pcie.0",
+    ] if res.modules else [])
 
 
 def _boot(vm: VmSpec, res: VmResources) -> list[str]:
@@ -138,6 +144,10 @@ def _boot(vm: VmSpec, res: VmResources) -> list[str]:
     # patched-in mitigation is emulated work.
     cmdline = (f"console=ttyS0 intel_iommu=on mitigations=off panic=-1 quiet loglevel=4 "
                f"vfio_cxl.name={vm.name}")
+    if res.modules:
+        cmdline += " vfio_cxl.modules=1"
+    if res.append:
+        cmdline += " " + res.append
     return ["-kernel", str(res.kernel), "-initrd", str(res.initrd), "-append", cmdline]
 
 
