@@ -88,17 +88,9 @@ def _forward(module: str):
     return run
 
 
-def add_kernel_options(parser: argparse.ArgumentParser) -> None:
-    """--kernel/--modules/--append, for every command that boots VMs."""
-    parser.add_argument("--kernel", metavar="PATH|lab",
-                        help="boot this bzImage instead of the image's Debian kernel; 'lab' is the lab "
-                             "kernel (IOMMUFD; built by 'vfio-cxl provision --kernel lab')")
-    parser.add_argument("--modules", metavar="DIR",
-                        help="the kernel's modules tree (lib/modules/<release>), shared read-only to the guest")
-    parser.add_argument("--append", metavar="ARGS", help="extra kernel command line")
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from .lab.kernel import add_kernel_options
+
     parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

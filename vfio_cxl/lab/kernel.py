@@ -15,6 +15,7 @@ fragment rebuilds only what the changed options touch.  Builds run under
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
@@ -190,6 +191,16 @@ def lab_kernel(provision: bool = True, log=print) -> GuestKernel:
             raise LabError("the lab kernel is not built", "run: vfio-cxl provision --kernel lab")
         found = build_lab_kernel(log)
     return GuestKernel(found / "bzImage", label="lab")
+
+
+def add_kernel_options(parser: argparse.ArgumentParser) -> None:
+    """--kernel/--modules/--append, for every command that boots VMs."""
+    parser.add_argument("--kernel", metavar="PATH|lab",
+                        help="boot this bzImage instead of the image's Debian kernel; 'lab' is the lab "
+                             "kernel (IOMMUFD; built by 'vfio-cxl provision --kernel lab')")
+    parser.add_argument("--modules", metavar="DIR",
+                        help="the kernel's modules tree (lib/modules/<release>), shared read-only to the guest")
+    parser.add_argument("--append", metavar="ARGS", help="extra kernel command line")
 
 
 def resolve(kernel: str | None, modules: str | None = None, append: str = "",
