@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import time
@@ -149,6 +150,7 @@ def build_lab_kernel(log=print) -> Path:
         with building(dest) as out:
             logfile = out / "build.log"
             started = time.monotonic()
+            cpu_before = _children_cpu()
             progress.step(f"configuring: {' + '.join(LAB_RECIPE['base'])} + {FRAGMENT.relative_to(REPO_ROOT)}")
             _make(src, obj, LAB_RECIPE["base"], logfile)
             subprocess.run([str(src / "scripts/kconfig/merge_config.sh"), "-m", "-O", str(obj),
@@ -160,15 +162,23 @@ def build_lab_kernel(log=print) -> Path:
             progress.step(f"make -j{jobs} {LAB_RECIPE['target']} (niced; log: {dest}/build.log)")
             _make(src, obj, [f"-j{jobs}", LAB_RECIPE["target"]], logfile, progress)
             seconds = time.monotonic() - started
+            cpu = _children_cpu() - cpu_before
             shutil.copy2(obj / "arch/x86/boot/bzImage", out / "bzImage")
             shutil.copy2(obj / ".config", out / "config")
             release = (obj / "include/config/kernel.release").read_text().strip()
             (out / "manifest.json").write_text(json.dumps(
                 {"release": release, "source_package": LAB_RECIPE["source_package"],
                  "source_version": version, "fragment": str(FRAGMENT.relative_to(REPO_ROOT)),
-                 "build_seconds": round(seconds), "jobs": jobs}, indent=2))
-            progress.step(f"built {release} in {seconds:.0f} s")
+                 "build_seconds": round(seconds), "cpu_seconds": round(cpu), "jobs": jobs}, indent=2))
+            # CPU time does not depend on what else the machine runs: it gives the idle figure.
+            progress.step(f"built {release} in {seconds:.0f} s ({cpu:.0f} CPU-seconds: about "
+                          f"{cpu / jobs:.0f} s on {jobs} idle cores)")
     return dest
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _check_fragment(config_path: Path) -> None:
