@@ -4,7 +4,8 @@ The guest runs Debian trixie; its ``linux-libc-dev`` carries the uapi headers
 of that kernel.  We fetch it with the project's private apt (never the host's
 apt sources), compile a small C probe with the host's gcc against those
 headers, and compare every struct size, field offset, field size and constant
-it prints with what cffi computes from ``uapi.py``.
+it prints with what cffi computes from ``uapi.py`` (type1) and
+``uapi_iommufd.py`` (iommufd and the VFIO device cdev ioctls).
 
 No apt or no gcc is a failure, not a skip: a layout nobody checked is exactly
 the bug this test exists for.  ``VFIO_CXL_OFFLINE=1`` skips it on purpose.
