@@ -23,10 +23,9 @@ def _provision(args) -> int:
     from .lab.qemu_runtime import find_runtime
 
     if args.kernel == "lab":
-        from .lab.kernel import build_lab_kernel
+        from .lab.kernel import lab_kernel
 
-        built = build_lab_kernel()
-        print(f"lab kernel {built / 'bzImage'}")
+        print(f"lab kernel {lab_kernel().image}")   # the cached one for this fragment, else built now
 
     runtime = find_runtime()
     print(runtime.version_string)
