@@ -47,13 +47,14 @@ def run(size: int, offset: int) -> dict:
             (done,) = gpu.run([Transfer(Op.VRAM_TO_HOST, src=0, dst=GpuDriver.DATA_IOVA + offset, length=size)])
             t_dma = time.perf_counter() - t1
         landed = dax.read(offset, size)
+        backend = gpu.device.backend
     want = hashlib.sha256(expected_payload(size)).hexdigest()
     got = hashlib.sha256(landed).hexdigest()
     return {"message": landed[:len(MESSAGE)].decode(errors="replace"), "bytes": done["bytes_done"],
             "size": size, "offset": offset, "dax": str(dax_device.path), "region": dax_device.region,
             "sha256_expected": want, "sha256_read": got, "match": want == got,
             "map_ms": t_map * 1e3, "dma_ms": t_dma * 1e3, "device_us": done["duration_ns"] / 1e3,
-            "mb_per_s": size / t_dma / 1e6, "vfio_backend": gpu.device.backend}
+            "mb_per_s": size / t_dma / 1e6, "vfio_backend": backend}
 
 
 def main(argv: list[str]) -> int:
