@@ -11,6 +11,7 @@ import json
 import pytest
 
 from vfio_cxl.demos.dma import run_in_lab
+from vfio_cxl.gpu import regs
 
 
 def isolation(vm, backend):
@@ -59,3 +60,15 @@ def test_iommu_isolation_on_the_lab_kernel(lab_kernel_lab, backend):
     result = isolation(lab_kernel_lab["host0"], backend)
     assert result["vfio_backend"] == backend
     check_isolation(result)
+
+
+@pytest.mark.parametrize("backend", ["iommufd", "type1"])
+def test_routes_a_and_b_on_the_lab_kernel(lab_kernel_lab, backend):
+    size = 1 << 20
+    vm = lab_kernel_lab["host0"]
+    rows = json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} python3 -m vfio_cxl.guest.bench_routes "
+                             f"--sizes 1M --runs 1", timeout=300).stdout)
+    assert [(r["copies"], r["size"]) for r in rows] == [(2, size), (1, size)]
+    assert all(r["mb_per_s"] > 0 for r in rows)
+    # Route B ran last: devdax (and so the host's backend file) holds the GPU's PRNG fill.
+    assert lab_kernel_lab.read_backend("cxl0", 0, size) == regs.prng_bytes(size, size)
