@@ -51,6 +51,8 @@ NEEDS: tuple[Need, ...] = (
     Need(("CXL_BUS", "CXL_PCI", "CXL_ACPI", "CXL_MEM", "CXL_PORT", "CXL_REGION"),
          "CXL enumeration and region creation (cxl create-region)"),
     Need(("DEV_DAX", "DEV_DAX_CXL"), "CXL regions as /dev/daxN.M (devdax)"),
+    # Without FS_DAX, IS_DAX() is always false and device-dax refuses every mmap (EINVAL).
+    Need(("FS_DAX",), "mmap of /dev/daxN.M (device-dax checks vma_is_dax())"),
     Need(("HOTPLUG_PCI", "HOTPLUG_PCI_PCIE"), "PCIe hot-plug on the spare root port", lab_only=True),
     Need(("IOMMUFD", "VFIO_DEVICE_CDEV"), "the iommufd VFIO backend (/dev/iommu, /dev/vfio/devices/vfioN)",
          lab_only=True),
