@@ -27,6 +27,11 @@ def _provision(args) -> int:
     from .lab.image import find_image
     from .lab.qemu_runtime import find_runtime
 
+    if args.kernel == "lab":
+        from .lab.kernel import lab_kernel
+
+        print(f"lab kernel {lab_kernel().image}")   # the cached one for this fragment, else built now
+
     runtime = find_runtime()
     print(runtime.version_string)
     image = find_image()
@@ -66,13 +71,21 @@ def _vm_up(args) -> int:
     from .lab.lab import Lab
 
     if args.detach and not args.dry_run:
+        if args.kernel or args.modules or args.append:
+            raise LabError("--kernel/--modules/--append do not go with --detach yet",
+                           "boot your own kernel in the foreground: vfio-cxl vm up TOPOLOGY --kernel ...")
         if args.run:
             raise LabError("--run and --detach do not go together",
                            "use --detach, then vfio-cxl vm ssh VM -- CMD")
         from .fm_cli import vm_up_detached
         return vm_up_detached(args)
+
+    from .lab.kernel import resolve
+
     topo = topology.load(args.topology)
-    lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu)
+    # Checked before anything starts: a missing file or option fails here.
+    kernel = resolve(args.kernel, args.modules, args.append or "", provision=not args.dry_run)
+    lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu, kernel=kernel)
     if args.dry_run:
         from .lab.qemu_runtime import provisioned_runtime
 
@@ -110,12 +123,15 @@ def _forward(module: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .lab.kernel import add_kernel_options
+
     parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("provision", help="install host packages, the QEMU runtime and the guest image"
-                   ).set_defaults(func=_provision)
+    prov = sub.add_parser("provision", help="install host packages, the QEMU runtime and the guest image")
+    prov.add_argument("--kernel", choices=["lab"], help="also build the lab kernel (IOMMUFD, VFIO cdev, CXL)")
+    prov.set_defaults(func=_provision)
 
     vm = sub.add_parser("vm", help="boot topologies").add_subparsers(dest="vm_command", required=True)
     up = vm.add_parser("up", help="boot a topology and keep it running until Ctrl-C")
@@ -129,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--detach", action="store_true",
                     help="return once every VM answers SSH and print the lab's name; the lab stays up")
     up.add_argument("--timeout", type=float, default=300, help="seconds to wait for the VMs (--detach)")
+    add_kernel_options(up)
     up.set_defaults(func=_vm_up)
     fm_cli.add_vm_commands(vm)
     vm.add_parser("topologies", help="list topologies").set_defaults(func=_topologies)

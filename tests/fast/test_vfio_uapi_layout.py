@@ -4,7 +4,8 @@ The guest runs Debian trixie; its ``linux-libc-dev`` carries the uapi headers
 of that kernel.  We fetch it with the project's private apt (never the host's
 apt sources), compile a small C probe with the host's gcc against those
 headers, and compare every struct size, field offset, field size and constant
-it prints with what cffi computes from ``uapi.py``.
+it prints with what cffi computes from ``uapi.py`` (type1) and
+``uapi_iommufd.py`` (iommufd and the VFIO device cdev ioctls).
 
 No apt or no gcc is a failure, not a skip: a layout nobody checked is exactly
 the bug this test exists for.  ``VFIO_CXL_OFFLINE=1`` skips it on purpose.
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from vfio_cxl import vfio_abi
-from vfio_cxl.guest.vfio import uapi
+from vfio_cxl.guest.vfio import uapi, uapi_iommufd
 from vfio_cxl.paths import cache_root
 
 # What to fetch; its hash names the cache directory, so a changed recipe fetches anew.
@@ -33,7 +34,10 @@ HEADERS_RECIPE = {"suite": "trixie", "package": "linux-libc-dev", "triplet": "x8
 GUEST_KERNEL = (6, 12)  # Debian trixie's kernel series
 STAMP = ".vfio-cxl-complete"
 
-ffi = uapi.ffi
+# Both backends' ABI modules: type1 (vfio.h) and iommufd (iommufd.h + vfio.h's cdev ioctls).
+MODULES = (uapi, uapi_iommufd)
+STRUCTS = {struct: module.ffi for module in MODULES for struct in module.STRUCTS}
+CONSTANTS = {name: value for module in MODULES for name, value in module.CONSTANTS.items()}
 
 
 def _recipe_hash() -> str:
@@ -92,17 +96,18 @@ def _probe_source() -> str:
         "#include <stddef.h>",
         "#include <linux/version.h>",
         "#include <linux/vfio.h>",
+        "#include <linux/iommufd.h>",
         "#define SHOW(key, expr) printf(\"%s %llu\\n\", key, (unsigned long long)(expr))",
         "int main(void) {",
         '  SHOW("LINUX_VERSION_CODE", LINUX_VERSION_CODE);',
     ]
-    for struct in uapi.STRUCTS:
+    for struct, ffi in STRUCTS.items():
         lines.append(f'  SHOW("sizeof {struct}", sizeof({struct}));')
         for name, field in ffi.typeof(struct).fields:
             lines.append(f'  SHOW("offsetof {struct}.{name}", offsetof({struct}, {name}));')
             if not _is_flexible_array(field):
                 lines.append(f'  SHOW("fieldsize {struct}.{name}", sizeof((({struct} *)0)->{name}));')
-    for name in uapi.CONSTANTS:
+    for name in CONSTANTS:
         lines.append(f'  SHOW("const {name}", {name});')
     lines += ["  return 0;", "}"]
     return "\n".join(lines) + "\n"
@@ -151,18 +156,22 @@ def test_every_struct_and_constant_was_probed(kernel_facts):
     # Guards against a probe that silently printed less than the test compares.
     structs = [k for k in kernel_facts if k.startswith("sizeof ")]
     consts = [k for k in kernel_facts if k.startswith("const ")]
-    assert len(structs) == len(uapi.STRUCTS) >= 15
-    assert len(consts) == len(uapi.CONSTANTS)
+    assert len(structs) == len(STRUCTS) >= 24
+    assert len(consts) == len(CONSTANTS)
     for ioctl in ("GET_API_VERSION", "CHECK_EXTENSION", "SET_IOMMU", "GROUP_GET_STATUS",
                   "GROUP_SET_CONTAINER", "GROUP_UNSET_CONTAINER", "GROUP_GET_DEVICE_FD",
                   "DEVICE_GET_INFO", "DEVICE_GET_REGION_INFO", "DEVICE_GET_IRQ_INFO",
                   "DEVICE_SET_IRQS", "DEVICE_RESET", "IOMMU_GET_INFO", "IOMMU_MAP_DMA",
-                  "IOMMU_UNMAP_DMA"):
+                  "IOMMU_UNMAP_DMA", "DEVICE_BIND_IOMMUFD", "DEVICE_ATTACH_IOMMUFD_PT",
+                  "DEVICE_DETACH_IOMMUFD_PT"):
         assert f"const VFIO_{ioctl}" in kernel_facts
+    for ioctl in ("DESTROY", "IOAS_ALLOC", "IOAS_IOVA_RANGES", "IOAS_MAP", "IOAS_UNMAP"):
+        assert f"const IOMMU_{ioctl}" in kernel_facts
 
 
-@pytest.mark.parametrize("struct", uapi.STRUCTS)
+@pytest.mark.parametrize("struct", sorted(STRUCTS))
 def test_struct_layout_matches_kernel(struct, kernel_facts):
+    ffi = STRUCTS[struct]
     ctype = ffi.typeof(struct)
     ours = {f"sizeof {struct}": ffi.sizeof(ctype)}
     for name, field in ctype.fields:
@@ -173,9 +182,9 @@ def test_struct_layout_matches_kernel(struct, kernel_facts):
     assert ours == kernels
 
 
-@pytest.mark.parametrize("name", sorted(uapi.CONSTANTS))
+@pytest.mark.parametrize("name", sorted(CONSTANTS))
 def test_constant_matches_kernel(name, kernel_facts):
-    assert uapi.CONSTANTS[name] == kernel_facts[f"const {name}"]
+    assert CONSTANTS[name] == kernel_facts[f"const {name}"]
 
 
 @pytest.mark.parametrize("layout", vfio_abi.LAYOUTS, ids=lambda layout: layout.c_name)

@@ -13,10 +13,11 @@ import pytest
 
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.image import find_image
+from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1}
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "lab_kernel_lab": 2}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
 NAME_ORDER = {"single": 0, "shared": 1}
@@ -28,11 +29,11 @@ class LabPool:
         self.image = find_image()
         self.current: Lab | None = None
 
-    def get(self, name: str) -> Lab:
-        if self.current and self.current.topology.name == name:
+    def get(self, name: str, kernel=None) -> Lab:
+        if self.current and self.current.topology.name == name and self.current.kernel == kernel:
             return self.current
         self.close()
-        lab = Lab(topology.load(name), runtime=self.runtime, image=self.image)
+        lab = Lab(topology.load(name), runtime=self.runtime, image=self.image, kernel=kernel)
         self.current = lab.start()
         return lab
 
@@ -57,6 +58,16 @@ def single_lab(labs) -> Lab:
 @pytest.fixture
 def shared_lab(labs) -> Lab:
     return labs.get("shared")
+
+
+@pytest.fixture
+def lab_kernel_lab(labs) -> Lab:
+    """``single`` booted on the lab kernel (IOMMUFD).  Built by ``scripts/test`` when missing
+    (``vfio-cxl provision --kernel lab``); a bare pytest run without it skips, saying so."""
+    found = cached_lab_kernel()
+    if found is None:
+        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (scripts/test does)")
+    return labs.get("single", GuestKernel(found / "bzImage", label="lab"))
 
 
 def pytest_collection_modifyitems(config, items):

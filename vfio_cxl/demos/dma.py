@@ -15,6 +15,7 @@ import json
 from ..errors import LabError
 from ..guest.demo_dma import MESSAGE, expected_payload
 from ..lab import topology
+from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
 from ..lab.topology import Topology, format_size
 
@@ -41,9 +42,11 @@ def check_request(topo: Topology, vm_name: str, size: int, offset: int) -> None:
                        f"{format_size(dax_size)} devdax region", f"keep offset + size <= {dax_size}")
 
 
-def run_in_lab(lab: Lab, size: int, offset: int) -> dict:
+def run_in_lab(lab: Lab, size: int, offset: int, vfio_backend: str | None = None) -> dict:
+    """``vfio_backend``: type1, iommufd or auto (None: the guest's default, auto)."""
     vm = lab["host0"]
-    result = json.loads(vm.run(f"python3 -m vfio_cxl.guest.demo_dma --json --size {size} --offset {offset}",
+    env = f"VFIO_CXL_VFIO_BACKEND={vfio_backend} " if vfio_backend else ""
+    result = json.loads(vm.run(f"{env}python3 -m vfio_cxl.guest.demo_dma --json --size {size} --offset {offset}",
                                timeout=300).stdout)
     # The RAM region maps the memdev from DPA 0: devdax offset == backend file offset.
     host_bytes = lab.read_backend("cxl0", offset, size)
@@ -56,15 +59,19 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vfio-cxl demo dma", description=__doc__)
     parser.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20, help="bytes (default 1 MiB)")
     parser.add_argument("--offset", type=lambda s: int(s, 0), default=0, help="offset in devdax (4 KiB-aligned)")
+    parser.add_argument("--vfio-backend", choices=["auto", "type1", "iommufd"],
+                        help="the guest's VFIO backend (default auto: iommufd if the kernel has it)")
+    add_kernel_options(parser)
     args = parser.parse_args(argv)
     topo = topology.load("single")
     check_request(topo, "host0", args.size, args.offset)
-    with Lab(topo) as lab:
-        r = run_in_lab(lab, args.size, args.offset)
+    kernel = resolve(args.kernel, args.modules, args.append or "")
+    with Lab(topo, kernel=kernel) as lab:
+        r = run_in_lab(lab, args.size, args.offset, args.vfio_backend)
     print(f"GPU → CXL: {r['message']!r} + {r['size'] - len(r['message'])} bytes, "
           f"{r['bytes']} bytes into {r['dax']} ({r['region']}) at offset {r['offset']:#x}")
     print(f"guest checksum: {'MATCH' if r['match'] else 'MISMATCH'} (sha256 {r['sha256_read'][:16]}…); "
           f"host backend file: {'MATCH' if r['host_file_match'] else 'MISMATCH'}")
     print(f"timings: DMA map {r['map_ms']:.1f} ms, doorbell→MSI-X {r['dma_ms']:.2f} ms "
-          f"({r['mb_per_s']:.0f} MB/s), device {r['device_us']:.0f} µs")
+          f"({r['mb_per_s']:.0f} MB/s), device {r['device_us']:.0f} µs; VFIO backend {r['vfio_backend']}")
     return 0 if r["match"] and r["host_file_match"] else 1

@@ -48,13 +48,14 @@ def run(size: int, offset: int) -> dict:
             (done,) = gpu.run([Transfer(Op.VRAM_TO_HOST, src=0, dst=GpuDriver.DATA_IOVA + offset, length=size)])
             t_dma = time.perf_counter() - t1
         landed = dax.read(offset, size)
+        backend = gpu.device.backend
     want = hashlib.sha256(expected_payload(size)).hexdigest()
     got = hashlib.sha256(landed).hexdigest()
     return {"message": landed[:len(MESSAGE)].decode(errors="replace"), "bytes": done["bytes_done"],
             "size": size, "offset": offset, "dax": str(dax_device.path), "region": dax_device.region,
             "sha256_expected": want, "sha256_read": got, "match": want == got,
             "map_ms": t_map * 1e3, "dma_ms": t_dma * 1e3, "device_us": done["duration_ns"] / 1e3,
-            "mb_per_s": size / t_dma / 1e6}
+            "mb_per_s": size / t_dma / 1e6, "vfio_backend": backend}
 
 
 def main(argv: list[str]) -> int:
@@ -73,7 +74,8 @@ def main(argv: list[str]) -> int:
     else:
         print(f"GPU wrote: {result['message']!r} + {result['size'] - len(MESSAGE)} bytes of PRNG fill")
         print(f"{result['bytes']} bytes into {result['dax']} ({result['region']}) at offset {result['offset']:#x}")
-        print(f"checksum {'MATCH' if result['match'] else 'MISMATCH'}: sha256 {result['sha256_read'][:16]}…")
+        print(f"checksum {'MATCH' if result['match'] else 'MISMATCH'}: sha256 {result['sha256_read'][:16]}… "
+              f"(VFIO backend: {result['vfio_backend']})")
         print(f"DMA map {result['map_ms']:.1f} ms; doorbell→MSI-X {result['dma_ms']:.2f} ms "
               f"({result['mb_per_s']:.0f} MB/s); device time {result['device_us']:.0f} µs")
     return 0 if result["match"] else 1

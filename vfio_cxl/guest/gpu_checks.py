@@ -53,8 +53,9 @@ def isolation() -> dict:
             gpu.run([Transfer(Op.VRAM_TO_HOST, src=0, dst=GpuDriver.BOUNCE_IOVA, length=4096)])
             recovered = canary[:4096] == regs.pattern_bytes(0x1122334455667788, 4096)
         canary.close()
+        backend = gpu.device.backend
     return {"fault": fault, "dax_unchanged": before[0] == after[0], "canary_unchanged": before[1] == after[1],
-            "recovered": recovered}
+            "recovered": recovered, "vfio_backend": backend}
 
 
 def random_transfers(count: int, seed: int) -> dict:
@@ -79,7 +80,7 @@ def random_transfers(count: int, seed: int) -> dict:
                         verified += 1
                     else:
                         failures.append({"i": i, "offset": offset, "length": length})
-            mappings_left = len(gpu.device.container.mappings) - 1   # the driver's own control ring
+            mappings_left = len(gpu.device.mappings) - 1   # the driver's own control ring
         finally:
             gpu.close()
     return {"count": count, "verified": verified, "failures": failures[:5],

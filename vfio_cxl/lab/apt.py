@@ -172,6 +172,11 @@ class PrivateApt:
                 return line.split()[1]
         return name
 
+    def show(self, name: str) -> str:
+        """``apt-cache show`` of the candidate version of ``name``."""
+        self.update()
+        return self._run(["apt-cache", "show", "--no-all-versions", name])
+
     def download(self, names: list[str], dest: Path) -> list[Path]:
         """Download .deb files (no install) into ``dest``; returns their paths."""
         self.update()

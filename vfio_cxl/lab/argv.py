@@ -15,6 +15,7 @@ from .topology import Topology, Vm, format_size
 SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
 LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
+MODULES_MOUNT_TAG = "vfio_cxl_modules"   # --modules DIR: the guest mounts it at /lib/modules/$(uname -r)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class VmResources:
     accel: str = "tcg"
     gpu_sockets: dict[str, Path] = field(default_factory=dict)   # owned GPU name -> server socket
     link_sockets: tuple[tuple[Path, bool, int], ...] = ()   # (socket, this VM listens, link number)
+    append: str = ""                  # extra kernel command line (--append)
+    modules: Path | None = None       # a modules tree for a kernel not the image's (--modules)
 
     @property
     def console_log(self) -> Path:
@@ -180,7 +183,10 @@ def _storage(res: VmResources) -> list[str]:
         "-device", "virtio-blk-pci,drive=root,bus=pcie.0",
         "-fsdev", f"local,id=src,path={res.source},security_model=none,readonly=on",
         "-device", f"virtio-9p-pci,fsdev=src,mount_tag={SOURCE_MOUNT_TAG},bus=pcie.0",
-    ]
+    ] + ([
+        "-fsdev", f"local,id=modules,path={res.modules},security_model=none,readonly=on",
+        "-device", f"virtio-9p-pci,fsdev=modules,mount_tag={MODULES_MOUNT_TAG},bus=pcie.0",
+    ] if res.modules else [])
 
 
 def _boot(vm: Vm, res: VmResources) -> list[str]:
@@ -190,6 +196,10 @@ def _boot(vm: Vm, res: VmResources) -> list[str]:
     # at boot ("IO-APIC + timer doesn't work!"; seen with three VMs booting).
     cmdline = (f"console=ttyS0 intel_iommu=on mitigations=off no_timer_check panic=-1 quiet loglevel=4 "
                f"vfio_cxl.name={vm.name}")
+    if res.modules:
+        cmdline += " vfio_cxl.modules=1"
+    if res.append:
+        cmdline += " " + res.append
     return ["-kernel", str(res.kernel), "-initrd", str(res.initrd), "-append", cmdline]
 
 

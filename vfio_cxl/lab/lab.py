@@ -24,6 +24,7 @@ from .argv import VmResources
 from .gpu_process import GpuServerProcess
 from .image import GuestImage, find_image, image_path
 from .logs import archive_logs
+from .kernel import GuestKernel
 from .qemu_runtime import QemuRuntime, find_runtime, planned_runtime
 from .topology import Topology, Vm
 from .vm import VirtualMachine
@@ -82,8 +83,8 @@ def remove_stale_rundirs() -> None:
 class Lab:
     def __init__(self, topology: Topology, *, runtime: QemuRuntime | None = None,
                  image: GuestImage | None = None, accel: str = "tcg", ssh_port: int | None = None,
-                 gpu: bool = True, gpu_args: list[str] = (), log=print, rundir: Path | None = None,
-                 logdir: Path | None = None):
+                 gpu: bool = True, gpu_args: list[str] = (), kernel: GuestKernel | None = None,
+                 log=print, rundir: Path | None = None, logdir: Path | None = None):
         self.topology = topology
         self.runtime = runtime
         self.image = image
@@ -91,6 +92,7 @@ class Lab:
         self.ssh_port = ssh_port
         self.gpu = gpu
         self.gpu_args = list(gpu_args)
+        self.kernel = kernel   # None: the image's own kernel (see kernel.resolve)
         self.log = log
         self.rundir: Path | None = None
         self.rundir_request = rundir   # an empty directory made by the caller, or None: a fresh one
@@ -135,15 +137,19 @@ class Lab:
             else:
                 port = free_port()
             vmdir = rundir / spec.name
+            custom = self.kernel is not None and self.kernel.image != Path()
             res = VmResources(
-                index=index, rundir=vmdir, kernel=image.kernel, initrd=image.initrd, rootfs=image.rootfs,
+                index=index, rundir=vmdir, kernel=self.kernel.image if custom else image.kernel, initrd=image.initrd, rootfs=image.rootfs,
                 source=REPO_ROOT, backend_files={b: _backend_path(rundir, b) for b in self.topology.backends},
                 ssh_port=port, accel=self.accel,
                 gpu_sockets={g.name: vmdir / f"{g.name}.sock" for g in self.topology.gpus_of(spec.name)
                              if self.gpu},
                 link_sockets=tuple(link_sockets[spec.name]),
+                append=self.kernel.append if self.kernel else "",
+                modules=self.kernel.modules if self.kernel else None,
             )
-            vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology))
+            extra = [p for p in (res.kernel, res.modules) if custom and p is not None]
+            vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology, extra_ro=extra))
         return vms
 
     def start(self, timeout: float = 180) -> "Lab":

@@ -1,4 +1,4 @@
-"""Userspace VFIO for the guest: container/group type1 (the guest kernel has no IOMMUFD).
+"""Userspace VFIO for the guest: iommufd (/dev/iommu + device cdev) or container/group type1.
 
     from vfio_cxl.guest.vfio import VfioPciDevice
 
@@ -10,13 +10,17 @@
         vectors = gpu.msix(4)
         vectors.wait(0, timeout=1.0)
 
-Modules, one job each: uapi (kernel ABI), syscalls (ioctl), caps (INFO
-buffers), container, group, device, region, dma, interrupts, bind (sysfs and
-pyudev), pci (the whole sequence), errors.
+Modules, one job each: uapi and uapi_iommufd (kernel ABI), syscalls (ioctl),
+caps (INFO buffers), iommu (the IOMMU context both backends share: IOVA
+bookkeeping), container + group (type1), iommufd, device, region, dma,
+interrupts, bind (sysfs and pyudev), pci (the whole sequence, backend
+choice), errors.
 """
 
 from .bind import Binding, bind_vfio_pci, find_pci_devices, iommu_group, normalize_bdf
-from .container import Container, IommuInfo
+from .container import Container
+from .iommu import IommuContext, IommuInfo
+from .iommufd import IommufdContext
 from .device import Device, DeviceInfo
 from .dma import DmaMapping
 from .errors import (DeviceBoundElsewhereError, DmaMapError, DmaUnmapError, DriverBindError,
@@ -29,7 +33,7 @@ from .region import Region, RegionInfo
 
 __all__ = [
     "Binding", "bind_vfio_pci", "find_pci_devices", "iommu_group", "normalize_bdf",
-    "Container", "IommuInfo", "Device", "DeviceInfo", "DmaMapping",
+    "Container", "IommuContext", "IommufdContext", "IommuInfo", "Device", "DeviceInfo", "DmaMapping",
     "DeviceBoundElsewhereError", "DmaMapError", "DmaUnmapError", "DriverBindError", "GroupError",
     "GroupNotViableError", "InterruptError", "InterruptTimeout", "IommuTypeUnsupportedError",
     "NoIommuGroupError", "RegionError", "VfioError",

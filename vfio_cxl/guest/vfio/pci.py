@@ -1,10 +1,17 @@
 """One PCI device driven from userspace through VFIO, set up and torn down in one place.
 
-``VfioPciDevice.open(bdf)`` does the whole type1 sequence:
+Two backends give the device its IOMMU context (``iommu.IommuContext``):
 
-    bind to vfio-pci -> find the IOMMU group -> open the container -> open the
-    group, check it is viable -> put the group in the container -> select the
-    type1 IOMMU -> get the device fd
+* **type1**: bind to vfio-pci -> find the IOMMU group -> open the container ->
+  open the group, check it is viable -> put the group in the container ->
+  select the type1 IOMMU -> get the device fd;
+* **iommufd**: bind to vfio-pci -> open /dev/iommu, allocate an IOAS -> open
+  the device cdev /dev/vfio/devices/vfioN -> VFIO_DEVICE_BIND_IOMMUFD ->
+  VFIO_DEVICE_ATTACH_IOMMUFD_PT to the IOAS.
+
+``backend="auto"`` (the default, or ``$VFIO_CXL_VFIO_BACKEND``) takes iommufd
+when /dev/iommu exists and the device has a cdev, type1 otherwise.  Drivers
+use ``map_dma``/``iommu``, never the backend's own objects.
 
 Every step registers its undo on an ExitStack, so a failure part-way releases
 exactly what was built, newest first, and ``close()`` does the same for a
@@ -15,9 +22,10 @@ of the container -> group fd -> container fd -> previous driver back.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
-from . import syscalls, uapi
+from . import iommufd, syscalls, uapi
 from .bind import Binding, Sysfs, bind_vfio_pci, iommu_group, normalize_bdf, require_vfio_pci
 from .container import CONTAINER_PATH, IOMMU_TYPES, Container, IommuInfo
 from .device import Device, DeviceInfo
@@ -25,27 +33,50 @@ from .dma import DmaMapping
 from .errors import VfioError
 from .group import DEV_VFIO, Group
 from .interrupts import Interrupts, IrqInfo, MsixVectors
+from .iommu import IommuContext
 from .region import Region
 
 
+BACKEND_ENV = "VFIO_CXL_VFIO_BACKEND"
+BACKENDS = ("auto", "type1", "iommufd")
+
+
+def choose_backend(bdf: str, wanted: str | None = None, *, sysfs: Sysfs | None = None,
+                   iommufd_path: str = iommufd.IOMMUFD_PATH) -> str:
+    """'type1' or 'iommufd' for ``bdf`` (bound to vfio-pci): ``wanted``, else $VFIO_CXL_VFIO_BACKEND,
+    else auto: iommufd when /dev/iommu exists and the device has a VFIO cdev."""
+    wanted = wanted or os.environ.get(BACKEND_ENV) or "auto"
+    if wanted not in BACKENDS:
+        raise VfioError(f"unknown VFIO backend {wanted!r}", f"use one of {', '.join(BACKENDS)} "
+                        f"(argument or ${BACKEND_ENV})")
+    if wanted != "auto":
+        return wanted
+    root = (sysfs or Sysfs()).root
+    return "iommufd" if iommufd.available(bdf, sysfs_root=root, iommufd_path=iommufd_path) else "type1"
+
+
 class VfioPciDevice:
-    """A vfio-pci device with its own container.  Use as a context manager."""
+    """A vfio-pci device with its own IOMMU context.  Use as a context manager."""
 
     def __init__(self, bdf: str):
         self.bdf = bdf
+        self.backend: str | None = None
         self.binding: Binding | None = None
-        self.container: Container | None = None
-        self.group: Group | None = None
+        self.iommu: IommuContext | None = None
+        self.container: Container | None = None   # type1 only
+        self.group: Group | None = None           # type1 only
         self.device: Device | None = None
         self._stack = contextlib.ExitStack()
 
     @classmethod
-    def open(cls, bdf: str, *, bind: bool = True, iommu_types: tuple[int, ...] | None = None,
-             sysfs: Sysfs | None = None, dev_vfio: str = DEV_VFIO,
+    def open(cls, bdf: str, *, bind: bool = True, backend: str | None = None,
+             iommu_types: tuple[int, ...] | None = None,
+             sysfs: Sysfs | None = None, dev_vfio: str = DEV_VFIO, iommufd_path: str = iommufd.IOMMUFD_PATH,
              ioctl: syscalls.IoctlFn = syscalls.ioctl) -> "VfioPciDevice":
         """Bind (unless ``bind=False``), attach and open ``bdf``; see the module docstring.
 
-        ``sysfs``, ``dev_vfio`` and ``ioctl`` exist so tests can stand in for the kernel.
+        ``sysfs``, ``dev_vfio``, ``iommufd_path`` and ``ioctl`` exist so tests can stand in
+        for the kernel.
         """
         sysfs = sysfs or Sysfs()
         self = cls(normalize_bdf(bdf))
@@ -55,25 +86,47 @@ class VfioPciDevice:
                 stack.callback(self.binding.restore)
             else:
                 require_vfio_pci(self.bdf, sysfs)
-            group_number = iommu_group(self.bdf, sysfs)
-
-            self.container = Container.open(str(Path(dev_vfio) / Path(CONTAINER_PATH).name), ioctl=ioctl)
-            stack.callback(self.container.close)
-            self.group = Group.open(group_number, dev_vfio=dev_vfio, ioctl=ioctl)
-            stack.callback(self.group.close)
-            self.group.require_viable(lambda: sysfs.group_members(group_number))
-
-            self.group.set_container(self.container)
-            stack.callback(self.group.unset_container)
-            self.container.set_iommu(iommu_types or tuple(IOMMU_TYPES))
-            # Mappings go before the group leaves: that drops the IOMMU and all its state.
-            stack.callback(self.container.unmap_all)
-
-            self.device = Device(self.group.device_fd(self.bdf), self.bdf, ioctl=ioctl)
-            stack.callback(self.device.close)
+            self.backend = choose_backend(self.bdf, backend, sysfs=sysfs, iommufd_path=iommufd_path)
+            if self.backend == "iommufd":
+                self._open_iommufd(stack, sysfs, dev_vfio, iommufd_path, ioctl)
+            else:
+                self._open_type1(stack, sysfs, dev_vfio, iommu_types, ioctl)
             self.device.info  # fail now, inside the stack, if the fd is unusable
             self._stack = stack.pop_all()  # success: keep everything for close()
         return self
+
+    def _open_iommufd(self, stack: contextlib.ExitStack, sysfs: Sysfs, dev_vfio: str, iommufd_path: str,
+                      ioctl: syscalls.IoctlFn) -> None:
+        ctx = self.iommu = iommufd.IommufdContext.open(iommufd_path, ioctl=ioctl)
+        stack.callback(ctx.close)
+        # Mappings go after the device fd is closed (that unbinds it from the iommufd).
+        stack.callback(ctx.unmap_all)
+        fd = iommufd.open_device_cdev(self.bdf, sysfs_root=sysfs.root,
+                                      dev_dir=str(Path(dev_vfio) / "devices"))
+        self.device = Device(fd, self.bdf, ioctl=ioctl)
+        stack.callback(self.device.close)
+        ctx.bind(fd, self.bdf)
+        ctx.attach(fd, self.bdf)
+
+    def _open_type1(self, stack: contextlib.ExitStack, sysfs: Sysfs, dev_vfio: str,
+                    iommu_types: tuple[int, ...] | None, ioctl: syscalls.IoctlFn) -> None:
+        group_number = iommu_group(self.bdf, sysfs)
+
+        self.container = self.iommu = Container.open(str(Path(dev_vfio) / Path(CONTAINER_PATH).name),
+                                                     ioctl=ioctl)
+        stack.callback(self.container.close)
+        self.group = Group.open(group_number, dev_vfio=dev_vfio, ioctl=ioctl)
+        stack.callback(self.group.close)
+        self.group.require_viable(lambda: sysfs.group_members(group_number))
+
+        self.group.set_container(self.container)
+        stack.callback(self.group.unset_container)
+        self.container.set_iommu(iommu_types or tuple(IOMMU_TYPES))
+        # Mappings go before the group leaves: that drops the IOMMU and all its state.
+        stack.callback(self.container.unmap_all)
+
+        self.device = Device(self.group.device_fd(self.bdf), self.bdf, ioctl=ioctl)
+        stack.callback(self.device.close)
 
     # -- what a driver uses -------------------------------------------------
 
@@ -93,11 +146,15 @@ class VfioPciDevice:
         return self.region(uapi.VFIO_PCI_CONFIG_REGION_INDEX)
 
     def iommu_info(self) -> IommuInfo:
-        return self._container.iommu_info()
+        return self._iommu.iommu_info()
 
     def map_dma(self, buffer, iova: int, *, readable: bool = True, writable: bool = True) -> DmaMapping:
         """Let the device reach ``buffer`` at ``iova``; unmapped on close at the latest."""
-        return self._container.map_dma(buffer, iova, readable=readable, writable=writable)
+        return self._iommu.map_dma(buffer, iova, readable=readable, writable=writable)
+
+    @property
+    def mappings(self) -> tuple[DmaMapping, ...]:
+        return self._iommu.mappings
 
     def irq_info(self, index: int) -> IrqInfo:
         """VFIO_DEVICE_GET_IRQ_INFO for IRQ ``index`` (how many vectors it offers)."""
@@ -133,13 +190,13 @@ class VfioPciDevice:
         return self.device
 
     @property
-    def _container(self) -> Container:
-        if self.container is None or self.container.fd < 0:
+    def _iommu(self) -> IommuContext:
+        if self.iommu is None or self.iommu.fd < 0:
             raise _closed(self.bdf)
-        return self.container
+        return self.iommu
 
     def __repr__(self) -> str:
-        return f"<VfioPciDevice {self.bdf}>"
+        return f"<VfioPciDevice {self.bdf} {self.backend or 'closed'}>"
 
 
 def _closed(bdf: str) -> VfioError:

@@ -1,7 +1,7 @@
 """The VFIO user API (include/uapi/linux/vfio.h) as cffi declarations and ints.
 
-Only the container/group type1 path is described: the guest kernel has no
-IOMMUFD.  Struct layouts, ioctl numbers and flags are facts of the kernel ABI;
+The container/group type1 path; the iommufd backend's structs are in
+``uapi_iommufd``.  Struct layouts, ioctl numbers and flags are facts of the kernel ABI;
 ``tests/fast/test_vfio_uapi_layout.py`` checks every struct size, field offset
 and constant here against the guest kernel's own headers.
 

@@ -1,0 +1,175 @@
+"""Bring your own kernel: reading a kernel's config and refusing one the lab cannot use.
+
+The kernel configs and "kernel images" here are synthetic, made by the tests:
+what is under test is our own reading and checking of them (the config file
+beside an image, the IKCONFIG blob inside one, the list of what the lab
+needs).  The real lab kernel, when it is built, is checked at the end.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from vfio_cxl.errors import LabError
+from vfio_cxl.lab import kconfig, kernel
+from vfio_cxl.lab.argv import MODULES_MOUNT_TAG
+from vfio_cxl.paths import REPO_ROOT
+
+
+def good_config() -> dict[str, str]:
+    """Every option the lab needs, built in."""
+    config = {option: "y" for need in kconfig.NEEDS for option in need.options}
+    config["DEV_DAX_KMEM"] = "n"
+    return config
+
+
+def config_text(config: dict[str, str]) -> str:
+    return "".join(f"CONFIG_{k}={v}\n" if v != "n" else f"# CONFIG_{k} is not set\n" for k, v in config.items())
+
+
+def fake_bzimage(tmp_path, config: dict[str, str], *, embedded: bool, beside: bool = False):
+    """A file standing in for a bzImage: junk, then (optionally) a gzip stream whose
+    content holds IKCFG_ST + gzip(config) + IKCFG_ED, as a real compressed vmlinux does."""
+    image = tmp_path / "bzImage"
+    payload = b"\x7fELF" + os.urandom(4096)
+    if embedded:
+        payload += kconfig.IKCFG_START + gzip.compress(config_text(config).encode()) + kconfig.IKCFG_END
+    payload += os.urandom(1024)
+    image.write_bytes(b"MZ" + os.urandom(512) + zlib.compress(b"decoy")
+                      + gzip.compress(payload) + os.urandom(256))
+    if beside:
+        (tmp_path / ".config").write_text(config_text(config))
+    return image
+
+
+def test_parse_config_reads_values_and_not_set_lines():
+    parsed = kconfig.parse_config('CONFIG_A=y\nCONFIG_B=m\n# CONFIG_C is not set\nCONFIG_D="x y"\n# comment\n')
+    assert parsed == {"A": "y", "B": "m", "C": "n", "D": "x y"}
+
+
+def test_config_found_inside_a_compressed_image(tmp_path):
+    config = good_config()
+    image = fake_bzimage(tmp_path, config, embedded=True)
+    assert kernel.GuestKernel(image).config == {k: v for k, v in config.items()}
+
+
+def test_config_beside_the_image_wins(tmp_path):
+    config = good_config()
+    config["CXL_REGION"] = "n"
+    image = fake_bzimage(tmp_path, good_config(), embedded=True, beside=False)
+    (tmp_path / ".config").write_text(config_text(config))
+    assert kconfig.read_kernel_config(image)["CXL_REGION"] == "n"
+
+
+def test_a_kernel_without_any_config_is_refused_with_a_way_out(tmp_path):
+    image = fake_bzimage(tmp_path, {}, embedded=False)
+    with pytest.raises(LabError) as err:
+        kernel.resolve(str(image))
+    assert "cannot find the config" in err.value.what and "IKCONFIG" in err.value.fix
+
+
+def test_missing_cxl_region_is_named_with_the_feature_needing_it(tmp_path):
+    config = good_config()
+    config["CXL_REGION"] = "n"
+    image = fake_bzimage(tmp_path, config, embedded=True)
+    with pytest.raises(LabError) as err:
+        kernel.resolve(str(image))
+    lines = err.value.what.splitlines()[1:]
+    assert len(lines) == 1
+    assert "CONFIG_CXL_REGION=y" in lines[0] and "region creation" in lines[0]
+
+
+def test_every_missing_option_is_listed(tmp_path):
+    config = good_config()
+    for option in ("VFIO_PCI", "INTEL_IOMMU", "DEV_DAX_CXL", "9P_FS"):
+        del config[option]
+    config["DEV_DAX_KMEM"] = "y"
+    problems = kconfig.problems(config)
+    assert len(problems) == 5
+    text = "\n".join(problems)
+    for option in ("VFIO_PCI", "INTEL_IOMMU", "DEV_DAX_CXL", "9P_FS", "DEV_DAX_KMEM"):
+        assert f"CONFIG_{option}" in text
+    assert "devdax" in text and "vIOMMU" in text and "/opt/vfio-cxl" in text
+
+
+def test_modules_count_only_with_a_modules_tree_and_never_for_the_boot_path():
+    config = good_config()
+    config["CXL_PCI"] = "m"
+    config["VIRTIO_BLK"] = "m"
+    without = kconfig.problems(config)
+    assert any("CXL_PCI" in p and "no --modules tree" in p for p in without)
+    with_modules = kconfig.problems(config, modules=True)
+    assert len(with_modules) == 1 and "VIRTIO_BLK" in with_modules[0] and "built-in needed" in with_modules[0]
+
+
+def test_the_lab_kernel_must_also_have_iommufd():
+    config = good_config()
+    assert kconfig.problems(config, lab_kernel=True) == []
+    del config["IOMMUFD"]
+    assert ["IOMMUFD" in p for p in kconfig.problems(config, lab_kernel=True)] == [True]
+
+
+def test_modules_dir_must_be_a_modules_tree(tmp_path):
+    image = fake_bzimage(tmp_path, good_config(), embedded=True)
+    with pytest.raises(LabError, match="not a modules tree"):
+        kernel.resolve(str(image), modules=str(tmp_path))
+    with pytest.raises(LabError, match="--modules needs --kernel"):
+        kernel.resolve(None, modules=str(tmp_path))
+
+
+def vfio_cxl(*args):
+    return subprocess.run([sys.executable, "-m", "vfio_cxl", *args], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=60)
+
+
+def test_cli_no_such_kernel_is_one_line_and_leaves_nothing(tmp_path):
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    env = {**os.environ, "VFIO_CXL_RUNDIR": str(rundir)}
+    result = subprocess.run([sys.executable, "-m", "vfio_cxl", "vm", "up", "single", "--kernel", "/no/such/file"],
+                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "vfio-cxl: error: --kernel /no/such/file: no such file -- give the path of a bzImage "
+        "(e.g. arch/x86/boot/bzImage), or 'lab'"]
+    assert list(rundir.iterdir()) == []
+
+
+def test_cli_refuses_a_kernel_without_cxl_region_before_booting(tmp_path):
+    config = good_config()
+    config["CXL_REGION"] = "n"
+    image = fake_bzimage(tmp_path, config, embedded=True)
+    result = vfio_cxl("vm", "up", "single", "--kernel", str(image), "--dry-run")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "CONFIG_CXL_REGION=y" in result.stderr
+
+
+def test_dry_run_shows_the_kernel_modules_share_and_append(tmp_path):
+    image = fake_bzimage(tmp_path, good_config(), embedded=True)
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "modules.dep").write_text("")
+    result = vfio_cxl("vm", "up", "single", "--kernel", str(image), "--modules", str(modules),
+                      "--append", "dyndbg=+p", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    line = next(l for l in result.stdout.splitlines() if l.startswith("qemu-system"))
+    assert f"-kernel {image}" in line
+    assert f"mount_tag={MODULES_MOUNT_TAG}" in line and f"path={modules}" in line
+    assert "vfio_cxl.modules=1 dyndbg=+p" in line
+
+
+def test_the_built_lab_kernel_carries_its_config_and_passes_the_check():
+    found = kernel.cached_lab_kernel()
+    if found is None:
+        pytest.skip("the lab kernel is not built (vfio-cxl provision --kernel lab)")
+    embedded = kconfig.extract_ikconfig((found / "bzImage").read_bytes())
+    assert embedded is not None, "IKCONFIG missing from the lab kernel"
+    config = kconfig.parse_config(embedded)
+    assert config == kconfig.parse_config((found / "config").read_text())
+    assert kconfig.problems(config, lab_kernel=True) == []

@@ -1,0 +1,74 @@
+"""The guest's VFIO stack on both backends: type1 (container/group) and iommufd (/dev/iommu + cdev).
+
+Debian's kernel has no IOMMUFD: there the stack runs type1.  The lab kernel
+has both, so the same demo and isolation check run on each backend there.
+The driver and demos are the same code either way; only the guest's
+VFIO_CXL_VFIO_BACKEND differs.
+"""
+
+import json
+
+import pytest
+
+from vfio_cxl.demos.dma import run_in_lab
+from vfio_cxl.gpu import regs
+
+
+def isolation(vm, backend):
+    return json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} python3 -m vfio_cxl.guest.gpu_checks isolation",
+                             timeout=300).stdout)
+
+
+def check_isolation(result):
+    fault = result["fault"]
+    assert fault is not None, "a DMA to an unmapped IOVA succeeded"
+    assert fault["status"] in ("DMA_REFUSED", "DMA_UNMAPPED") and fault["cookie"] == 0xBAD, fault
+    assert result["dax_unchanged"] and result["canary_unchanged"] and result["recovered"]
+
+
+def test_debian_kernel_has_no_iommufd_and_auto_means_type1(single_lab):
+    vm = single_lab["host0"]
+    assert vm.run("test -e /dev/iommu", check=False).exited != 0
+    result = run_in_lab(single_lab, 1 << 20, 0)
+    assert result["vfio_backend"] == "type1" and result["match"] and result["host_file_match"]
+
+
+def test_lab_kernel_boots_with_iommufd_and_the_vfio_cdev(lab_kernel_lab):
+    vm = lab_kernel_lab["host0"]
+    assert "vfio-cxl-lab" in vm.run("uname -r").stdout
+    assert vm.run("test -c /dev/iommu && zcat /proc/config.gz | grep -x CONFIG_IOMMUFD=y", check=False).exited == 0
+    memdevs = json.loads(vm.run("cxl list -M").stdout or "[]")
+    assert len(memdevs) == 1, memdevs   # the Type3 device, found by the built-in CXL drivers
+
+
+@pytest.mark.parametrize("backend", ["iommufd", "type1"])
+def test_dma_demo_on_the_lab_kernel(lab_kernel_lab, backend):
+    result = run_in_lab(lab_kernel_lab, 16 << 20, 0, backend)
+    assert result["vfio_backend"] == backend
+    assert result["message"] == "DMA FROM GPU TO CXL MEMORY" and result["bytes"] == 16 << 20
+    assert result["match"], result
+    assert result["host_file_match"]
+
+
+def test_auto_picks_iommufd_on_the_lab_kernel(lab_kernel_lab):
+    result = run_in_lab(lab_kernel_lab, 1 << 20, 0, "auto")
+    assert result["vfio_backend"] == "iommufd" and result["match"] and result["host_file_match"]
+
+
+@pytest.mark.parametrize("backend", ["iommufd", "type1"])
+def test_iommu_isolation_on_the_lab_kernel(lab_kernel_lab, backend):
+    result = isolation(lab_kernel_lab["host0"], backend)
+    assert result["vfio_backend"] == backend
+    check_isolation(result)
+
+
+@pytest.mark.parametrize("backend", ["iommufd", "type1"])
+def test_routes_a_and_b_on_the_lab_kernel(lab_kernel_lab, backend):
+    size = 1 << 20
+    vm = lab_kernel_lab["host0"]
+    rows = json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} python3 -m vfio_cxl.guest.bench_routes "
+                             f"--sizes 1M --runs 1", timeout=300).stdout)
+    assert [(r["copies"], r["size"]) for r in rows] == [(2, size), (1, size)]
+    assert all(r["mb_per_s"] > 0 for r in rows)
+    # Route B ran last: devdax (and so the host's backend file) holds the GPU's PRNG fill.
+    assert lab_kernel_lab.read_backend("cxl0", 0, size) == regs.prng_bytes(size, size)

@@ -1,0 +1,113 @@
+"""The iommufd user API (include/uapi/linux/iommufd.h) and VFIO's device cdev ioctls.
+
+The second VFIO backend: a device opened through its cdev
+(/dev/vfio/devices/vfioN) is bound to an iommufd (/dev/iommu) and attached
+to an IO address space (IOAS) there, instead of going through a group and a
+type1 container.  ``tests/fast/test_vfio_uapi_layout.py`` checks every struct
+and constant here against the guest kernel's own headers, as for ``uapi``.
+
+Standard library and cffi only; names are the kernel's.
+"""
+
+from __future__ import annotations
+
+import cffi
+
+ffi = cffi.FFI()
+
+ffi.cdef(
+    """
+    struct iommu_destroy {
+        uint32_t size;
+        uint32_t id;
+    };
+
+    struct iommu_ioas_alloc {
+        uint32_t size;
+        uint32_t flags;
+        uint32_t out_ioas_id;
+    };
+
+    struct iommu_iova_range {
+        uint64_t start;
+        uint64_t last;
+    };
+
+    struct iommu_ioas_iova_ranges {
+        uint32_t size;
+        uint32_t ioas_id;
+        uint32_t num_iovas;
+        uint32_t __reserved;
+        uint64_t allowed_iovas;
+        uint64_t out_iova_alignment;
+    };
+
+    struct iommu_ioas_map {
+        uint32_t size;
+        uint32_t flags;
+        uint32_t ioas_id;
+        uint32_t __reserved;
+        uint64_t user_va;
+        uint64_t length;
+        uint64_t iova;
+    };
+
+    struct iommu_ioas_unmap {
+        uint32_t size;
+        uint32_t ioas_id;
+        uint64_t iova;
+        uint64_t length;
+    };
+
+    struct vfio_device_bind_iommufd {
+        uint32_t argsz;
+        uint32_t flags;
+        int32_t iommufd;
+        uint32_t out_devid;
+    };
+
+    struct vfio_device_attach_iommufd_pt {
+        uint32_t argsz;
+        uint32_t flags;
+        uint32_t pt_id;
+    };
+
+    struct vfio_device_detach_iommufd_pt {
+        uint32_t argsz;
+        uint32_t flags;
+    };
+    """
+)
+
+#: Every struct declared above, for the layout test.
+STRUCTS = tuple(f"struct {name}" for name in ffi.list_types()[1])
+
+
+def _IO(type_: int, nr: int) -> int:
+    return (type_ << 8) | nr
+
+
+IOMMUFD_TYPE = ord(";")
+IOMMUFD_CMD_BASE = 0x80
+IOMMU_DESTROY = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 0)
+IOMMU_IOAS_ALLOC = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 1)
+IOMMU_IOAS_IOVA_RANGES = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 4)
+IOMMU_IOAS_MAP = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 5)
+IOMMU_IOAS_UNMAP = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 6)
+
+# struct iommu_ioas_map.flags
+IOMMU_IOAS_MAP_FIXED_IOVA = 1 << 0
+IOMMU_IOAS_MAP_WRITEABLE = 1 << 1
+IOMMU_IOAS_MAP_READABLE = 1 << 2
+
+# ioctls on a VFIO device cdev (same type and base as the rest of VFIO)
+VFIO_TYPE = ord(";")
+VFIO_BASE = 100
+VFIO_DEVICE_BIND_IOMMUFD = _IO(VFIO_TYPE, VFIO_BASE + 18)
+VFIO_DEVICE_ATTACH_IOMMUFD_PT = _IO(VFIO_TYPE, VFIO_BASE + 19)
+VFIO_DEVICE_DETACH_IOMMUFD_PT = _IO(VFIO_TYPE, VFIO_BASE + 20)
+
+#: The kernel constants above by name, for the layout test (the enum
+#: IOMMUFD_CMD_* values are compared through the ioctl numbers built from them).
+CONSTANTS = {name: value for name, value in globals().items()
+             if name.startswith(("IOMMU_", "VFIO_DEVICE_")) or name == "IOMMUFD_TYPE"}

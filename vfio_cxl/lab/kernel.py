@@ -1,0 +1,240 @@
+"""Guest kernels: the image's Debian kernel, the lab kernel, or the user's own.
+
+The **lab kernel** is built from Debian's packaged kernel source
+(``linux-source-*`` from trixie-backports, fetched through the private apt)
+with ``qemu/kernel/lab.config`` merged over ``tinyconfig``: everything the lab's VMs use built in (IOMMUFD, VFIO cdev, CXL,
+DAX, virtio, 9p), no modules, and what a Q35 TCG guest never touches left out.
+It lands in ``<cache>/kernels/lab-<source version>-<hash of recipe and
+fragment>/`` (``bzImage``, ``config``, ``manifest.json``, ``build.log``).
+
+The source is unpacked once per source version (``kernels/src-<version>``) and
+objects are kept per source version (``kernels/obj-<version>``), so a changed
+fragment rebuilds only what the changed options touch.  Builds run under
+``nice -n 19``: they are long and must not starve running VMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LabError
+from ..paths import REPO_ROOT, cache_root
+from . import apt
+from .kconfig import check_config, parse_config, read_kernel_config
+from .recipe import Progress, building, recipe_hash
+
+FRAGMENT = REPO_ROOT / "qemu" / "kernel" / "lab.config"
+LAB_RECIPE = {
+    "format": 1,
+    "suite": "trixie-backports",
+    "source_package": "linux-source-7.3",
+    "base": ["tinyconfig"],
+    "target": "bzImage",
+}
+# The host's tools for a kernel build (installed with the host's own apt).
+BUILD_PACKAGES = ["gcc", "make", "bc", "flex", "bison", "libelf-dev", "libssl-dev", "xz-utils",
+                  "debian-archive-keyring"]
+
+
+@dataclass(frozen=True)
+class GuestKernel:
+    """A kernel to boot: its image, optional modules tree, extra command line."""
+
+    image: Path
+    modules: Path | None = None
+    append: str = ""
+    label: str = "custom"
+
+    @property
+    def config(self) -> dict[str, str]:
+        return read_kernel_config(self.image)
+
+
+def kernels_root() -> Path:
+    root = cache_root() / "kernels"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _key(version: str) -> str:
+    return f"lab-{version}-{recipe_hash(LAB_RECIPE, FRAGMENT)}"
+
+
+def cached_lab_kernel() -> Path | None:
+    """The newest lab kernel built from the current recipe and fragment, if any (no network)."""
+    suffix = f"-{recipe_hash(LAB_RECIPE, FRAGMENT)}"
+    found = [p for p in kernels_root().glob("lab-*") if p.name.endswith(suffix) and (p / "bzImage").is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def _source_version(private: apt.PrivateApt) -> str:
+    out = private.show(LAB_RECIPE["source_package"])
+    match = re.search(r"^Version: (\S+)", out, re.M)
+    if not match:
+        raise LabError(f"apt knows no {LAB_RECIPE['source_package']} in {LAB_RECIPE['suite']}",
+                       "check the Debian mirror (VFIO_CXL_DEBIAN_MIRROR)")
+    return match.group(1)
+
+
+def _unpack_source(private: apt.PrivateApt, version: str, progress: Progress) -> Path:
+    src = kernels_root() / f"src-{version}"
+    if (src / "Makefile").is_file():
+        return src
+    with building(src) as out:
+        progress.step(f"downloading {LAB_RECIPE['source_package']} {version}")
+        debs = private.download([LAB_RECIPE["source_package"]], out / "debs")
+        apt.extract_deb(debs[0], out / "deb")
+        (tarball,) = (out / "deb" / "usr" / "src").glob("linux-source-*.tar.*")
+        progress.step(f"unpacking {tarball.name} ({tarball.stat().st_size >> 20} MiB)")
+        (out / "tree").mkdir()
+        subprocess.run(["nice", "-n", "19", "tar", "-xf", str(tarball), "-C", str(out / "tree")], check=True)
+        (top,) = (out / "tree").iterdir()
+        for entry in top.iterdir():
+            entry.rename(out / entry.name)
+        shutil.rmtree(out / "deb")
+        shutil.rmtree(out / "debs")
+        shutil.rmtree(out / "tree")
+    return src
+
+
+def _make(src: Path, obj: Path, args: list[str], log: Path, progress: Progress | None = None) -> None:
+    cmd = ["nice", "-n", "19", "make", "-C", str(src), f"O={obj}", *args]
+    with open(log, "a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=apt.clean_host_env())
+        compiled = 0
+        last = time.monotonic()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            if line.lstrip().startswith("CC "):
+                compiled += 1
+            if progress and time.monotonic() - last >= 30:
+                progress.step(f"  {compiled} files compiled")
+                last = time.monotonic()
+        if proc.wait() != 0:
+            out.flush()
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-12:])
+            raise LabError(f"kernel build step 'make {' '.join(args)}' failed:\n{tail}",
+                           f"the whole log is {log}")
+
+
+def build_lab_kernel(log=print) -> Path:
+    """Build (or find) the lab kernel for the current source version and fragment."""
+    apt.ensure_host_packages(BUILD_PACKAGES, log)
+    progress = Progress("kernel", log)
+    private = apt.PrivateApt(kernels_root() / "apt", [LAB_RECIPE["suite"]])
+    version = _source_version(private)
+    dest = kernels_root() / _key(version)
+    if (dest / "bzImage").is_file():
+        return dest
+    with open(kernels_root() / f".lock-{version}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # one build per source version at a time
+        if (dest / "bzImage").is_file():
+            return dest
+        src = _unpack_source(private, version, progress)
+        obj = kernels_root() / f"obj-{version}"
+        obj.mkdir(exist_ok=True)
+        with building(dest) as out:
+            logfile = out / "build.log"
+            started = time.monotonic()
+            cpu_before = _children_cpu()
+            progress.step(f"configuring: {' + '.join(LAB_RECIPE['base'])} + {FRAGMENT.relative_to(REPO_ROOT)}")
+            _make(src, obj, LAB_RECIPE["base"], logfile)
+            subprocess.run([str(src / "scripts/kconfig/merge_config.sh"), "-m", "-O", str(obj),
+                            str(obj / ".config"), str(FRAGMENT)],
+                           cwd=src, check=True, capture_output=True, env=apt.clean_host_env())
+            _make(src, obj, ["olddefconfig"], logfile)
+            _check_fragment(obj / ".config")
+            jobs = os.cpu_count() or 1
+            progress.step(f"make -j{jobs} {LAB_RECIPE['target']} (niced; log: {dest}/build.log)")
+            _make(src, obj, [f"-j{jobs}", LAB_RECIPE["target"]], logfile, progress)
+            seconds = time.monotonic() - started
+            cpu = _children_cpu() - cpu_before
+            shutil.copy2(obj / "arch/x86/boot/bzImage", out / "bzImage")
+            shutil.copy2(obj / ".config", out / "config")
+            release = (obj / "include/config/kernel.release").read_text().strip()
+            (out / "manifest.json").write_text(json.dumps(
+                {"release": release, "source_package": LAB_RECIPE["source_package"],
+                 "source_version": version, "fragment": str(FRAGMENT.relative_to(REPO_ROOT)),
+                 "build_seconds": round(seconds), "cpu_seconds": round(cpu), "jobs": jobs}, indent=2))
+            # CPU time does not depend on what else the machine runs: it gives the idle figure.
+            progress.step(f"built {release} in {seconds:.0f} s ({cpu:.0f} CPU-seconds: about "
+                          f"{cpu / jobs:.0f} s on {jobs} idle cores)")
+    return dest
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _check_fragment(config_path: Path) -> None:
+    """Every option the fragment sets must survive olddefconfig (a dependency may veto it)."""
+    wanted = parse_config(FRAGMENT.read_text())
+    got = parse_config(config_path.read_text())
+    lost = [f"{name}={value} (got {got.get(name, 'unset')})" for name, value in wanted.items()
+            if value in ("y", "m") and got.get(name) != value]
+    if lost:
+        raise LabError("the lab kernel's fragment did not take: " + ", ".join(lost),
+                       f"add the missing dependencies to {FRAGMENT.relative_to(REPO_ROOT)}")
+    check_config(got, "the lab kernel", lab_kernel=True)
+
+
+def lab_kernel(provision: bool = True, log=print) -> GuestKernel:
+    """The lab kernel: the cached one, else built now (``provision``) or an error."""
+    found = cached_lab_kernel()
+    if found is None:
+        if not provision:
+            raise LabError("the lab kernel is not built", "run: vfio-cxl provision --kernel lab")
+        found = build_lab_kernel(log)
+    return GuestKernel(found / "bzImage", label="lab")
+
+
+def add_kernel_options(parser: argparse.ArgumentParser) -> None:
+    """--kernel/--modules/--append, for every command that boots VMs."""
+    parser.add_argument("--kernel", metavar="PATH|lab",
+                        help="boot this bzImage instead of the image's Debian kernel; 'lab' is the lab "
+                             "kernel (IOMMUFD; built by 'vfio-cxl provision --kernel lab')")
+    parser.add_argument("--modules", metavar="DIR",
+                        help="the kernel's modules tree (lib/modules/<release>), shared read-only to the guest")
+    parser.add_argument("--append", metavar="ARGS", help="extra kernel command line")
+
+
+def resolve(kernel: str | None, modules: str | None = None, append: str = "",
+            provision: bool = True, log=print) -> GuestKernel | None:
+    """``--kernel PATH|lab`` (+ ``--modules``, ``--append``) -> a checked GuestKernel, or None
+    for the image's own kernel.  Fails before anything is started."""
+    if kernel is None:
+        if modules:
+            raise LabError("--modules needs --kernel", "pass --kernel PATH (the kernel these modules belong to)")
+        return GuestKernel(Path(), append=append, label="debian") if append else None
+    if kernel == "lab":
+        chosen = lab_kernel(provision, log)
+    else:
+        path = Path(kernel).expanduser()
+        if not path.is_file():
+            raise LabError(f"--kernel {kernel}: no such file",
+                           "give the path of a bzImage (e.g. arch/x86/boot/bzImage), or 'lab'")
+        chosen = GuestKernel(path.resolve(), label="custom")
+    mod_path = None
+    if modules:
+        mod_path = Path(modules).expanduser().resolve()
+        if not mod_path.is_dir() or not (mod_path / "modules.dep").is_file():
+            raise LabError(f"--modules {modules}: not a modules tree (no modules.dep)",
+                           "give lib/modules/<release> of 'make modules_install INSTALL_MOD_PATH=...'")
+    chosen = GuestKernel(chosen.image, mod_path, append, chosen.label)
+    check_config(chosen.config, str(chosen.image), modules=mod_path is not None)
+    return chosen
