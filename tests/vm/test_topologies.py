@@ -48,7 +48,9 @@ def walk(node, found: dict) -> None:
 
 def cxl_view(vm) -> dict:
     found = {"memdevs": {}, "ports": [], "decoders": {}, "regions": {}}
-    walk(json.loads(vm.run("cxl list -vvv").stdout or "[]"), found)
+    # -vvv asks every memdev for health and partition info over its mailbox: slow under TCG on a
+    # loaded host (one run with three VMs took over 120 s), so allow more.
+    walk(json.loads(vm.run("cxl list -vvv", timeout=600).stdout or "[]"), found)
     # -vvv nests regions under their root decoder without mappings; -R -T adds them.
     for region in json.loads(vm.run("cxl list -R -T").stdout or "[]"):
         found["regions"][region["region"]] = region
