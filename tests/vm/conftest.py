@@ -62,11 +62,11 @@ def shared_lab(labs) -> Lab:
 
 @pytest.fixture
 def lab_kernel_lab(labs) -> Lab:
-    """``single`` booted on the lab kernel (IOMMUFD).  Built by ``scripts/test`` when missing
+    """``single`` booted on the lab kernel (IOMMUFD).  Built by ``VFIO_CXL_LAB_KERNEL=1 scripts/test`` when missing
     (``vfio-cxl provision --kernel lab``); a bare pytest run without it skips, saying so."""
     found = cached_lab_kernel()
     if found is None:
-        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (scripts/test does)")
+        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
     return labs.get("single", GuestKernel(found / "bzImage", label="lab"))
 
 
