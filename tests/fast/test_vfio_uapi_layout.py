@@ -192,6 +192,7 @@ def test_wire_layouts_match_the_checked_structs(layout):
     """vfio_abi.LAYOUTS (what the vfio-user wire code packs) against the cffi structs
     that the C probe above checks against the kernel: every field at the same offset,
     and the head no longer than the struct."""
+    ffi = STRUCTS[layout.c_name]
     assert layout.size <= ffi.sizeof(layout.c_name)
     for field, offset in layout.offsets().items():
         assert ffi.offsetof(layout.c_name, field) == offset, (layout.c_name, field)

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from vfio_cxl.demos.dma import run_in_lab
-from vfio_cxl.gpu import regs
+from vfio_cxl.devices.gpu import regs
 
 
 def isolation(vm, backend):
