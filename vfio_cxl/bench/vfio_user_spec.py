@@ -552,6 +552,7 @@ class Peer:
         flags = window.flags if flags is None else flags
         body = DMA_MAP_REQ.pack(argsz, flags, window.guard if with_fd else 0, window.iova,
                                 window.size)
+        previous = self.windows.get(window.iova)
         self.windows[window.iova] = window
         window.mapped = True  # exported from now on (the server may use it once it has it)
         fds = [window.fd] if with_fd else []
@@ -561,6 +562,10 @@ class Peer:
         reply = self.request(DMA_MAP, body, fds=fds)
         if reply.is_error:
             window.mapped = False
+            if previous is not None:
+                # refused (e.g. EEXIST over a live window): the window that was
+                # there stays the one DMA requests to this address are served from
+                self.windows[window.iova] = previous
         return reply
 
     def dma_unmap(self, iova: int, size: int, flags: int = 0, argsz: int = DMA_UNMAP_REQ.size,
