@@ -248,7 +248,7 @@ class Connection:
                 t.fault_at = pos
                 return self._finish(t, errno.EIO, "refused")
         else:
-            self.transport.discard(body, fds)  # departure 3: the body is not checked
+            self.transport.discard(body, fds)  # departure 4: the body is not checked
         with self._lock:
             t.inflight.pop(header.msg_id, None)
             t.update_acked()
