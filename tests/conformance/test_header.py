@@ -241,8 +241,9 @@ def test_stalled_reader_never_gets_a_cut_message(gpu_server):
             rig.wait_idle()
             rig.submit(gpu.descriptor(gpu.OP_VRAM_TO_HOST, 0, DATA_IOVA, length))
             time.sleep(STALL)  # the stimulus: a reader that stalls
-            p.send(vu.REGION_READ, vu.REGION_RW.pack(gpu.ID, 0, 4))
             try:
+                # a poisoned server has hung up: the client may notice it right here
+                p.send(vu.REGION_READ, vu.REGION_RW.pack(gpu.ID, 0, 4))
                 while True:
                     msg = p.recv(3)
                     if msg.type == vu.TYPE_COMMAND and msg.command == vu.DMA_WRITE:

@@ -55,6 +55,10 @@ class FakeGpu:
     def read32(self, offset):
         if offset == regs.REG_STATUS:
             return regs.STATUS_ENABLED
+        if offset == regs.REG_COMPLETED:
+            return self.completed
+        if offset == regs.REG_RING_HEAD:
+            return self.head
         return self.regs.get(offset, 0)
 
     def write32(self, offset, value):
@@ -109,11 +113,14 @@ class FakeGpu:
             src, dst, length, op, flags, _, cookie = regs.DESC.unpack_from(self.control, i * regs.DESC_SIZE)
             seq = self.completed + 1
             record = {"good": (cookie, 0, length, i, seq, 1),
+                      # the seq the driver expects (its default cookie is seq << 16 | index)
+                      "uncounted": (cookie, 0, length, i, cookie >> 16, 1),
                       "foreign": (cookie ^ 1, 0, length, (i + 1) % entries, seq, 1),
                       "stale": (cookie, 0, length, i, seq + 7, 1)}.get(self.mode)
             if record is not None:
                 regs.COMPL.pack_into(self.control, compl + i * regs.COMPL_SIZE, *record)
-            self.completed += 1
+            if self.mode != "uncounted":  # "uncounted": the record is there, COMPLETED not
+                self.completed += 1
             self.head = (i + 1) % entries
             if op == 0xFF:  # the test's way to make the device fail
                 self.regs[regs.REG_ERR_STATUS] = Status.BAD_OPCODE
@@ -195,3 +202,14 @@ def test_the_fake_offers_nothing_the_real_device_lacks():
     from vfio_cxl.guest.vfio import VfioPciDevice
     for name in ("irq_info", "interrupts", "msix", "map_dma", "bar", "config", "close"):
         assert hasattr(VfioPciDevice, name), name
+
+
+def test_a_matching_record_that_completed_does_not_count_is_an_error(gpu):
+    """docs/gpu-device.md, "Dropped descriptor" (spec-driver finding F2): a record
+    with the expected index/cookie/seq proves nothing unless COMPLETED counts it."""
+    driver, fake = gpu
+    fake.mode = "uncounted"
+    with pytest.raises(GpuCompletionError, match="COMPLETED counts 0"):
+        driver.run(nops(2))
+    fake.mode = "good"
+    assert [c["seq"] for c in driver.run(nops(2))] == [1, 2]  # reset by the error: usable again

@@ -153,6 +153,9 @@ def test_unexpected_fds_are_refused_and_closed(gpu_server):
 def test_header_smaller_than_itself_bad_type_and_no_reply_errors(gpu_server):
     c = gpu_server.client()
     c.send_raw(raw_request(wire.DEVICE_GET_INFO, size=8, msg_id=0x501))
+    assert c.closed.wait(5), "a header with size < 16 cannot be framed: the server hangs up"
+    gpu_server.wait_idle()
+    c = gpu_server.client()
     c.send_raw(raw_request(wire.DEVICE_GET_INFO, struct.pack("<IIII", 16, 0, 0, 0),
                            msg_id=0x502, flags=0x2))
     c.send_raw(raw_request(99, msg_id=0x503, flags=wire.FLAG_NO_REPLY))  # refused silently

@@ -108,7 +108,8 @@ class Rig:
         self.memory = GuestMemory()
         self.entries = entries
         ring_bytes = entries * regs.DESC_SIZE
-        self.ring = self.memory.add(RING_IOVA, ring_bytes * 2, shared=direct)
+        # whole 4 KiB pages: the server refuses DMA_MAPs that are not page-aligned
+        self.ring = self.memory.add(RING_IOVA, -(-ring_bytes * 2 // 4096) * 4096, shared=direct)
         self.compl_iova = RING_IOVA + ring_bytes
         self.data = self.memory.add(DATA_IOVA, data_size, shared=direct)
         self.client = srv.client(self.memory, **caps)

@@ -552,15 +552,27 @@ class Peer:
         flags = window.flags if flags is None else flags
         body = DMA_MAP_REQ.pack(argsz, flags, window.guard if with_fd else 0, window.iova,
                                 window.size)
-        self.windows[window.iova] = window
+        previous = self.windows.get(window.iova)
+        # a map over a live window (which the server must refuse with EEXIST) does
+        # not hide that window: DMA to it may arrive while the request is in flight
+        shadowed = previous is not None and previous.mapped
+        if not shadowed:
+            self.windows[window.iova] = window
         window.mapped = True  # exported from now on (the server may use it once it has it)
         fds = [window.fd] if with_fd else []
         if no_reply:
+            self.windows[window.iova] = window
             self.send(DMA_MAP, body, fds=fds, flags=FLAG_NO_REPLY)
             return None
         reply = self.request(DMA_MAP, body, fds=fds)
         if reply.is_error:
             window.mapped = False
+            if previous is not None:
+                # refused (e.g. EEXIST over a live window): the window that was
+                # there stays the one DMA requests to this address are served from
+                self.windows[window.iova] = previous
+        else:
+            self.windows[window.iova] = window
         return reply
 
     def dma_unmap(self, iova: int, size: int, flags: int = 0, argsz: int = DMA_UNMAP_REQ.size,

@@ -16,8 +16,11 @@ Every completion record is checked against what was submitted in that slot
 (docs/gpu-device.md, "Completion record"): its ``index``, ``cookie`` and
 ``seq`` (descriptors retired since reset, plus one).  A record that does not
 match -- all zero, another slot's, left over from an earlier round -- is a
-``GpuCompletionError``, never a success.  ``submit`` refuses more
-descriptors than the ring has free slots.
+``GpuCompletionError``, never a success; so is a matching record that
+``COMPLETED`` does not count (a record written just before a drop looks
+right).  ``reset`` reads a register after the reset write before it zeroes
+the ring and the records, so no record of dropped work lands afterwards.
+``submit`` refuses more descriptors than the ring has free slots.
 """
 
 from __future__ import annotations
@@ -133,6 +136,10 @@ class GpuDriver:
     def reset(self) -> None:
         """Device reset, then program the ring and enable it (also after an error)."""
         self.bar0.write32(regs.REG_CONTROL, regs.CONTROL_RESET)
+        # BAR writes are posted: this read returns only once the reset took effect,
+        # so no record of the dropped work can land on the zeroes below
+        # (docs/gpu-device.md, "Dropped descriptor")
+        self.bar0.read32(regs.REG_STATUS)
         ring_bytes = self.RING_ENTRIES * regs.DESC_SIZE
         compl = self.CONTROL_IOVA + ring_bytes
         self._control_view[:] = bytes(len(self._control_view))
@@ -218,6 +225,13 @@ class GpuDriver:
             raise GpuError(f"no MSI-X from the GPU within {timeout} s", "is the GPU server alive?")
         try:
             done = [self._check(i) for i in indices]
+            # a matching record proves completion only if COMPLETED counts it
+            # (docs/gpu-device.md, "Completion record")
+            retired = (self.bar0.read32(regs.REG_COMPLETED) - self._retired) & 0xFFFFFFFF
+            if retired < len(indices):
+                raise GpuCompletionError(
+                    f"records for {len(indices)} descriptors but COMPLETED counts {retired} "
+                    f"retired since the last wait", "reset the GPU and resubmit")
         except GpuCompletionError:
             self.reset()
             raise

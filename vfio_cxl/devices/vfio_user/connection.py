@@ -177,7 +177,10 @@ class Connection:
     def _on_request(self, header: wire.Header, fds: list[int]) -> None:
         body = header.size - wire.HEADER_SIZE
         if body < 0:
-            return self._reply_error(header, errno.EINVAL, "size smaller than the header")
+            # the stream cannot be framed any more: answer, then hang up
+            self._reply_error(header, errno.EINVAL, "size smaller than the header")
+            raise ConnectionClosed(f"message size {header.size} < {wire.HEADER_SIZE}: "
+                                   f"stream is broken")
         if body > MAX_REQUEST_BODY:
             if body > DISCARD_LIMIT:
                 raise ConnectionClosed(f"message claims {header.size} bytes: stream is broken")
@@ -190,7 +193,10 @@ class Connection:
         try:
             parts, out_fds = self._handler(header, payload, fds)
         except wire.ProtocolError as exc:
-            return self._reply_error(header, exc.errno, str(exc))
+            self._reply_error(header, exc.errno, str(exc))
+            if exc.hang_up:
+                raise ConnectionClosed(f"{header.describe()}: {exc}") from None
+            return
         except Exception:
             self.internal_errors += 1
             log.exception("%s: handler failed on %s", self.name, header.describe())
@@ -242,7 +248,7 @@ class Connection:
                 t.fault_at = pos
                 return self._finish(t, errno.EIO, "refused")
         else:
-            self.transport.discard(body, fds)  # departure 3: the body is not checked
+            self.transport.discard(body, fds)  # departure 4: the body is not checked
         with self._lock:
             t.inflight.pop(header.msg_id, None)
             t.update_acked()

@@ -64,7 +64,7 @@ class DmaAborted(Exception):
 
 
 class ClientFile:
-    """A client fd handed over with DMA_MAP, shared by the pieces of a split mapping.
+    """A client fd handed over with DMA_MAP (one per mapping: unmaps never split one).
 
     * sealed against shrinking (F_SEAL_SHRINK, e.g. QEMU's memory-backend-memfd):
       mmapped once and copied with memoryview slices -- the client cannot make
@@ -75,11 +75,11 @@ class ClientFile:
       crash with SIGBUS.
     """
 
-    __slots__ = ("fd", "mm", "view", "base", "refs")
+    __slots__ = ("fd", "mm", "view", "base")
 
     def __init__(self, fd: int, offset: int, size: int, flags: int):
         """Takes ownership of ``fd``.  ProtocolError(EINVAL) if it cannot serve DMA."""
-        self.fd, self.mm, self.view, self.base, self.refs = fd, None, None, 0, 1
+        self.fd, self.mm, self.view, self.base = fd, None, None, 0
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -136,9 +136,7 @@ class ClientFile:
         return done
 
     def drop(self) -> None:
-        self.refs -= 1
-        if self.refs == 0:
-            self._close()
+        self._close()
 
     def _close(self) -> None:
         if self.view is not None:
@@ -178,13 +176,6 @@ class Mapping:
     @property
     def direct(self) -> bool:
         return self.file is not None
-
-    def piece(self, start: int, end: int) -> "Mapping":
-        """The sub-range [start, end) as its own mapping (shares the mmap)."""
-        if self.file is not None:
-            self.file.refs += 1
-        return Mapping(start, end - start, self.flags, self.file,
-                       self.file_offset + (start - self.iova))
 
     def release(self) -> None:
         if self.file is not None:
@@ -244,20 +235,26 @@ class DmaTable:
 
     # ------------------------------------------------------------ DMA_UNMAP
     def unmap(self, iova: int, size: int) -> int:
-        """Remove [iova, iova+size) from every mapping it touches (splitting
-        partial overlaps).  QEMU sends huge ranges; returns bytes unmapped."""
+        """Remove the mappings [iova, iova+size) covers; returns bytes unmapped.
+
+        The spec wants the range to match one mapping exactly; QEMU 11.1 also
+        sends huge ranges covering several whole mappings (or none), so a range
+        made of whole mappings is accepted (docs/gpu-device.md, departures).  A
+        range that cuts a mapping (bisects it) is refused with EINVAL and
+        removes nothing.
+        """
         end = min(iova + size, IOVA_LIMIT)
-        removed = 0
         with self.lock:
-            for m in [m for m in self._maps if m.iova < end and iova < m.end]:
+            hit = [m for m in self._maps if m.iova < end and iova < m.end]
+            for m in hit:
+                if m.iova < iova or end < m.end:
+                    raise wire.ProtocolError(
+                        errno.EINVAL, f"DMA_UNMAP {iova:#x}+{size:#x} cuts {m!r}: an unmap "
+                        f"must cover whole mappings")
+            for m in hit:
                 self._remove(m)
-                if m.iova < iova:
-                    self._insert(m.piece(m.iova, iova))
-                if end < m.end:
-                    self._insert(m.piece(end, m.end))
-                removed += min(m.end, end) - max(m.iova, iova)
                 m.release()
-        return removed
+        return sum(m.size for m in hit)
 
     def unmap_all(self) -> None:
         with self.lock:
@@ -270,11 +267,6 @@ class DmaTable:
         i = self._maps.index(m)
         del self._maps[i]
         del self._starts[i]
-
-    def _insert(self, m: Mapping) -> None:
-        i = bisect.bisect_right(self._starts, m.iova)
-        self._maps.insert(i, m)
-        self._starts.insert(i, m.iova)
 
     # ------------------------------------------------------------ lookups
     def find(self, iova: int) -> Mapping | None:

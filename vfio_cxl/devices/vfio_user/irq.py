@@ -101,8 +101,9 @@ class IrqTable:
                     self._fds[index][start + i] = fd
             return
 
-        if data_kind == wire.IRQ_SET_DATA_BOOL and len(data) < count:
-            raise wire.ProtocolError(errno.EINVAL, "DATA_BOOL shorter than count")
+        if data_kind == wire.IRQ_SET_DATA_BOOL and len(data) != count:
+            raise wire.ProtocolError(errno.EINVAL, f"DATA_BOOL has {len(data)} bytes for "
+                                     f"{count} vectors")
         for i in range(count):
             if data_kind == wire.IRQ_SET_DATA_NONE or data[i]:
                 self.raise_irq(index, start + i)  # loopback trigger, as VFIO does

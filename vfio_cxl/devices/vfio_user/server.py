@@ -24,6 +24,7 @@ from . import wire
 from typing import Protocol
 
 from .connection import Connection
+from .transport import close_fds
 from .irq import IrqTable
 
 
@@ -62,6 +63,7 @@ class Dispatcher:
         self.device = device
         self.conn = conn
         self.negotiated = False
+        self.client_max_fds = wire.DEFAULT_MAX_MSG_FDS  # fds the client takes per message
         self._handlers = {
             wire.VERSION: self._version,
             wire.DMA_MAP: self._dma_map,
@@ -84,7 +86,10 @@ class Dispatcher:
         if not self.negotiated and header.command != wire.VERSION:
             raise wire.ProtocolError(errno.EINVAL, "VERSION must come first")
         if fds and header.command not in (wire.DMA_MAP, wire.DEVICE_SET_IRQS):
-            raise wire.ProtocolError(errno.EINVAL, f"{len(fds)} unexpected fds")
+            count = len(fds)
+            close_fds(fds)  # before the error reply: nothing of them outlives it
+            fds.clear()
+            raise wire.ProtocolError(errno.EINVAL, f"{count} unexpected fds")
         return handler(payload, fds)
 
     # ------------------------------------------------------------ session
@@ -93,20 +98,30 @@ class Dispatcher:
             raise wire.ProtocolError(errno.EINVAL, "VERSION already negotiated")
         major, minor, caps = wire.parse_version(payload)
         if major != wire.MAJOR_VERSION:
-            raise wire.ProtocolError(errno.ENOTSUP, f"protocol major {major} unsupported")
+            # the spec: the server "closes the connection if it cannot support the
+            # advertised version" (after an error reply, so the client knows why)
+            raise wire.ProtocolError(errno.ENOTSUP, f"protocol major {major} unsupported",
+                                     hang_up=True)
         max_xfer = caps.get("max_data_xfer_size", wire.DEFAULT_MAX_DATA_XFER)
         if isinstance(max_xfer, bool) or not isinstance(max_xfer, int) or max_xfer < 1:
             raise wire.ProtocolError(errno.EINVAL,
                                      f"max_data_xfer_size {max_xfer!r} is not a positive integer")
+        max_fds = caps.get("max_msg_fds", wire.DEFAULT_MAX_MSG_FDS)
+        if isinstance(max_fds, bool) or not isinstance(max_fds, int) or max_fds < 0:
+            raise wire.ProtocolError(errno.EINVAL,
+                                     f"max_msg_fds {max_fds!r} is not a non-negative integer")
         self.conn.set_client_limits(max_xfer)
+        self.client_max_fds = max_fds
         self.negotiated = True
-        log.info("%s: protocol %d.%d, client max_data_xfer_size %d",
-                 self.conn.name, major, min(minor, wire.MINOR_VERSION), max_xfer)
-        # Keep the reply short: QEMU receives it into a buffer of its request's size.
-        return [wire.version_payload(wire.MAJOR_VERSION, min(minor, wire.MINOR_VERSION), {
-            "max_msg_fds": wire.SERVER_MAX_MSG_FDS,
-            "max_data_xfer_size": wire.SERVER_MAX_DATA_XFER,
-        })], []
+        log.info("%s: protocol %d.%d, client max_data_xfer_size %d, max_msg_fds %d",
+                 self.conn.name, major, min(minor, wire.MINOR_VERSION), max_xfer, max_fds)
+        # The spec: the reply's capabilities are a subset of the proposed ones
+        # (QEMU 11.1 proposes both of these).  Keep the reply short: QEMU receives
+        # it into a buffer of its request's size.
+        ours = {"max_msg_fds": wire.SERVER_MAX_MSG_FDS,
+                "max_data_xfer_size": wire.SERVER_MAX_DATA_XFER}
+        return [wire.version_payload(wire.MAJOR_VERSION, min(minor, wire.MINOR_VERSION),
+                                     {k: v for k, v in ours.items() if k in caps})], []
 
     def _reset(self, payload, fds):
         self.device.reset(function_level=True)
@@ -118,8 +133,20 @@ class Dispatcher:
             raise wire.ProtocolError(errno.EINVAL, "DMA_MAP payload too short")
         if len(fds) > 1:
             raise wire.ProtocolError(errno.EINVAL, f"DMA_MAP with {len(fds)} fds")
-        _argsz, flags, offset, iova, size = wire.DMA_MAP_REQ.unpack_from(payload)
+        argsz, flags, offset, iova, size = wire.DMA_MAP_REQ.unpack_from(payload)
         fd = fds.pop() if fds else None
+        try:
+            if argsz < wire.DMA_MAP_REQ.size:
+                raise wire.ProtocolError(errno.EINVAL, f"DMA_MAP argsz {argsz} < "
+                                         f"{wire.DMA_MAP_REQ.size}")
+            if iova % wire.DMA_PAGE_SIZE or size % wire.DMA_PAGE_SIZE:
+                raise wire.ProtocolError(
+                    errno.EINVAL, f"DMA_MAP {iova:#x}+{size:#x} not aligned to the "
+                    f"{wire.DMA_PAGE_SIZE}-byte page size (pgsizes)")
+        except wire.ProtocolError:
+            if fd is not None:
+                close_fds([fd])
+            raise
         m = self.device.dma_map(iova, size, flags, fd, offset)
         log.debug("DMA_MAP %r", m)
         return [], []
@@ -156,16 +183,19 @@ class Dispatcher:
         if region is None:
             raise wire.ProtocolError(errno.EINVAL, f"no region {index}")
         caps = b""
-        if region.flags & wire.REGION_INFO_FLAG_CAPS:
+        flags = region.flags
+        if self.client_max_fds < 1:  # it cannot take the fd: no mmap offered
+            flags &= ~(wire.REGION_INFO_FLAG_MMAP | wire.REGION_INFO_FLAG_CAPS)
+        if flags & wire.REGION_INFO_FLAG_CAPS:
             # sparse mmap: the whole BAR is one mappable area of the fd
             caps = (wire.CAP_HEADER.pack(wire.REGION_INFO_CAP_SPARSE_MMAP, 1, 0)
                     + wire.SPARSE_MMAP.pack(1, 0) + wire.SPARSE_AREA.pack(0, region.size))
         full = wire.REGION_INFO.size + len(caps)
-        info = wire.REGION_INFO.pack(full, region.flags, index,
+        info = wire.REGION_INFO.pack(full, flags, index,
                                      wire.REGION_INFO.size if caps else 0, region.size, 0)
         # argsz tells the client the full size; send only what fits its buffer
         reply = (info + caps)[:argsz]
-        out_fds = [region.fd] if region.flags & wire.REGION_INFO_FLAG_MMAP else []
+        out_fds = [region.fd] if flags & wire.REGION_INFO_FLAG_MMAP else []
         return [reply], out_fds
 
     def _irq_info(self, payload, fds):
@@ -178,8 +208,13 @@ class Dispatcher:
         if len(payload) < wire.IRQ_SET.size:
             raise wire.ProtocolError(errno.EINVAL, "SET_IRQS payload too short")
         argsz, flags, index, start, count = wire.IRQ_SET.unpack_from(payload)
-        if argsz < wire.IRQ_SET.size:
-            raise wire.ProtocolError(errno.EINVAL, f"SET_IRQS argsz {argsz}")
+        if argsz != len(payload):
+            # the spec: argsz "is the size of the VFIO IRQ set request payload,
+            # including any data field" (QEMU 11.1 sends exactly that)
+            close_fds(fds)
+            fds.clear()
+            raise wire.ProtocolError(errno.EINVAL, f"SET_IRQS argsz {argsz} but the payload "
+                                     f"has {len(payload)} bytes")
         taken = list(fds)
         fds.clear()  # set_irqs owns them now: kept or closed
         self.device.irqs.set_irqs(flags, index, start, count,

@@ -140,7 +140,8 @@ class Transport:
         ``guard()``, if given, runs under the send lock before the first byte
         goes out; an exception from it cancels the message (nothing is sent).
 
-        If the message cannot be sent whole, the transport is **poisoned**: the
+        If the message cannot be sent whole in one ``sendmsg`` (it failed, or it
+        returned short because the send timeout expired), the transport is **poisoned**: the
         stream may be mid-message, so nothing more is ever sent on it, the socket
         is shut down (the reader sees EOF and the connection ends), and this and
         every later send raise ConnectionClosed.
@@ -159,19 +160,17 @@ class Transport:
             total = sum(len(v) for v in views)
             sent_total = 0
             try:
-                while views:
+                while True:
                     try:
-                        sent = self.sock.sendmsg(views, ancillary, _SEND_FLAGS)
-                    except InterruptedError:
+                        sent_total = self.sock.sendmsg(views, ancillary, _SEND_FLAGS)
+                    except InterruptedError:  # nothing sent yet: try again
                         continue
-                    ancillary = []  # fds travel with the first byte only
-                    sent_total += sent
-                    while sent:
-                        if sent >= len(views[0]):
-                            sent -= len(views.pop(0))
-                        else:
-                            views[0] = memoryview(views[0])[sent:]
-                            sent = 0
+                    break
+                if sent_total < total:
+                    # a blocking send returns short only when SO_SNDTIMEO expired (or a
+                    # signal came) mid-message: the peer is not reading; never finish
+                    # a cut message later, the stream is done
+                    raise BlockingIOError()
             except BlockingIOError:  # SO_SNDTIMEO expired
                 self._poison(f"send stalled {self.send_timeout:.1f}s after "
                              f"{sent_total} of {total} bytes")

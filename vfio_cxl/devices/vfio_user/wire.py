@@ -115,14 +115,17 @@ MAJOR_VERSION = 0
 MINOR_VERSION = 0
 DEFAULT_MAX_DATA_XFER = 1 << 20  # spec default when a peer does not say
 SERVER_MAX_MSG_FDS = 8  # what we advertise; QEMU accepted it
+DEFAULT_MAX_MSG_FDS = 1  # spec default when a peer does not say
 SERVER_MAX_DATA_XFER = 1 << 20
+DMA_PAGE_SIZE = 4096  # the spec's default pgsizes (we do not offer others)
 
 
 class ProtocolError(Exception):
     """A request the server refuses; becomes an error reply carrying ``errno``."""
 
-    def __init__(self, err: int, why: str):
+    def __init__(self, err: int, why: str, *, hang_up: bool = False):
         self.errno = err
+        self.hang_up = hang_up  # the error reply is the last message: then close
         super().__init__(f"{errno.errorcode.get(err, err)}: {why}")
 
 
