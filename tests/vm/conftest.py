@@ -16,7 +16,7 @@ from vfio_cxl.lab.image import find_image
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1}
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "smc_lab": 2}
 
 
 class LabPool:
@@ -66,3 +66,8 @@ def pytest_collection_modifyitems(config, items):
 
 def guest_json(vm, command: str):
     return json.loads(vm.run(command).stdout)
+
+
+@pytest.fixture
+def smc_lab(labs) -> Lab:
+    return labs.get("smc")

@@ -12,7 +12,12 @@ the register map (vfio_cxl.devices.smc.regs); docs/smc-device.md is the contract
 Every wait sleeps on the controller's MSI-X eventfds (VFIO), never spins,
 unless asked to (``poll=True``, for latency comparisons).  Opening the driver
 resets this host's view of the controller (CONTROL_RESET): semaphores an
-earlier incarnation held are released with new epochs, its queues emptied.
+earlier incarnation held are released with new epochs, its queues emptied
+(``reset=False`` keeps them, and then close() leaves them too).
+
+Closing the VFIO device may make the guest kernel reset the function (FLR ->
+DEVICE_RESET), which also releases this host's semaphores: a holder must
+keep its driver open.
 """
 
 from __future__ import annotations
@@ -67,8 +72,10 @@ class Message:
 
 
 class SmcDriver:
-    def __init__(self, device):
-        """``device``: a VfioPciDevice (or anything with its bar/config/msix surface)."""
+    def __init__(self, device, *, reset: bool = True):
+        """``device``: a VfioPciDevice (or anything with its bar/config/msix surface).
+        ``reset=False`` keeps this host's controller state (queued doorbells and messages,
+        semaphores it holds) -- for a program that takes over from another one."""
         self.device = device
         command = device.config.read16(PCI_COMMAND)   # no MSI-X without bus mastering in QEMU
         device.config.write16(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)
@@ -77,15 +84,17 @@ class SmcDriver:
             raise SmcError("the device does not answer with the SMC's ID register",
                            "is it the vfio-cxl shared-memory controller?")
         self.vectors = device.msix(regs.MSIX_VECTORS)
-        self.bar0.write32(regs.REG_CONTROL, regs.CONTROL_RESET)
+        if reset:
+            self.bar0.write32(regs.REG_CONTROL, regs.CONTROL_RESET)
         for v in range(regs.MSIX_VECTORS):
-            self.vectors.pending(v)
+            self.vectors.pending(v)   # the state registers, not stale events, say what is queued
+        self.reset_on_close = reset
         self.host_id = self.bar0.read32(regs.REG_HOST_ID)
         self.num_hosts = self.bar0.read32(regs.REG_NUM_HOSTS)
         self.num_sems = self.bar0.read32(regs.REG_NUM_SEMS)
 
     @classmethod
-    def open(cls, bdf: str | None = None) -> "SmcDriver":
+    def open(cls, bdf: str | None = None, *, reset: bool = True) -> "SmcDriver":
         if bdf is None:
             found = find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
             if not found:
@@ -95,7 +104,7 @@ class SmcDriver:
             bdf = found[0]
         device = VfioPciDevice.open(bdf)
         try:
-            return cls(device)
+            return cls(device, reset=reset)
         except BaseException:
             device.close()
             raise
@@ -234,7 +243,8 @@ class SmcDriver:
         if self.device is None:
             return
         try:
-            self.bar0.write32(regs.REG_CONTROL, regs.CONTROL_RESET)
+            if self.reset_on_close:
+                self.bar0.write32(regs.REG_CONTROL, regs.CONTROL_RESET)
         finally:
             self.vectors.close()
             self.device.close()

@@ -17,6 +17,7 @@ LINK_NIC_MAC = "52:54:00:1c:00:{:02x}"
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
 GPU_ROOT_PORT = "gpu_port"
 SPARE_ROOT_PORT = "spare_port"
+SMC_ROOT_PORT = "smc_port"
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class VmResources:
     accel: str = "tcg"
     gpu_socket: Path | None = None
     link_sockets: tuple[tuple[Path, bool], ...] = ()   # (socket, this VM listens)
+    smc_socket: Path | None = None   # this VM's socket of its shared-memory controller
 
     @property
     def console_log(self) -> Path:
@@ -106,6 +108,16 @@ def _gpu(vm: VmSpec, res: VmResources) -> list[str]:
     return args
 
 
+def _smc(res: VmResources) -> list[str]:
+    # The shared-memory controller: one vfio-user-pci per host, on its own root port.
+    if not res.smc_socket:
+        return []
+    device = {"driver": "vfio-user-pci", "id": "smc0", "bus": SMC_ROOT_PORT,
+              "socket": {"type": "unix", "path": str(res.smc_socket)}}
+    return ["-device", f"pcie-root-port,id={SMC_ROOT_PORT},bus=pcie.0,chassis=1,slot=3",
+            "-device", json.dumps(device, separators=(",", ":"))]
+
+
 def _network(res: VmResources) -> list[str]:
     # restrict=on: the guest reaches nothing outside; only the forwarded SSH port
     # on the host's loopback reaches in.
@@ -152,5 +164,5 @@ def _control(vm: VmSpec, res: VmResources) -> list[str]:
 
 
 def qemu_argv(vm: VmSpec, res: VmResources) -> list[str]:
-    return [*_machine(vm, res), *_iommu(), *_cxl(vm, res), *_gpu(vm, res),
+    return [*_machine(vm, res), *_iommu(), *_cxl(vm, res), *_gpu(vm, res), *_smc(res),
             *_network(res), *_storage(res), *_boot(vm, res), *_control(vm, res)]

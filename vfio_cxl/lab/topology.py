@@ -60,12 +60,27 @@ class Link:
 
 
 @dataclass(frozen=True)
+class SmcSpec:
+    """A shared-memory controller (``[smc.NAME] hosts = [...]``): host h is hosts[h]."""
+    name: str
+    hosts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Topology:
     name: str
     description: str
     backends: dict[str, Backend]
     vms: tuple[VmSpec, ...]
     links: tuple[Link, ...] = field(default=())
+    smcs: tuple[SmcSpec, ...] = field(default=())
+
+    def smc_of(self, vm: str) -> tuple[SmcSpec, int] | None:
+        """The controller ``vm`` is a host of, and its host ID there (or None)."""
+        for smc in self.smcs:
+            if vm in smc.hosts:
+                return smc, smc.hosts.index(vm)
+        return None
 
     def vm(self, name: str) -> VmSpec:
         for vm in self.vms:
@@ -120,7 +135,7 @@ def parse(text: str, name: str, source: str = "<topology>") -> Topology:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise LabError(f"{source}: malformed TOML: {err}", "fix the file's syntax") from None
-    _check_keys(data, {"description", "backends", "vm", "link"}, source)
+    _check_keys(data, {"description", "backends", "vm", "link", "smc"}, source)
     backends = {}
     for bname, braw in data.get("backends", {}).items():
         where = f"{source}: backends.{bname}"
@@ -145,7 +160,43 @@ def parse(text: str, name: str, source: str = "<topology>") -> Topology:
             raise LabError(f"{source}: link[{i}] must join two different VMs of this topology, not {pair!r}",
                            f"write vms = [\"{names[0]}\", \"...\"]")
         links.append(Link((pair[0], pair[1])))
-    return Topology(name, str(data.get("description", "")).strip(), backends, vms, tuple(links))
+    smcs = _smcs(data.get("smc", {}), names, source)
+    return Topology(name, str(data.get("description", "")).strip(), backends, vms, tuple(links), smcs)
+
+
+SMC_MAX_HOSTS = 16   # docs/smc-device.md (the lab does not import the device's register map)
+
+
+def _smcs(raw: dict, names: list[str], source: str) -> tuple[SmcSpec, ...]:
+    """``[smc.NAME] hosts = ["a", "b"]``: the VMs one shared-memory controller serves.
+    (Seam for the pydantic schema: this is the whole of the [smc] table's rules.)"""
+    if not isinstance(raw, dict):
+        raise LabError(f"{source}: smc must be a table", 'write [smc.NAME] with hosts = ["a", "b"]')
+    smcs, taken = [], {}
+    for sname, sraw in raw.items():
+        where = f"{source}: smc.{sname}"
+        if not isinstance(sraw, dict):
+            raise LabError(f"{where}: must be a table", 'write hosts = ["a", "b"]')
+        _check_keys(sraw, {"hosts"}, where)
+        if not _NAME.match(sname):
+            raise LabError(f"{where}: bad controller name", "use lower-case letters, digits or '-'")
+        hosts = sraw.get("hosts")
+        if (not isinstance(hosts, list) or not 1 <= len(hosts) <= SMC_MAX_HOSTS
+                or not all(isinstance(h, str) for h in hosts)):
+            raise LabError(f"{where}: hosts must be a list of 1 to {SMC_MAX_HOSTS} VM names, not {hosts!r}",
+                           f'write hosts = ["{names[0]}", ...]')
+        unknown = [h for h in hosts if h not in names]
+        if unknown:
+            raise LabError(f"{where}: unknown VM(s) {', '.join(unknown)}", f"use VMs of this topology: {', '.join(names)}")
+        if len(set(hosts)) != len(hosts):
+            raise LabError(f"{where}: a VM is named twice in hosts {hosts}", "name each VM once")
+        for h in hosts:
+            if h in taken:
+                raise LabError(f"{where}: VM {h!r} is already a host of smc.{taken[h]}",
+                               "a VM can be a host of one controller")
+            taken[h] = sname
+        smcs.append(SmcSpec(sname, tuple(hosts)))
+    return tuple(smcs)
 
 
 def load(name_or_path: str) -> Topology:
