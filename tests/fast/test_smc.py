@@ -45,8 +45,14 @@ class Host:
         self.client.write(regs.BAR_REGS, regs.REG_TX_DATA, padded)
         if fence_sem is not None:
             self.wr(regs.REG_TX_FENCE, fence)
-        self.wr(regs.REG_TX_SEND, regs.tx_send_word(target, len(data), fence_sem))
-        return self.rd(regs.REG_TX_STATUS)
+        self.wr(regs.REG_TX_CTRL, regs.tx_send_word(target, len(data), fence_sem))
+        status = self.rd(regs.REG_TX_SEND)
+        assert self.rd(regs.REG_TX_STATUS) == status
+        return status
+
+    def ring(self, target, payload):
+        self.wr(regs.doorbell_reg(target), payload)
+        return self.rd(regs.doorbell_reg(target))
 
     def close(self):
         if self.efds is None:
@@ -175,8 +181,8 @@ def test_holder_disconnect_bumps_epoch_and_signals_peer_lost(smc):
 
 def test_doorbell_fifo(smc):
     _, (a, b) = smc(2)
-    b.wr(regs.doorbell_reg(0), 0xCAFE)
-    b.wr(regs.doorbell_reg(0), 0xBEEF)
+    assert b.ring(0, 0xCAFE) == Error.OK
+    assert b.ring(0, 0xBEEF) == Error.OK
     assert wait_eventfd(a.efds[regs.VEC_DOORBELL], TIMEOUT)
     assert a.rd(regs.REG_DB_COUNT) == 2
     assert a.rd(regs.REG_DB_POP) == regs.POP_VALID | 1
@@ -187,7 +193,7 @@ def test_doorbell_fifo(smc):
     a.wr(regs.REG_INTR_STATUS, regs.INTR_DOORBELL)
     assert a.rd(regs.REG_INTR_STATUS) & regs.INTR_DOORBELL == 0
     for i in range(regs.DOORBELL_FIFO_DEPTH + 2):
-        b.wr(regs.doorbell_reg(0), i)
+        b.ring(0, i)
     assert a.rd(regs.REG_DB_COUNT) == regs.DOORBELL_FIFO_DEPTH
     assert a.rd(regs.REG_DB_DROPPED) == 2
     assert b.rd(regs.REG_LAST_ERROR) == Error.DB_FULL
@@ -208,14 +214,15 @@ def test_mailbox_send_receive_and_full(smc):
         assert n == 10 + i
         data = b.client.read(regs.BAR_REGS, regs.REG_RX_DATA, regs.MAILBOX_MSG_SIZE)
         assert data == (bytes([i + 1]) * n).ljust(regs.MAILBOX_MSG_SIZE, b"\0")
-        b.wr(regs.REG_RX_POP, 1)
+        assert b.rd(regs.REG_RX_POP) == regs.MAILBOX_SLOTS - i - 1
+    assert b.rd(regs.REG_RX_POP) == 0, "popping an empty mailbox is harmless"
     assert b.rd(regs.REG_RX_SRC) == regs.NO_HOST
     assert a.send(1, b"x" * 64) == Error.OK
 
 
 @pytest.mark.parametrize("action, error", [
     (lambda a: a.release(0, 1), Error.NOT_OWNER),
-    (lambda a: a.wr(regs.doorbell_reg(9), 1), Error.BAD_INDEX),           # no host 9 of 2
+    (lambda a: a.ring(9, 1), Error.BAD_INDEX),                            # no host 9 of 2
     (lambda a: a.wr(regs.REG_ID, 1), Error.BAD_REGISTER),
     (lambda a: a.wr(0xF00, 1), Error.BAD_REGISTER),
     (lambda a: a.send(1, b""), Error.BAD_LENGTH),
@@ -251,7 +258,7 @@ def test_release_with_stale_epoch_is_refused(smc):
 def test_reset_releases_with_new_epoch_and_clears_queues(smc):
     _, (a, b) = smc(2)
     epoch = a.acquire(2) & regs.ACQ_EPOCH_MASK
-    b.wr(regs.doorbell_reg(0), 5)
+    b.ring(0, 5)
     a.wr(regs.REG_CONTROL, regs.CONTROL_RESET)
     assert a.rd(regs.sem_reg(2, regs.SEM_STATE)) == regs.NO_HOST
     assert a.rd(regs.sem_reg(2, regs.SEM_EPOCH)) == epoch + 1
@@ -263,7 +270,7 @@ def test_reset_releases_with_new_epoch_and_clears_queues(smc):
 
 def test_reconnected_host_starts_clean(smc, tmp_path):
     ctl, (a, b) = smc(2)
-    a.wr(regs.doorbell_reg(1), 1)
+    a.ring(1, 1)
     b.close()
     wait_lost(a)
     b2 = Host(tmp_path / "host1.sock")
@@ -290,3 +297,22 @@ def test_cli_bad_arguments(capsys):
     assert "1 to 16" in capsys.readouterr().err
     assert smc_main(["serve", "--sockets", "/nonexistent-dir-x", "--hosts", "2"]) == 1
     assert "cannot listen" in capsys.readouterr().err
+
+
+def test_every_write_is_idempotent(smc):
+    """A guest BAR write may reach the device twice (seen through QEMU): writing each
+    register twice must leave the same state as writing it once."""
+    _, (a, b) = smc(2)
+    epoch = a.acquire(0) & regs.ACQ_EPOCH_MASK
+    a.release(0, epoch)
+    a.release(0, epoch)                       # the repeated release is a no-op, not an error
+    assert a.rd(regs.REG_LAST_ERROR) == 0
+    assert b.acquire(0) == regs.ACQ_GRANTED | (epoch + 1)
+    a.release(0, epoch)                       # still a no-op after someone else took it
+    assert a.rd(regs.REG_LAST_ERROR) == 0 and b.rd(regs.sem_reg(0, regs.SEM_STATE)) == regs.STATE_HELD | 1
+    for reg in (regs.doorbell_reg(1), regs.REG_TX_CTRL, regs.REG_TX_FENCE, regs.REG_TX_DATA):
+        a.wr(reg, 0x01000001)
+        a.wr(reg, 0x01000001)
+    assert b.rd(regs.REG_DB_COUNT) == 0 and b.rd(regs.REG_RX_COUNT) == 0, "writes only stage"
+    assert a.rd(regs.doorbell_reg(1)) == Error.OK and b.rd(regs.REG_DB_COUNT) == 1
+    assert a.rd(regs.REG_TX_SEND) == Error.OK and b.rd(regs.REG_RX_COUNT) == 1

@@ -88,12 +88,12 @@ def pingpong(smc, sh, a) -> dict:
     if a.role == "resp":
         for _ in range(a.count + 1):
             src, payload = smc.wait_doorbell(timeout=120, poll=poll)
-            smc.ring(src, payload | 0x80000000, check=False)
+            smc.ring(src, payload | 0x80000000)
         return {"host": smc.host_id, "answered": a.count + 1}
     rtts, bad = [], 0
     for i in range(a.count + 1):            # round 0 warms up, untimed
         t0 = time.perf_counter()
-        smc.ring(a.peer, i, check=False)
+        smc.ring(a.peer, i)
         src, payload = smc.wait_doorbell(timeout=120, poll=poll)
         rtt = time.perf_counter() - t0
         if (src, payload) != (a.peer, i | 0x80000000):

@@ -188,9 +188,9 @@ class SmcDriver:
         self.bar0.write(regs.REG_TX_DATA, bytes(data).ljust((len(data) + 3) & ~3, b"\0"))
         if fence is not None:
             self.bar0.write32(regs.REG_TX_FENCE, fence[1])
-        self.bar0.write32(regs.REG_TX_SEND, regs.tx_send_word(
+        self.bar0.write32(regs.REG_TX_CTRL, regs.tx_send_word(
             target, len(data), None if fence is None else fence[0]))
-        status = self.bar0.read32(regs.REG_TX_STATUS)
+        status = self.bar0.read32(regs.REG_TX_SEND)      # the send itself, and its result
         if status:
             self.bar0.write32(regs.REG_LAST_ERROR, 0)
             raise _error(status, f"sending {len(data)} bytes to host {target}")
@@ -203,17 +203,19 @@ class SmcDriver:
         seq = self.bar0.read32(regs.REG_RX_SEQ)
         length = self.bar0.read32(regs.REG_RX_LEN)
         data = self.bar0.read(regs.REG_RX_DATA, regs.MAILBOX_MSG_SIZE)[:length]
-        self.bar0.write32(regs.REG_RX_POP, 1)
+        self.bar0.read32(regs.REG_RX_POP)
         return Message(src, seq, bytes(data))
 
     # -- doorbells ------------------------------------------------------------------
-    def ring(self, target: int, payload: int = 0, *, check: bool = True) -> None:
-        """Ring host ``target``'s doorbell; ``check`` reads LAST_ERROR back (one more round trip)."""
+    def ring(self, target: int, payload: int = 0) -> None:
+        """Ring host ``target``'s doorbell: stage the payload (write), ring (read, with the result)."""
         if not 0 <= target < regs.MAX_HOSTS:
             raise SmcError(f"no host {target}", f"use 0..{self.num_hosts - 1}", Error.BAD_INDEX)
         self.bar0.write32(regs.doorbell_reg(target), payload & 0xFFFFFFFF)
-        if check:
-            self._check(f"ringing host {target}")
+        status = self.bar0.read32(regs.doorbell_reg(target))
+        if status:
+            self.bar0.write32(regs.REG_LAST_ERROR, 0)
+            raise _error(status, f"ringing host {target}")
 
     def wait_doorbell(self, timeout: float | None = 10.0, *, poll: bool = False) -> tuple[int, int]:
         """(source host, payload) of the next doorbell; ``poll``: spin on DB_POP instead of

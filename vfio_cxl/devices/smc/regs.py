@@ -47,6 +47,11 @@ DOORBELL_FIFO_DEPTH = 16   # doorbells a host's FIFO holds before rings to it ar
 LOST_FIFO_DEPTH = MAX_HOSTS
 NO_HOST = 0xFF             # owner field of a free semaphore
 
+# Why every action with a side effect is a *read* (ACQUIRE, TX_SEND, RX_POP, DB_POP, LOST_POP,
+# DOORBELL[h]) and writes only stage values: a guest's BAR write may reach the device more than
+# once (seen in the lab: each 4-byte BAR0 write from guest userspace arrived twice), so every
+# write must be idempotent.  RELEASE is a write, made idempotent (see docs/smc-device.md).
+
 # --------------------------------------------------------------------------
 # MSI-X vectors (per host)
 # --------------------------------------------------------------------------
@@ -106,16 +111,17 @@ EPOCH_MASK = 0x7FFFFFFF  # epochs count 1, 2, ... modulo 2**31, never 0 after th
 # --------------------------------------------------------------------------
 REG_TX_DATA = 0x200      # RW  per host: 64-byte staging buffer of the next message
 REG_TX_FENCE = 0x240     # RW  per host: epoch a fenced send must match
-REG_TX_SEND = 0x244      # WO  per host: send the staged message (TX_SEND_* fields)
-REG_TX_STATUS = 0x248    # RO  per host: Error of the last send (OK = delivered)
+REG_TX_CTRL = 0x244      # RW  per host: target, length, fence of the staged message (TX_* fields)
+REG_TX_SEND = 0x248      # RO, read side effect: send the staged message; returns its Error (0 = delivered)
+REG_TX_STATUS = 0x24C    # RO  per host: Error of the last send
 REG_RX_COUNT = 0x300     # RO  per host: messages waiting in this host's mailbox
 REG_RX_SRC = 0x304       # RO  per host: head message's sender host ID (NO_HOST when empty)
 REG_RX_SEQ = 0x308       # RO  per host: head message's sequence (1, 2, ... per receiver)
 REG_RX_LEN = 0x30C       # RO  per host: head message's length in bytes
-REG_RX_POP = 0x310       # WO  per host: write 1 to drop the head message
+REG_RX_POP = 0x310       # RO, read side effect: drop the head message; returns how many are left
 REG_RX_DATA = 0x340      # RO  per host: head message's 64 bytes (zero past its length)
 
-# TX_SEND fields
+# TX_CTRL fields
 TX_TARGET_MASK = 0xFF            # bits 0..7: receiving host ID
 TX_FENCED = 1 << 8               # the send is fenced by semaphore TX_SEM with epoch TX_FENCE
 TX_SEM_SHIFT = 16                # bits 16..23: the fencing semaphore
@@ -132,7 +138,8 @@ def tx_send_word(target: int, length: int, fence_sem: int | None = None) -> int:
 # --------------------------------------------------------------------------
 # Doorbells and the peer-lost FIFO
 # --------------------------------------------------------------------------
-REG_DOORBELL_BASE = 0x400  # WO  DOORBELL[h] at 0x400 + 4*h: ring host h with a 32-bit payload
+REG_DOORBELL_BASE = 0x400  # DOORBELL[h] at 0x400 + 4*h: write stages a 32-bit payload for host h (per
+                           # host); a read rings host h with it and returns the Error (0 = queued)
 REG_DB_POP = 0x480         # RO, read side effect: pop this host's doorbell FIFO head
 REG_DB_PAYLOAD = 0x484     # RO  per host: payload of the doorbell the last DB_POP returned
 REG_DB_COUNT = 0x488       # RO  per host: doorbells waiting
@@ -159,6 +166,6 @@ class Error(IntEnum):
     STALE_EPOCH = 3    # release or fenced send with an epoch that is not the current one
     MBOX_FULL = 4      # the target's mailbox holds MAILBOX_SLOTS messages
     DB_FULL = 5        # the target's doorbell FIFO was full: this ring was dropped
-    BAD_LENGTH = 6     # TX_SEND length not in 1..64
+    BAD_LENGTH = 6     # TX_CTRL length not in 1..64
     HOST_ABSENT = 7    # the target host is not connected (nothing delivered)
     BAD_REGISTER = 8   # write to a read-only or unassigned offset

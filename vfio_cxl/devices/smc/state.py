@@ -35,6 +35,7 @@ class Input(Enum):
 class Semaphore:
     owner: int = regs.NO_HOST
     epoch: int = 0
+    last_release: tuple = (regs.NO_HOST, 0)   # (host, epoch) of the last normal release
     waiters: set = field(default_factory=set)   # hosts refused (BUSY) since the last grant
 
 
@@ -55,7 +56,9 @@ class HostState:
     scratch: int = 0
     tx_data: bytearray = field(default_factory=lambda: bytearray(regs.MAILBOX_MSG_SIZE))
     tx_fence: int = 0
+    tx_ctrl: int = 0
     tx_status: int = 0
+    db_staged: dict = field(default_factory=dict)   # target host -> staged payload
     rx: deque = field(default_factory=deque)
     rx_seq: int = 0
     doorbells: deque = field(default_factory=deque)
@@ -98,6 +101,7 @@ class SmcState:
             if kind is Input.DISCONNECT:
                 return self._lose(host)
             if kind is Input.RESET:
+                log.info("host %d reset", host)
                 return self._reset_host(host)
             raise AssertionError(kind)
 
@@ -172,6 +176,15 @@ class SmcState:
             src, payload = h.doorbells.popleft()
             h.db_payload = payload
             return regs.POP_VALID | src
+        if reg == regs.REG_TX_SEND:
+            return self._send(host, h.tx_ctrl)
+        if reg == regs.REG_RX_POP:
+            if h.rx:
+                h.rx.popleft()
+            return len(h.rx)
+        if regs.REG_DOORBELL_BASE <= reg < regs.REG_DOORBELL_BASE + 4 * regs.MAX_HOSTS:
+            target = (reg - regs.REG_DOORBELL_BASE) // 4
+            return self._ring(host, target, h.db_staged.get(target, 0), reg)
         if reg == regs.REG_LOST_POP:
             if not h.lost:
                 return 0
@@ -189,6 +202,7 @@ class SmcState:
             regs.REG_ERROR_REG: h.error_reg,
             regs.REG_SCRATCH: h.scratch,
             regs.REG_TX_FENCE: h.tx_fence,
+            regs.REG_TX_CTRL: h.tx_ctrl,
             regs.REG_TX_STATUS: h.tx_status,
             regs.REG_RX_COUNT: len(h.rx),
             regs.REG_RX_SRC: head.src if head else regs.NO_HOST,
@@ -234,7 +248,10 @@ class SmcState:
                 return self._error(host, Error.BAD_REGISTER, reg)
             return self._release(host, index, value & mask, reg)
         if regs.REG_DOORBELL_BASE <= reg < regs.REG_DOORBELL_BASE + 4 * regs.MAX_HOSTS:
-            return self._ring(host, (reg - regs.REG_DOORBELL_BASE) // 4, value & mask, reg)
+            target = (reg - regs.REG_DOORBELL_BASE) // 4
+            old = h.db_staged.get(target, 0)
+            h.db_staged[target] = (old & ~mask) | (value & mask)
+            return None
         if reg == regs.REG_INTR_STATUS:
             h.intr_status &= ~(value & mask)
         elif reg == regs.REG_CONTROL:
@@ -246,35 +263,40 @@ class SmcState:
             h.scratch = (h.scratch & ~mask) | (value & mask)
         elif reg == regs.REG_TX_FENCE:
             h.tx_fence = (h.tx_fence & ~mask) | (value & mask)
-        elif reg == regs.REG_TX_SEND:
-            self._send(host, value & mask)
-        elif reg == regs.REG_RX_POP:
-            if value & mask & 1 and h.rx:
-                h.rx.popleft()
+        elif reg == regs.REG_TX_CTRL:
+            h.tx_ctrl = (h.tx_ctrl & ~mask) | (value & mask)
         else:
             self._error(host, Error.BAD_REGISTER, reg)
 
     def _release(self, host: int, index: int, epoch: int, reg: int) -> None:
         sem = self.sems[index]
+        if sem.last_release == (host, epoch) and sem.owner != host:
+            return None   # the same release again (a repeated write): already done
         if sem.owner != host:
             return self._error(host, Error.NOT_OWNER, reg)
         if epoch != sem.epoch:
             return self._error(host, Error.STALE_EPOCH, reg)
+        sem.last_release = (host, epoch)
         self._free(index, forced=False)
 
-    def _ring(self, host: int, target: int, payload: int, reg: int) -> None:
+    def _ring(self, host: int, target: int, payload: int, reg: int) -> int:
         if target >= self.num_hosts:
-            return self._error(host, Error.BAD_INDEX, reg)
+            return self._fail(host, Error.BAD_INDEX, reg)
         t = self.hosts[target]
         if not t.alive:
-            return self._error(host, Error.HOST_ABSENT, reg)
+            return self._fail(host, Error.HOST_ABSENT, reg)
         if len(t.doorbells) >= regs.DOORBELL_FIFO_DEPTH:
             t.db_dropped += 1
-            return self._error(host, Error.DB_FULL, reg)
+            return self._fail(host, Error.DB_FULL, reg)
         t.doorbells.append((host, payload))
         self._signal(target, regs.VEC_DOORBELL)
+        return Error.OK
 
-    def _send(self, host: int, word: int) -> None:
+    def _fail(self, host: int, err: Error, reg: int) -> int:
+        self._error(host, err, reg)
+        return int(err)
+
+    def _send(self, host: int, word: int) -> int:
         h = self.hosts[host]
         target = word & regs.TX_TARGET_MASK
         length = (word >> regs.TX_LEN_SHIFT) & 0x7F
@@ -299,7 +321,8 @@ class SmcState:
                 status = Error.MBOX_FULL
         h.tx_status = int(status)
         if status is not Error.OK:
-            return self._error(host, status, regs.REG_TX_SEND)
+            return self._fail(host, status, regs.REG_TX_SEND)
         t.rx_seq = (t.rx_seq + 1) & 0xFFFFFFFF or 1
         t.rx.append(Message(host, t.rx_seq, bytes(h.tx_data[:length])))
         self._signal(target, regs.VEC_MAILBOX)
+        return int(Error.OK)
