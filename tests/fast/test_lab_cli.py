@@ -24,7 +24,7 @@ def test_unknown_topology_is_one_line():
     result = vfio_cxl("vm", "up", "nosuch", "--dry-run")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "vfio-cxl: error: unknown topology 'nosuch' -- use one of: shared, single, smc (or a path to a .toml file)"]
+        "vfio-cxl: error: unknown topology 'nosuch' -- use one of: shared, single, smc, smc3 (or a path to a .toml file)"]
 
 
 def test_malformed_topology_file(tmp_path):

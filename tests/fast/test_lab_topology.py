@@ -7,7 +7,7 @@ from vfio_cxl.lab import topology
 
 
 def test_shipped_topologies_load():
-    assert topology.available() == ["shared", "single", "smc"]
+    assert topology.available() == ["shared", "single", "smc", "smc3"]
     single = topology.load("single")
     assert [vm.name for vm in single.vms] == ["host0"]
     assert single.vms[0].gpu and len(single.vms[0].type3) == 1

@@ -16,7 +16,7 @@ from vfio_cxl.lab.image import find_image
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "smc_lab": 2}
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "smc_lab": 2, "smc3_lab": 3}
 
 
 class LabPool:
@@ -71,3 +71,8 @@ def guest_json(vm, command: str):
 @pytest.fixture
 def smc_lab(labs) -> Lab:
     return labs.get("smc")
+
+
+@pytest.fixture
+def smc3_lab(labs) -> Lab:
+    return labs.get("smc3")

@@ -5,6 +5,7 @@
                                                   --mode irq|poll --count N --nonce K
     python3 -m vfio_cxl.guest.smc_checks hold     --dax P --base B --sem S --peer H --nonce K
     python3 -m vfio_cxl.guest.smc_checks survive  --dax P --base B --sem S --peer H --nonce K
+    python3 -m vfio_cxl.guest.smc_checks watch    --dax P --base B --sem S --nonce K
 
 Opening the controller through VFIO resets this host's view of it (the
 kernel resets the function on open), so queued doorbells from before the
@@ -156,9 +157,17 @@ def survive(smc, sh, a) -> dict:
             "alive": sorted(smc.alive())}
 
 
+def watch(smc, sh, a) -> dict:
+    """A bystander: wait for a lost peer, then report what the semaphore looks like."""
+    lost = smc.wait_peer_lost(timeout=300)
+    owner, epoch = smc.state(a.sem)
+    return {"host": smc.host_id, "lost": lost, "owner_after": owner, "epoch_after": epoch,
+            "alive": sorted(smc.alive())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="smc_checks")
-    p.add_argument("command", choices=("contend", "pingpong", "hold", "survive"))
+    p.add_argument("command", choices=("contend", "pingpong", "hold", "survive", "watch"))
     p.add_argument("--dax", required=True)
     p.add_argument("--base", type=lambda t: int(t, 0), default=0x100000)
     p.add_argument("--sem", type=int, default=0)
@@ -174,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         with open_dax(a.dax) as dax, SmcDriver.open() as smc:
             sh = Shared(dax, a.base)
             sh.put(OFF_READY + 8 * smc.host_id, a.nonce)
-            result = {"contend": contend, "pingpong": pingpong, "hold": hold, "survive": survive}[a.command](smc, sh, a)
+            result = {"contend": contend, "pingpong": pingpong, "hold": hold, "survive": survive,
+                      "watch": watch}[a.command](smc, sh, a)
     except SmcError as err:
         print(f"smc_checks: error: {err}", file=sys.stderr)
         return 1
