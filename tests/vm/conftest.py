@@ -17,10 +17,10 @@ from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "lab_kernel_lab": 2}
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "smc_lab": 2, "smc3_lab": 3, "lab_kernel_lab": 4}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1}
+NAME_ORDER = {"single": 0, "shared": 1, "smc": 2, "smc3": 3}
 
 
 class LabPool:
@@ -83,3 +83,13 @@ def pytest_collection_modifyitems(config, items):
 
 def guest_json(vm, command: str):
     return json.loads(vm.run(command).stdout)
+
+
+@pytest.fixture
+def smc_lab(labs) -> Lab:
+    return labs.get("smc")
+
+
+@pytest.fixture
+def smc3_lab(labs) -> Lab:
+    return labs.get("smc3")

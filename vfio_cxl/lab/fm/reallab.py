@@ -68,7 +68,7 @@ class RealLab:
     def stop_processes(self) -> None:
         for vm in self.lab.vms.values():
             vm.stop()
-        for server in self.lab.gpu_servers.values():
+        for server in [*self.lab.gpu_servers.values(), *self.lab.smc_servers.values()]:
             server.stop()
 
     def close(self) -> None:
