@@ -7,6 +7,7 @@ ordered by topology so each boots once per session.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -77,7 +78,12 @@ def pytest_collection_modifyitems(config, items):
         name = getattr(getattr(item, "callspec", None), "params", {}).get("topology_name")
         if name is not None:
             ranks.append(NAME_ORDER.get(name, len(TOPOLOGY_ORDER)))
-        return min(ranks) if ranks else len(TOPOLOGY_ORDER)
+        first = min(ranks) if ranks else len(TOPOLOGY_ORDER)
+        # A test that asks for its topology's lab and for ``labs`` itself kills part of the
+        # lab and closes it: it runs last of its topology, or the lab would boot again.
+        args = inspect.signature(item.function).parameters if hasattr(item, "function") else {}
+        kills = "labs" in args and any(f in args for f in TOPOLOGY_ORDER)
+        return first, kills
     items.sort(key=rank)   # stable: file order within a topology
 
 
