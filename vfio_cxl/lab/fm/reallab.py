@@ -43,6 +43,9 @@ class RealLab:
             server = self.lab.gpu_servers[gpu]
             found.append(Child("gpu", gpu, server.process, owner=owner,
                                files={"socket": str(server.socket), "log": str(server.log)}))
+        for name, server in self.lab.smc_servers.items():
+            found.append(Child("smc", name, server.process, hosts=tuple(self.lab.topology.smcs[name].hosts),
+                               files={"sockets": " ".join(map(str, server.sockets)), "log": str(server.log)}))
         return found
 
     def ssh_info(self, vm: str) -> dict:
