@@ -299,6 +299,24 @@ def test_cli_bad_arguments(capsys):
     assert "cannot listen" in capsys.readouterr().err
 
 
+def test_a_repeated_release_is_a_no_op_after_others_took_and_released_it(smc):
+    """Three hosts contending (seen in the smc3 VM test): a's release reached the device
+    twice, the second time after b and c had each taken and released the semaphore."""
+    _, (a, b, c) = smc(3)
+    epoch = a.acquire(0) & regs.ACQ_EPOCH_MASK
+    a.release(0, epoch)
+    for h in (b, c):
+        e = h.acquire(0) & regs.ACQ_EPOCH_MASK
+        h.release(0, e)
+    a.release(0, epoch)                       # the late repeat
+    assert a.rd(regs.REG_LAST_ERROR) == 0
+    e = c.acquire(0) & regs.ACQ_EPOCH_MASK
+    a.release(0, epoch)                       # and while c holds it: still a no-op, c keeps it
+    assert a.rd(regs.REG_LAST_ERROR) == 0 and c.rd(regs.sem_reg(0, regs.SEM_STATE)) == regs.STATE_HELD | 2
+    a.release(0, e)                           # a release of an epoch a never held is refused
+    assert a.rd(regs.REG_LAST_ERROR) != 0
+
+
 def test_every_write_is_idempotent(smc):
     """A guest BAR write may reach the device twice (seen through QEMU): writing each
     register twice must leave the same state as writing it once."""

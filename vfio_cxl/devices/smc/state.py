@@ -35,7 +35,7 @@ class Input(Enum):
 class Semaphore:
     owner: int = regs.NO_HOST
     epoch: int = 0
-    last_release: tuple = (regs.NO_HOST, 0)   # (host, epoch) of the last normal release
+    released: dict = field(default_factory=dict)   # host -> epoch of its last normal release
     waiters: set = field(default_factory=set)   # hosts refused (BUSY) since the last grant
 
 
@@ -270,13 +270,15 @@ class SmcState:
 
     def _release(self, host: int, index: int, epoch: int, reg: int) -> None:
         sem = self.sems[index]
-        if sem.last_release == (host, epoch) and sem.owner != host:
-            return None   # the same release again (a repeated write): already done
+        if sem.released.get(host) == epoch and not (sem.owner == host and sem.epoch == epoch):
+            # The same release again (a repeated write), maybe after other hosts have taken and
+            # released the semaphore since: already done.
+            return None
         if sem.owner != host:
             return self._error(host, Error.NOT_OWNER, reg)
         if epoch != sem.epoch:
             return self._error(host, Error.STALE_EPOCH, reg)
-        sem.last_release = (host, epoch)
+        sem.released[host] = epoch
         self._free(index, forced=False)
 
     def _ring(self, host: int, target: int, payload: int, reg: int) -> int:
