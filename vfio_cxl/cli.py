@@ -9,6 +9,7 @@
     vfio-cxl vm topology TOPOLOGY [--svg F]  the topology as a tree (text), or drawn (--svg/--png)
     vfio-cxl demo tour|dma|share             the demos
     vfio-cxl gpu serve --socket PATH         the vfio-user GPU device server
+    vfio-cxl smc serve --sockets DIR --hosts N   the shared-memory controller (one socket per host)
     vfio-cxl bench NAME                      benchmarks (python -m vfio_cxl.bench)
 """
 
@@ -163,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     for name, module, text in (("gpu", "vfio_cxl.devices.gpu.cli", "the vfio-user GPU device server"),
+                               ("smc", "vfio_cxl.devices.smc.cli", "the shared-memory controller server"),
                                ("bench", "vfio_cxl.bench.__main__", "benchmarks")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -39,6 +39,7 @@ _SLEEP = "import time; time.sleep(3600)"
 class FakeLab:
     VMS = ("a", "b")
     GPUS = {"gpu0": "a"}
+    SMCS = {"smc0": ("a", "b")}
 
     def __init__(self, rundir: Path, logdir: Path, orphan: bool = False):
         self.rundir = rundir
@@ -58,6 +59,8 @@ class FakeLab:
             log(f"[{vm}] fake VM started")
         for gpu in self.GPUS:
             self.procs[("gpu", gpu)] = self._spawn(gpu)
+        for smc in self.SMCS:
+            self.procs[("smc", smc)] = self._spawn(smc)
         if self.orphan:   # no PDEATHSIG: survives the manager
             self.orphan_proc = subprocess.Popen(
                 [sys.executable, "-c", _SLEEP, f"vfio_cxl-orphan {self.rundir}"],
@@ -70,6 +73,8 @@ class FakeLab:
                  for i, vm in enumerate(self.VMS)]
         found += [Child("gpu", gpu, self.procs[("gpu", gpu)], owner=owner, files={})
                   for gpu, owner in self.GPUS.items()]
+        found += [Child("smc", smc, self.procs[("smc", smc)], hosts=hosts, files={})
+                  for smc, hosts in self.SMCS.items()]
         return found
 
     def ssh_info(self, vm: str) -> dict:

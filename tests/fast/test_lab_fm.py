@@ -169,6 +169,26 @@ def test_a_dead_gpu_server_is_reported_within_a_second(env):
     follower.close()
 
 
+def test_a_dead_smc_server_is_reported_and_the_lab_degraded(env):
+    fm = FakeFm()
+    with fm.client() as client:
+        status = client.status()
+    assert status["smcs"]["smc0"]["state"] == "attached" and status["smcs"]["smc0"]["hosts"] == ["a", "b"]
+    follower = fm.client()
+    events = follower.follow_events(timeout=10)
+    while next(events)["kind"] != "lab-ready":   # the past, then live
+        pass
+    os.kill(status["smcs"]["smc0"]["server_pid"], signal.SIGKILL)
+    event = next(events)
+    assert event["kind"] == "smc-server-died" and event["smc"] == "smc0" and event["hosts"] == ["a", "b"]
+    assert event["returncode"] == -signal.SIGKILL
+    with fm.client() as client:
+        status = client.status()
+    assert status["smcs"]["smc0"]["state"] == "failed" and status["state"] == "degraded"
+    assert status["gpus"]["gpu0"]["state"] == "attached" and status["vms"]["b"]["state"] == "running"
+    follower.close()
+
+
 def test_a_dead_vm_is_reported_and_the_other_vm_is_untouched(env):
     fm = FakeFm()
     with fm.client() as client:
@@ -200,7 +220,7 @@ def test_stop_removes_everything_and_keeps_the_logs(env):
     record = fm.record
     follower = fm.client()
     events = follower.follow_events(timeout=10)
-    assert count_leftovers(record)[0] == 3   # two fake VMs, one fake GPU server
+    assert count_leftovers(record)[0] == 4   # two fake VMs, one fake GPU server, one fake SMC server
     down(record, log=lambda text: None)
     assert fm.wait() == 0
     assert count_leftovers(record) == (0, 0, 0)
@@ -214,7 +234,7 @@ def test_stop_removes_everything_and_keeps_the_logs(env):
 def test_down_after_the_manager_was_sigkilled(env):
     fm = FakeFm("--orphan")
     record = fm.record
-    assert count_leftovers(record)[0] == 4
+    assert count_leftovers(record)[0] == 5   # and the orphan
     fm.proc.kill()
     fm.wait()
     assert lab_summary(record)["state"] == "fm-dead"

@@ -9,7 +9,7 @@ from vfio_cxl.lab import topology
 
 from test_lab_topology_cases import BASE, CASES, variant
 
-SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "shared", "single"]
+SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "shared", "single", "smc", "smc3"]
 
 EXPECTED = dict([
     ('malformed TOML',
@@ -108,6 +108,22 @@ EXPECTED = dict([
      't.toml: link[0].vms: a link must join two different VMs of this topology, not [\'h\', \'zz\'] -- write vms = ["h", "..."] with names from: h, g'),
     ('link declared once',
      't.toml: link[1].vms: g and h are already linked -- declare each link once'),
+    ('SMC keys',
+     't.toml: smc.s0.size: unknown key -- allowed here: hosts -- see docs/topologies.md for every key'),
+    ('SMC name',
+     "t.toml: smc.S0: bad name 'S0': use 1-16 lower-case letters, digits or '-', starting with a letter -- see docs/topologies.md for every key"),
+    ('SMC has hosts',
+     't.toml: smc.s0.hosts: a shared-memory controller serves 1 to 16 host VMs, not 0 -- see docs/topologies.md for every key'),
+    ('SMC at most 16 hosts',
+     't.toml: smc.s0.hosts: a shared-memory controller serves 1 to 16 host VMs, not 17 -- see docs/topologies.md for every key'),
+    ('SMC host exists',
+     "t.toml: smc.s0.hosts[1]: 'zz' is not a VM of this topology -- use one of: h, g"),
+    ('SMC host named once',
+     "t.toml: smc.s0.hosts[1]: VM 'h' is named twice in smc.s0.hosts -- name each host VM once"),
+    ('SMC host of one controller',
+     "t.toml: smc.s1.hosts[1]: VM 'h' is already a host of smc.s0 -- a VM can be a host of one shared-memory controller: remove it from one of them"),
+    ('top-level keys',
+     't.toml: smcx: unknown key -- allowed here: backends, description, gpus, link, smc, vm -- see docs/topologies.md for every key'),
 ])
 
 
@@ -127,6 +143,7 @@ def test_the_base_topology_is_valid():
     h = topo.vm("h")
     assert [g.name for g in topo.gpus_of("h")] == ["gpu0", "gpu1"] and topo.unowned_gpus()[0].name == "spare"
     assert h.hotplug_port_ids() == ["hp0"]
+    assert [(s.name, i) for s, i in (topo.smc_of("h"), topo.smc_of("g"))] == [("s0", 0), ("s0", 1)]
 
 
 def test_shipped_topologies_load_with_descriptions():
@@ -148,7 +165,9 @@ def test_single_and_shared_keep_their_shape():
     # Both Type3 devices name the same backend: that is the sharing.
     assert a.type3[0].volatile == b.type3[0].volatile == "shared"
     assert shared.backend_users("shared") == [("a", "mem0"), ("b", "mem0")]
-    assert shared.links[0].vms == ("a", "b")
+    assert shared.links[0].vms == ("a", "b") and shared.smcs == {} and shared.smc_of("a") is None
+    smc3 = topology.load("smc3")
+    assert list(smc3.smcs) == ["smc0"] and smc3.smc_of("c") == (smc3.smcs["smc0"], 2)
 
 
 def test_fabric_has_an_unowned_gpu_and_free_hotplug_ports():

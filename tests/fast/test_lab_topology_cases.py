@@ -63,6 +63,8 @@ use = "fsdax"
 name = "g"
 [[link]]
 vms = ["h", "g"]
+[smc.s0]
+hosts = ["h", "g"]
 '''
 
 M2 = ('[gpus.gpu0]', '[backends.m2]\nsize = "256M"\n[gpus.gpu0]')
@@ -122,6 +124,14 @@ CASES = [
     ("GPU VRAM is a BAR", [('at = "dp0"', 'at = "dp0"\nvram = "48M"')]),
     ("link joins two VMs", [('vms = ["h", "g"]', 'vms = ["h", "zz"]')]),
     ("link declared once", [('vms = ["h", "g"]', 'vms = ["h", "g"]\n[[link]]\nvms = ["g", "h"]')]),
+    ("SMC keys", [('hosts = ["h", "g"]', 'hosts = ["h", "g"]\nsize = "1M"')]),
+    ("SMC name", [('[smc.s0]', '[smc.S0]')]),
+    ("SMC has hosts", [('hosts = ["h", "g"]', 'hosts = []')]),
+    ("SMC at most 16 hosts", [('hosts = ["h", "g"]', 'hosts = ["h", "g"' + ', "g"' * 15 + ']')]),
+    ("SMC host exists", [('hosts = ["h", "g"]', 'hosts = ["h", "zz"]')]),
+    ("SMC host named once", [('hosts = ["h", "g"]', 'hosts = ["h", "h"]')]),
+    ("SMC host of one controller", [('hosts = ["h", "g"]', 'hosts = ["h"]\n[smc.s1]\nhosts = ["g", "h"]')]),
+    ("top-level keys", [('[smc.s0]', '[smcx.s0]')]),
 ]
 
 

@@ -7,6 +7,7 @@ ordered by topology so each boots once per session.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -17,10 +18,10 @@ from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "lab_kernel_lab": 2}
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "smc_lab": 2, "smc3_lab": 3, "lab_kernel_lab": 4}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1}
+NAME_ORDER = {"single": 0, "shared": 1, "smc": 2, "smc3": 3}
 
 
 class LabPool:
@@ -77,9 +78,24 @@ def pytest_collection_modifyitems(config, items):
         name = getattr(getattr(item, "callspec", None), "params", {}).get("topology_name")
         if name is not None:
             ranks.append(NAME_ORDER.get(name, len(TOPOLOGY_ORDER)))
-        return min(ranks) if ranks else len(TOPOLOGY_ORDER)
+        first = min(ranks) if ranks else len(TOPOLOGY_ORDER)
+        # A test that asks for its topology's lab and for ``labs`` itself kills part of the
+        # lab and closes it: it runs last of its topology, or the lab would boot again.
+        args = inspect.signature(item.function).parameters if hasattr(item, "function") else {}
+        kills = "labs" in args and any(f in args for f in TOPOLOGY_ORDER)
+        return first, kills
     items.sort(key=rank)   # stable: file order within a topology
 
 
 def guest_json(vm, command: str):
     return json.loads(vm.run(command).stdout)
+
+
+@pytest.fixture
+def smc_lab(labs) -> Lab:
+    return labs.get("smc")
+
+
+@pytest.fixture
+def smc3_lab(labs) -> Lab:
+    return labs.get("smc3")

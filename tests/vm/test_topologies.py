@@ -1,11 +1,11 @@
 """Issue: every shipped topology boots, and what each guest sees agrees with the declaration.
 
-One test per topology (each boots once; single and shared are shared with the
-other VM tests).  In every guest it compares ``cxl list -vvv`` (host bridges,
+One test per topology (each boots once; single, shared, smc and smc3 are shared
+with the other VM tests, and run before the tests that kill one of their VMs).  In every guest it compares ``cxl list -vvv`` (host bridges,
 switches, memdevs by serial, root decoders = windows with their ways,
 granularity and size, regions with ways, granularity, size and memdevs in
 position order), ``daxctl list`` (enabled devdax devices), ``ndctl list``
-(namespaces) and ``lspci`` (GPUs, PCIe switch, root ports) with the topology; in an
+(namespaces) and ``lspci`` (GPUs, shared-memory controllers, PCIe switch, root ports) with the topology; in an
 interleaved region it writes one chunk per position and finds each in the backend file
 of the memdev the topology puts at that position.
 """
@@ -21,6 +21,7 @@ import pytest
 from vfio_cxl.lab import topology
 
 GPU_ID = "0601:1991"
+SMC_ID = "0601:5c01"
 X3130_UP, XIO3130_DOWN = "104c:8232", "104c:8233"
 PCIE_ROOT_PORT = "1b36:000c"
 
@@ -125,7 +126,10 @@ def check_pci(topo, spec, vm) -> None:
     assert ids.count(GPU_ID) == len(gpus)
     assert ids.count(X3130_UP) == len(spec.pcie_switches)
     assert ids.count(XIO3130_DOWN) == sum(len(p.downstream_ports) for p in spec.pcie_switches)
-    pcie_ports = len([g for g in gpus if g.at is None]) + spec.hotplug_ports + len(spec.pcie_switches)
+    smc = topo.smc_of(spec.name)
+    assert ids.count(SMC_ID) == (1 if smc else 0)   # a host's function of its shared-memory controller
+    pcie_ports = (len([g for g in gpus if g.at is None]) + spec.hotplug_ports + len(spec.pcie_switches)
+                  + (1 if smc else 0))
     assert ids.count(PCIE_ROOT_PORT) == pcie_ports
     if len(gpus) > 1:   # each GPU in an IOMMU group of its own
         groups = vm.run(f"for d in $(lspci -D -n -d {GPU_ID} | cut -d' ' -f1); do "

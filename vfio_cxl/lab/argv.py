@@ -16,6 +16,7 @@ SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
 LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
 MODULES_MOUNT_TAG = "vfio_cxl_modules"   # --modules DIR: the guest mounts it at /lib/modules/$(uname -r)
+SMC_ROOT_PORT = "smc_port"   # not a topology name ('_' is not allowed there)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class VmResources:
     link_sockets: tuple[tuple[Path, bool, int], ...] = ()   # (socket, this VM listens, link number)
     append: str = ""                  # extra kernel command line (--append)
     modules: Path | None = None       # a modules tree for a kernel not the image's (--modules)
+    smc_socket: Path | None = None    # this VM's socket of its shared-memory controller
 
     @property
     def console_log(self) -> Path:
@@ -122,7 +124,7 @@ def _cxl(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
     return args
 
 
-def _gpu_device(name: str, bus: str, socket: Path) -> str:
+def _vfio_user_device(name: str, bus: str, socket: Path) -> str:
     device = {"driver": "vfio-user-pci", "id": name, "bus": bus,
               "socket": {"type": "unix", "path": str(socket)}}
     return json.dumps(device, separators=(",", ":"))
@@ -142,7 +144,7 @@ def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
             args += ["-device", f"pcie-root-port,id={gpu.root_port},bus=pcie.0,chassis=1,slot={slot}"]
             slot += 1
             if gpu.name in sockets:
-                args += ["-device", _gpu_device(gpu.name, gpu.root_port, sockets[gpu.name])]
+                args += ["-device", _vfio_user_device(gpu.name, gpu.root_port, sockets[gpu.name])]
     for chassis, ps in enumerate(vm.pcie_switches, start=2):
         args += ["-device", f"pcie-root-port,id={ps.name}-port,bus=pcie.0,chassis=1,slot={slot}",
                  "-device", f"x3130-upstream,id={ps.name},bus={ps.name}-port"]
@@ -151,10 +153,15 @@ def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
             args += ["-device", f"xio3130-downstream,id={ds},bus={ps.name},chassis={chassis},slot={dslot}"]
         for gpu in topo.gpus_of(vm.name):
             if gpu.at in ps.downstream_ports and gpu.name in sockets:
-                args += ["-device", _gpu_device(gpu.name, gpu.at, sockets[gpu.name])]
+                args += ["-device", _vfio_user_device(gpu.name, gpu.at, sockets[gpu.name])]
     reserve = format_size(topo.hotplug_reserve())
     for hp in vm.hotplug_port_ids():
         args += ["-device", f"pcie-root-port,id={hp},bus=pcie.0,chassis=1,slot={slot},pref64-reserve={reserve}"]
+        slot += 1
+    if res.smc_socket:
+        # The shared-memory controller: one vfio-user-pci per host VM, on a root port of its own.
+        args += ["-device", f"pcie-root-port,id={SMC_ROOT_PORT},bus=pcie.0,chassis=1,slot={slot}",
+                 "-device", _vfio_user_device("smc0", SMC_ROOT_PORT, res.smc_socket)]
         slot += 1
     return args
 

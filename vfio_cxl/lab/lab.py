@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import LabError
 from ..paths import REPO_ROOT, runtime_root
 from .argv import VmResources
+from .device_process import DeviceServerProcess, smc_server
 from .gpu_process import GpuServerProcess
 from .image import GuestImage, find_image, image_path
 from .logs import archive_logs
@@ -99,6 +100,7 @@ class Lab:
         self.logdir = logdir           # where stop() keeps copies of the logs, or None
         self.vms: dict[str, VirtualMachine] = {}
         self.gpu_servers: dict[str, GpuServerProcess] = {}
+        self.smc_servers: dict[str, DeviceServerProcess] = {}
 
     def __getitem__(self, name: str) -> VirtualMachine:
         if name not in self.vms:
@@ -147,10 +149,28 @@ class Lab:
                 link_sockets=tuple(link_sockets[spec.name]),
                 append=self.kernel.append if self.kernel else "",
                 modules=self.kernel.modules if self.kernel else None,
+                smc_socket=self._smc_socket(rundir, spec.name),
             )
             extra = [p for p in (res.kernel, res.modules) if custom and p is not None]
             vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology, extra_ro=extra))
         return vms
+
+    def _smc_socket(self, rundir: Path, vm: str) -> Path | None:
+        found = self.topology.smc_of(vm)
+        if found is None:
+            return None
+        smc, host = found
+        return rundir / f"smc-{smc.name}" / f"host{host}.sock"
+
+    def _start_smcs(self) -> None:
+        """One server process per controller, before any QEMU (they connect at start-up)."""
+        for smc in self.topology.smcs.values():
+            sockdir = self.rundir / f"smc-{smc.name}"
+            sockdir.mkdir()
+            server = smc_server(smc.name, [sockdir / f"host{h}.sock" for h in range(len(smc.hosts))],
+                                self.rundir / f"smc-{smc.name}.log")
+            self.smc_servers[smc.name] = server
+            server.start()
 
     def start(self, timeout: float = 180) -> "Lab":
         if self.ssh_port is not None:
@@ -169,6 +189,7 @@ class Lab:
             for backend in self.topology.backends.values():
                 with open(self.backend_file(backend.name), "wb") as f:
                     f.truncate(backend.size)   # sparse; both VMs map the same file
+            self._start_smcs()
             for vm in self.plan(self.rundir):
                 vm.res.rundir.mkdir()
                 for t3 in vm.spec.type3:
@@ -206,10 +227,11 @@ class Lab:
     def stop(self) -> None:
         for vm in self.vms.values():
             vm.stop()
-        for server in self.gpu_servers.values():
+        for server in [*self.gpu_servers.values(), *self.smc_servers.values()]:
             server.stop()
         self.vms.clear()
         self.gpu_servers.clear()
+        self.smc_servers.clear()
         if self.rundir and self.logdir:
             archive_logs(self.rundir, self.logdir)
         if self.rundir:

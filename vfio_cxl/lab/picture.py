@@ -6,7 +6,7 @@
 Both come from one walk over the validated :class:`~vfio_cxl.lab.topology.Topology`:
 hosts, host bridges (with the bus numbers the lab assigns), root ports,
 switches, Type3 devices with their backends (shared ones marked), windows,
-regions, GPUs (owned or free), hot-plug ports and links.
+regions, GPUs (owned or free), hot-plug ports, links and shared-memory controllers.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def tree(topo: Topology) -> list[Node]:
         for hp in vm.hotplug_port_ids():
             pcie.children.append(Node(f"{vm.name}/{hp}", f"{hp}: hot-plug root port (pref64 {reserve}, free)",
                                       "hotplug"))
+        found = topo.smc_of(vm.name)
+        if found:   # the shared-memory controller's function in this host (the lab's argv adds it last)
+            smc, host = found
+            pcie.children.append(Node(f"{vm.name}/smc_port", "smc_port: root port", "port", [
+                Node(f"{vm.name}/smc/{smc.name}", f"{smc.name}: shared-memory controller (host {host})", "smc")]))
         root.children.append(pcie)
         buses = vm.bus_numbers()
         for hb in vm.host_bridges:
@@ -134,6 +139,9 @@ def text(topo: Topology) -> str:
                      + ", ".join(f"{v}/{t}" for v, t in users))
     for link in topo.links:
         lines.append(f"link {link.vms[0]} <-> {link.vms[1]} (private point-to-point network)")
+    for name, smc in topo.smcs.items():
+        lines.append(f"smc {name}: shared-memory controller (one server), hosts "
+                     + ", ".join(f"{h}={vm}" for h, vm in enumerate(smc.hosts)))
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +154,7 @@ _STYLE = {
     "switch": {"shape": "box", "style": "filled", "fillcolor": "#e8e8e8"},
     "type3": {"shape": "box3d", "style": "filled", "fillcolor": "#fde9c8"},
     "gpu": {"shape": "component", "style": "filled", "fillcolor": "#d6f0d6"},
+    "smc": {"shape": "component", "style": "filled", "fillcolor": "#f6d6d6"},
     "window": {"shape": "note", "style": "filled", "fillcolor": "#f3e6f7"},
     "region": {"shape": "note", "fontsize": "10"},
 }
@@ -191,6 +200,11 @@ def graph(topo: Topology):
     for gpu in topo.unowned_gpus():
         g.node(f"gpu/{gpu.name}", f"{gpu.name}\nGPU, unowned\n({format_size(gpu.vram)} VRAM)",
                shape="component", style="dashed,filled", fillcolor="#eef7ee")
+    for name, smc in topo.smcs.items():
+        g.node(f"smc/{name}", f"{name}\nSMC server\n({len(smc.hosts)} hosts)", shape="component",
+               style="filled", fillcolor="#f0a8a8")
+        for h, v in enumerate(smc.hosts):
+            g.edge(f"{v}/smc/{name}", f"smc/{name}", label=f"host {h}", style="dashed", arrowhead="none")
     for link in topo.links:
         a, b = link.vms
         g.edge(f"{a}/pcie.0", f"{b}/pcie.0", label="link", dir="both", style="bold", color="#4477aa",

@@ -6,12 +6,12 @@
     topo.gpus["gpu1"].owner                   # -> None (free for hot-plug)
 
 The public API is this module's models (pydantic v2, immutable once loaded):
-:class:`Topology` (``backends``, ``gpus``, ``vms``, ``links``), :class:`Vm`
+:class:`Topology` (``backends``, ``gpus``, ``vms``, ``links``, ``smcs``), :class:`Vm`
 (``host_bridges``, ``switches``, ``type3``, ``windows``, ``regions``,
 ``pcie_switches``, ``hotplug_ports``), :class:`Gpu` (``owner`` or None,
 ``at``, ``vram``, ``irq``) and the derived facts the lab needs:
 :meth:`Vm.bus_numbers`, :meth:`Vm.region_order`, :meth:`Vm.hotplug_port_ids`,
-:meth:`Topology.gpus_of`, :meth:`Topology.hotplug_reserve`.
+:meth:`Topology.gpus_of`, :meth:`Topology.hotplug_reserve`, :meth:`Topology.smc_of`.
 
 Checking happens in two layers.  pydantic checks shapes, types and each field
 alone (unknown keys, names, sizes, interleave ways and granularity);
@@ -240,6 +240,24 @@ class Gpu(_Table):
         return f"{self.name}-port"
 
 
+SMC_MAX_HOSTS = 16   # docs/smc-device.md (the lab does not import the device's register map)
+
+
+class Smc(_Table):
+    """A shared-memory controller (``[smc.NAME] hosts = [...]``): one device server,
+    a vfio-user-pci function in each host VM; host ID h is ``hosts[h]``."""
+
+    name: Name = ""
+    hosts: list[Name]
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, v: list[str]) -> list[str]:
+        if not 1 <= len(v) <= SMC_MAX_HOSTS:
+            raise ValueError(f"a shared-memory controller serves 1 to {SMC_MAX_HOSTS} host VMs, not {len(v)}")
+        return v
+
+
 class Link(_Table):
     """A private point-to-point network between two VMs."""
 
@@ -374,13 +392,14 @@ class Topology(_Table):
     gpus: dict[Name, Gpu] = {}
     vms: list[Vm] = Field(alias="vm", min_length=1)
     links: list[Link] = Field([], alias="link")
+    smcs: dict[Name, Smc] = Field({}, alias="smc")
     source: str = Field("", exclude=True)
 
     @model_validator(mode="before")
     @classmethod
     def _names_from_keys(cls, data):
         if isinstance(data, dict):
-            for key in ("backends", "gpus"):
+            for key in ("backends", "gpus", "smc"):
                 table = data.get(key)
                 if isinstance(table, dict):
                     data[key] = {k: ({**v, "name": k} if isinstance(v, dict) else v) for k, v in table.items()}
@@ -396,6 +415,13 @@ class Topology(_Table):
     def gpus_of(self, vm: str) -> list[Gpu]:
         """The GPUs a VM owns at boot, in declaration order."""
         return [g for g in self.gpus.values() if g.owner == vm]
+
+    def smc_of(self, vm: str) -> tuple[Smc, int] | None:
+        """The shared-memory controller ``vm`` is a host of, and its host ID there (or None)."""
+        for smc in self.smcs.values():
+            if vm in smc.hosts:
+                return smc, smc.hosts.index(vm)
+        return None
 
     def unowned_gpus(self) -> list[Gpu]:
         return [g for g in self.gpus.values() if g.owner is None]
@@ -445,13 +471,19 @@ def _model_at(loc: tuple):
 
 def _allowed_keys(model) -> str:
     return ", ".join(sorted((f.alias or n) for n, f in model.model_fields.items()
-                            if n not in ("name", "source") or model not in (Backend, Gpu, Topology)))
+                            if n not in ("name", "source") or model not in (Backend, Gpu, Smc, Topology)))
 
 
 def _from_pydantic(err: ValidationError, source: str) -> LabError:
     lines = []
-    for e in err.errors():
+    errors = err.errors()
+    key_errors = {tuple(e["loc"][:-1]) for e in errors if e["loc"] and e["loc"][-1] == "[key]"}
+    for e in errors:
         loc, kind, msg = tuple(e["loc"]), e["type"], e["msg"]
+        if loc and loc[-1] == "[key]":   # a bad [TABLE.NAME]: name the table, once
+            loc = loc[:-1]
+        elif loc and loc[-1] == "name" and loc[:-1] in key_errors:
+            continue                     # the same bad name, copied in by _names_from_keys
         if kind == "extra_forbidden":
             model = _model_at(loc[:-1])
             allowed = _allowed_keys(model) if model else "see docs/topologies.md"
@@ -702,6 +734,18 @@ def check(topo: Topology) -> None:
         if frozenset(link.vms) in pairs:
             _fail(f"link[{i}].vms", f"{a} and {b} are already linked", "declare each link once")
         pairs.add(frozenset(link.vms))
+    taken: dict[str, str] = {}
+    for sname, smc in topo.smcs.items():
+        for h, host in enumerate(smc.hosts):
+            path = f"smc.{sname}.hosts[{h}]"
+            if host not in names:
+                _fail(path, f"{host!r} is not a VM of this topology", f"use one of: {', '.join(names)}")
+            if host in smc.hosts[:h]:
+                _fail(path, f"VM {host!r} is named twice in smc.{sname}.hosts", "name each host VM once")
+            if host in taken:
+                _fail(path, f"VM {host!r} is already a host of smc.{taken[host]}",
+                      "a VM can be a host of one shared-memory controller: remove it from one of them")
+            taken[host] = sname
 
 
 # ---------------------------------------------------------------- loading

@@ -15,7 +15,7 @@ manager dies, however it dies, its VMs and servers die with it, and
 
 All state changes go through :meth:`FabricManager._set_lab_state` and
 :meth:`_set_child_state`, called from the start (adoption), :meth:`_vm_exited`
-and :meth:`_gpu_exited`; every change that matters to a user records an event.
+:meth:`_gpu_exited` and :meth:`_smc_exited`; every change that matters to a user records an event.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ MAX_OUTBUF = 4 << 20   # a follower that reads slower than this is dropped
 
 @dataclass
 class Child:
-    """A process the lab started: a VM's QEMU (kind "vm") or a GPU server (kind "gpu")."""
+    """A process the lab started: a VM's QEMU (kind "vm"), a GPU server (kind "gpu") or a
+    shared-memory controller's server (kind "smc", serving the VMs in ``hosts``)."""
 
     kind: str
     name: str
@@ -58,6 +59,7 @@ class Child:
     returncode: int | None = None
     qemu_pid: int | None = None              # vm: QEMU itself (below bwrap, if any)
     pidfd: int | None = None
+    hosts: tuple[str, ...] = ()              # smc: the VMs it serves, host ID = position
 
 
 class ManagedLab(Protocol):
@@ -107,6 +109,7 @@ class FabricManager:
         self.state = "starting"
         self.vms: dict[str, Child] = {}
         self.gpus: dict[str, Child] = {}
+        self.smcs: dict[str, Child] = {}
         self.events: list[dict] = []
         self.clients: dict[int, _Client] = {}
         self.stop_requested = False
@@ -167,6 +170,14 @@ class FabricManager:
             self.event("gpu-server-died", f"GPU {gpu.name} (in VM {gpu.owner}): server pid {gpu.popen.pid} "
                        f"{describe_exit(gpu.returncode)}", gpu=gpu.name, owner=gpu.owner,
                        pid=gpu.popen.pid, returncode=gpu.returncode)
+            self._set_lab_state("degraded")
+
+    def _smc_exited(self, smc: Child) -> None:
+        self._set_child_state(smc, "failed" if self.state != "stopping" else "stopped")
+        if smc.state == "failed":
+            self.event("smc-server-died", f"shared-memory controller {smc.name} (hosts {', '.join(smc.hosts)}): "
+                       f"server pid {smc.popen.pid} {describe_exit(smc.returncode)}", smc=smc.name,
+                       hosts=list(smc.hosts), pid=smc.popen.pid, returncode=smc.returncode)
             self._set_lab_state("degraded")
 
     # -- start ---------------------------------------------------------------------------
@@ -231,8 +242,8 @@ class FabricManager:
                            f"QEMU pid {child.qemu_pid})", vm=child.name, qemu_pid=child.qemu_pid)
             else:
                 self._set_child_state(child, "attached")
-                self.gpus[child.name] = child
-        for child in [*self.vms.values(), *self.gpus.values()]:
+                (self.smcs if child.kind == "smc" else self.gpus)[child.name] = child
+        for child in [*self.vms.values(), *self.gpus.values(), *self.smcs.values()]:
             ident = ProcessId.of(child.popen.pid)
             if ident:
                 self.record.processes[f"{child.kind}:{child.name}"] = ident.to_json()
@@ -261,7 +272,7 @@ class FabricManager:
             self.stop_requested = True
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
-        for child in [*self.vms.values(), *self.gpus.values()]:
+        for child in [*self.vms.values(), *self.gpus.values(), *self.smcs.values()]:
             self._watch(child)
 
     def _watch(self, child: Child) -> None:
@@ -300,6 +311,8 @@ class FabricManager:
         child.returncode = child.popen.wait()
         if child.kind == "vm":
             self._vm_exited(child)
+        elif child.kind == "smc":
+            self._smc_exited(child)
         else:
             self._gpu_exited(child)
 
@@ -435,6 +448,9 @@ class FabricManager:
             "gpus": {gpu.name: {"owner": gpu.owner, "state": gpu.state, "server_pid": gpu.popen.pid,
                                 "returncode": gpu.returncode, **gpu.files}
                      for gpu in self.gpus.values()},
+            "smcs": {smc.name: {"hosts": list(smc.hosts), "state": smc.state, "server_pid": smc.popen.pid,
+                                "returncode": smc.returncode, **smc.files}
+                     for smc in self.smcs.values()},
         }
 
     # -- stop ----------------------------------------------------------------------------
@@ -459,7 +475,7 @@ class FabricManager:
             self.listener.close()
             self.record.socket.unlink(missing_ok=True)
         signal.set_wakeup_fd(-1)
-        for child in [*self.vms.values(), *self.gpus.values()]:
+        for child in [*self.vms.values(), *self.gpus.values(), *self.smcs.values()]:
             if child.pidfd is not None:
                 os.close(child.pidfd)
                 child.pidfd = None

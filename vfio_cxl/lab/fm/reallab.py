@@ -43,6 +43,9 @@ class RealLab:
             server = self.lab.gpu_servers[gpu]
             found.append(Child("gpu", gpu, server.process, owner=owner,
                                files={"socket": str(server.socket), "log": str(server.log)}))
+        for name, server in self.lab.smc_servers.items():
+            found.append(Child("smc", name, server.process, hosts=tuple(self.lab.topology.smcs[name].hosts),
+                               files={"sockets": " ".join(map(str, server.sockets)), "log": str(server.log)}))
         return found
 
     def ssh_info(self, vm: str) -> dict:
@@ -68,7 +71,7 @@ class RealLab:
     def stop_processes(self) -> None:
         for vm in self.lab.vms.values():
             vm.stop()
-        for server in self.lab.gpu_servers.values():
+        for server in [*self.lab.gpu_servers.values(), *self.lab.smc_servers.values()]:
             server.stop()
 
     def close(self) -> None:

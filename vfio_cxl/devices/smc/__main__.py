@@ -1,0 +1,7 @@
+"""``python -m vfio_cxl.devices.smc serve ...`` (same as ``vfio-cxl smc ...``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
