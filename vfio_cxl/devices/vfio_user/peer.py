@@ -86,7 +86,8 @@ def fetch(path: str, timeout: float = 2.0) -> PeerMemory:
         if len(msg) != _SIZE.size or len(fds) != 1:
             raise OSError(f"peer share {path} sent {len(msg)} bytes and {len(fds)} fds, want 8 and 1")
         (size,) = _SIZE.unpack(msg)
-        mm = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED)
+        # populated now, so the first proven copy does not pay the page faults
+        mm = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     finally:
         for fd in fds:
             os.close(fd)
