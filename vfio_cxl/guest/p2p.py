@@ -59,7 +59,8 @@ def map_peer_bar(initiator: GpuDriver, peer: GpuDriver, iova: int, size: int | N
 
     Clear errors, nothing left mapped: a peer in another container, a BAR that
     is not mmappable, a size beyond the BAR."""
-    if initiator.device.container is not peer.device.container:
+    shared = initiator.device.container
+    if shared is None or shared is not peer.device.container:   # None: iommufd, one IOAS each
         raise P2pError(f"{peer.device.bdf} is not in the same VFIO container as {initiator.device.bdf}: "
                        "a mapping made in the peer's container is invisible to the initiator's IOMMU context",
                        "open both GPUs with GpuDriver.open(bdf, container=shared_container)")
