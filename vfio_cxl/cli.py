@@ -7,7 +7,7 @@
     vfio-cxl fm status|events|restart        a running lab's fabric manager
     vfio-cxl vm topologies                   list topologies
     vfio-cxl vm topology TOPOLOGY [--svg F]  the topology as a tree (text), or drawn (--svg/--png)
-    vfio-cxl demo tour|dma|share             the demos
+    vfio-cxl demo tour|dma|share|p2p         the demos
     vfio-cxl gpu serve --socket PATH         the vfio-user GPU device server
     vfio-cxl smc serve --sockets DIR --hosts N   the shared-memory controller (one socket per host)
     vfio-cxl bench NAME                      benchmarks (python -m vfio_cxl.bench)
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fm_cli.add_fm_parser(sub)
 
-    demo = sub.add_parser("demo", help="run a demo (tour, dma, share)")
+    demo = sub.add_parser("demo", help="run a demo (tour, dma, share, p2p)")
     demo.add_argument("name")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)

@@ -18,10 +18,11 @@ from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "smc_lab": 2, "smc3_lab": 3, "lab_kernel_lab": 4}
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
+                  "lab_kernel_lab": 5}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "smc": 2, "smc3": 3}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4}
 
 
 class LabPool:
@@ -59,6 +60,11 @@ def single_lab(labs) -> Lab:
 @pytest.fixture
 def shared_lab(labs) -> Lab:
     return labs.get("shared")
+
+
+@pytest.fixture
+def p2p_lab(labs) -> Lab:
+    return labs.get("p2p")
 
 
 @pytest.fixture

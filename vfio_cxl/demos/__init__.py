@@ -3,6 +3,7 @@
     vfio-cxl demo tour    what the single-host lab's guest sees
     vfio-cxl demo dma     the GPU DMAs into CXL devdax through VFIO (route B)
     vfio-cxl demo share   two hosts, one CXL memory: A's GPU writes, B reads
+    vfio-cxl demo p2p     one GPU DMAs straight into another GPU's VRAM (p2p topology)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ DEMOS = {
     "tour": "vfio_cxl.demos.tour",
     "dma": "vfio_cxl.demos.dma",
     "share": "vfio_cxl.demos.share",
+    "p2p": "vfio_cxl.demos.p2p",
 }
 
 

@@ -73,8 +73,10 @@ class GpuDriver:
     BOUNCE_IOVA = 0x1000_0000       # guest RAM buffers (route A)
     DATA_IOVA = 0x4000_0000         # CXL devdax (route B)
 
-    def __init__(self, device: VfioPciDevice):
+    def __init__(self, device: VfioPciDevice, control_iova: int | None = None):
         self.device = device
+        if control_iova is not None:   # two GPUs in one container need two control areas
+            self.CONTROL_IOVA = control_iova
         # A userspace driver enables bus mastering itself (vfio-pci leaves it
         # off): without it QEMU drops the device's MSI-X writes.
         command = device.config.read16(PCI_COMMAND)
@@ -116,18 +118,20 @@ class GpuDriver:
                                     (regs.VEC_ERROR, regs.INTR_ERROR)) if status & bit}
 
     @classmethod
-    def open(cls, bdf: str | None = None) -> "GpuDriver":
+    def open(cls, bdf: str | None = None, *, container=None, control_iova: int | None = None) -> "GpuDriver":
+        """``container``: join a shared VFIO container (peer-to-peer DMA); then give
+        each GPU its own ``control_iova``."""
         if bdf is None:
             found = find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
             if not found:
                 raise GpuError(f"no GPU [{regs.PCI_VENDOR_ID:04x}:{regs.PCI_DEVICE_ID:04x}] in this VM",
                                "boot a topology with gpu = true (vfio-cxl vm up single)")
             bdf = found[0]
-        device = VfioPciDevice.open(bdf)
+        device = VfioPciDevice.open(bdf, container=container)
         try:
             if device.bar(regs.BAR_REGS).read32(regs.REG_ID) != regs.ID_MAGIC:
                 raise GpuError(f"{bdf} does not answer with the GPU's ID register", "is it the vfio-cxl GPU?")
-            return cls(device)
+            return cls(device, control_iova)
         except BaseException:
             device.close()
             raise

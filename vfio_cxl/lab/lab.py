@@ -196,10 +196,16 @@ class Lab:
                     if t3.persistent:   # the label storage area: private to the device, zeroed
                         with open(vm.res.lsa_file(t3.name), "wb") as f:
                             f.truncate(t3.lsa_size)
+                # GPUs of one VM are peers: each shares its VRAM fd on a side socket
+                # and may reach the others' (the proven P2P fast path, docs/gpu-device.md)
+                shares = {g: vm.res.rundir / f"{g}.vram.sock" for g in vm.res.gpu_sockets}
                 for gpu_name, sock in vm.res.gpu_sockets.items():   # one server per GPU
                     vram_mib = self.topology.gpus[gpu_name].vram >> 20
+                    p2p = ([f"--share-vram={shares[gpu_name]}"]
+                           + [f"--peer={path}" for g, path in shares.items() if g != gpu_name]
+                           if len(shares) > 1 else [])
                     server = GpuServerProcess(sock, vm.res.rundir / f"{gpu_name}.log",
-                                              ["--vram-mib", str(vram_mib), *self.gpu_args])
+                                              ["--vram-mib", str(vram_mib), *p2p, *self.gpu_args])
                     self.gpu_servers[gpu_name] = server
                     server.start()
                 self.vms[vm.name] = vm

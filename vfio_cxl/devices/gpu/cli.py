@@ -1,7 +1,8 @@
 """``vfio-cxl gpu serve``: run the GPU as a vfio-user server for QEMU.
 
     vfio-cxl gpu serve --socket PATH [--vram-mib N] [--vendor-id 0x0601]
-                       [--device-id 0x1991] [--irq-mode msix|msi] [--message-timeout S] [-v]
+                       [--device-id 0x1991] [--irq-mode msix|msi] [--message-timeout S]
+                       [--share-vram PATH] [--peer PATH ...] [-v]
 
 Prints exactly one line, ``READY <socket path>``, on stdout once the socket
 listens (the lab starts QEMU only after it).  SIGTERM or SIGINT stop it
@@ -50,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(4 vectors, no BAR4; QEMU 11.1 can hot-remove it)")
     serve.add_argument("--message-timeout", type=float, default=2.0, metavar="S",
                        help="give up on a message that stops arriving midway (default 2 s)")
+    serve.add_argument("--share-vram", metavar="PATH",
+                       help="UNIX socket on which peer GPU servers fetch this GPU's VRAM fd (P2P)")
+    serve.add_argument("--peer", action="append", default=[], metavar="PATH",
+                       help="a peer GPU's --share-vram socket (repeatable): enables the proven "
+                            "P2P fast path into its VRAM (docs/gpu-device.md, P2P)")
     serve.add_argument("-v", "--verbose", action="store_true",
                        help="log every vfio-user message (debug level)")
     return parser
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s gpu %(levelname)s %(name)s: %(message)s")
     try:
         device = GpuDevice(args.vram_mib * regs.MIB, args.vendor_id, args.device_id,
-                           irq_mode=args.irq_mode)
+                           irq_mode=args.irq_mode, share_vram=args.share_vram, peers=args.peer)
     except ValueError as exc:
         print(f"vfio-cxl gpu: {exc}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ import os
 
 from ..vfio_user import wire
 from ..vfio_user.dma import DmaPort
+from ..vfio_user.peer import MemoryShare, PeerSet
 from ..vfio_user.irq import IrqTable, irq_types
 from ..vfio_user.pci_config import BAR_MEM_64, BAR_PREFETCH, Bar, MsixLayout, PciConfig, PciIdentity
 from ..vfio_user.server import Region
@@ -48,7 +49,10 @@ def pci_config(vendor_id: int, device_id: int, vram_size: int, irq_mode: str = "
 class GpuDevice:
     def __init__(self, vram_size: int = regs.DEFAULT_VRAM_SIZE,
                  vendor_id: int = regs.PCI_VENDOR_ID, device_id: int = regs.PCI_DEVICE_ID,
-                 irq_mode: str = "msix"):
+                 irq_mode: str = "msix", share_vram: str | None = None,
+                 peers: list[str] = ()):
+        """``share_vram``: a UNIX socket path on which peer GPU servers get our VRAM
+        fd; ``peers``: their share paths (the P2P fast path, docs/gpu-device.md)."""
         if irq_mode not in IRQ_MODES:
             raise ValueError(f"interrupt mode {irq_mode!r} is not one of {', '.join(IRQ_MODES)}")
         self.irq_mode = irq_mode
@@ -61,6 +65,9 @@ class GpuDevice:
         os.ftruncate(self.vram_fd, vram_size)
         self._vram_mm = mmap.mmap(self.vram_fd, vram_size, flags=mmap.MAP_SHARED)
         self.vram = memoryview(self._vram_mm)
+
+        self.peers = PeerSet(list(peers))
+        self.share = MemoryShare(share_vram, self.vram_fd, vram_size) if share_vram else None
 
         self.config = pci_config(vendor_id, device_id, vram_size, irq_mode)
         msi = irq_mode == "msi"
@@ -95,6 +102,9 @@ class GpuDevice:
 
     def close(self) -> None:
         self.stop()
+        if self.share is not None:
+            self.share.close()
+        self.peers.close()
         self.irqs.close_all()
         self.vram.release()
         try:
@@ -107,7 +117,8 @@ class GpuDevice:
     # ================================================================ client events
     def connect(self, conn) -> None:
         """A client connected: its DMA table and message path become the bus-master port."""
-        self.engine.input(Input.CONNECT, DmaPort(conn.table, conn, self.engine.gate))
+        self.engine.input(Input.CONNECT, DmaPort(conn.table, conn, self.engine.gate, self.peers,
+                                                 self.engine.peer_fast_enabled))
 
     def disconnect(self) -> None:
         self.engine.input(Input.DISCONNECT)

@@ -141,6 +141,8 @@ class Engine:
                 r.intr_status &= ~(value & mask)
             elif reg == regs.REG_SCRATCH:
                 r.scratch = (r.scratch & ~mask) | (value & mask)
+            elif reg == regs.REG_P2P_CONTROL:
+                r.p2p_control = ((r.p2p_control & ~mask) | (value & mask)) & regs.P2P_FAST_DISABLE
             elif reg in RING_CONFIG:
                 if state is State.IDLE:
                     r.set_ring_config(reg, value, mask)
@@ -250,7 +252,15 @@ class Engine:
     def reg_value(self, reg: int) -> int:
         """Caller holds ``lock``."""
         control = regs.CONTROL_ENABLE if self.state is State.RUNNING else 0
+        if reg == regs.REG_P2P_PEER_KIB:
+            return (self.port.peer_bytes >> 10) & 0xFFFFFFFF if self.port else 0
+        if reg == regs.REG_P2P_PROOFS:
+            return self.port.proofs & 0xFFFFFFFF if self.port else 0
         return self.regs.value(reg, self.status(), control)
+
+    def peer_fast_enabled(self) -> bool:
+        """REG_P2P_CONTROL allows the peer fast path (read without the lock: one int)."""
+        return not self.regs.p2p_control & regs.P2P_FAST_DISABLE
 
     # ================================================================ the engine thread
     def _runnable(self) -> bool:

@@ -35,6 +35,7 @@ class RegisterFile:
         self.ring_base = self.ring_size = self.head = self.tail = 0
         self.compl_base = self.completed = 0
         self.err_status = self.err_index = self.err_addr = self.err_errno = 0
+        self.p2p_control = 0
 
     def latch_error(self, status: int, index: int, addr: int, err: int) -> None:
         self.err_status, self.err_index = int(status), index & 0xFFFFFFFF
@@ -83,6 +84,7 @@ class RegisterFile:
             regs.REG_ERR_ADDR_LO: self.err_addr & 0xFFFFFFFF,
             regs.REG_ERR_ADDR_HI: (self.err_addr >> 32) & 0xFFFFFFFF,
             regs.REG_ERR_ERRNO: self.err_errno,
+            regs.REG_P2P_CONTROL: self.p2p_control,
         }
         return values.get(reg, 0)
 

@@ -88,12 +88,19 @@ REG_ERR_ADDR_LO = 0x088  # RO  failing IOVA / VRAM offset / tail value
 REG_ERR_ADDR_HI = 0x08C  # RO
 REG_ERR_ERRNO = 0x090  # RO  errno from the client's DMA error reply, else 0
 
+REG_P2P_CONTROL = 0x0A0  # RW  P2P_* bits (peer fast path, docs/gpu-device.md "P2P")
+REG_P2P_PEER_KIB = 0x0A4  # RO  KiB moved by the peer fast path since connect (wraps)
+REG_P2P_PROOFS = 0x0A8  # RO  peer mappings proven since connect (wraps)
+
 ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
 DEVICE_VERSION = 0x00010000  # 1.0
 
 # REG_CONTROL bits
 CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE
 CONTROL_RESET = 1 << 1  # write 1: reset the device (-> IDLE, no vector); reads back 0
+
+# REG_P2P_CONTROL bits
+P2P_FAST_DISABLE = 1 << 0  # 1: never use the peer fast path (all peer DMA as messages)
 
 # REG_STATUS bits
 STATUS_ENABLED = 1 << 0  # state RUNNING
@@ -185,7 +192,7 @@ def reset_values(vram_size: int = DEFAULT_VRAM_SIZE) -> dict[int, int]:
         REG_RING_BASE_LO, REG_RING_BASE_HI, REG_RING_SIZE, REG_RING_HEAD,
         REG_RING_TAIL, REG_COMPL_BASE_LO, REG_COMPL_BASE_HI, REG_COMPLETED,
         REG_ERR_STATUS, REG_ERR_DESC_INDEX, REG_ERR_ADDR_LO, REG_ERR_ADDR_HI,
-        REG_ERR_ERRNO,
+        REG_ERR_ERRNO, REG_P2P_CONTROL, REG_P2P_PEER_KIB, REG_P2P_PROOFS,
     ):
         values[reg] = 0
     return values

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 IOVA_LIMIT = 1 << 64
 MAX_MAPPINGS = 65535
 DIRECT_CHUNK = 2 << 20  # bytes copied per table-lock hold
+NONCE_SIZE = 16  # bytes of each peer-proof nonce
+PEER_PAGE = 4096  # a peer mapping starts page-aligned in the peer's memory
 
 
 class FaultKind(IntEnum):
@@ -162,12 +164,18 @@ def _seals(fd: int) -> int:
 
 
 class Mapping:
-    __slots__ = ("iova", "size", "flags", "file", "file_offset")
+    __slots__ = ("iova", "size", "flags", "file", "file_offset", "peer", "peer_offset", "probed")
 
     def __init__(self, iova: int, size: int, flags: int,
                  file: ClientFile | None, file_offset: int):
         self.iova, self.size, self.flags = iova, size, flags
         self.file, self.file_offset = file, file_offset
+        # peer fast path: set only with a proof that this IOVA range is backed by
+        # peer memory ``peer`` at ``peer_offset`` (DmaPort._prove); never inherited
+        # by pieces, dropped by release() (DMA_UNMAP)
+        self.peer = None
+        self.peer_offset = 0
+        self.probed = False  # a proof was tried and failed: message path for good
 
     @property
     def end(self) -> int:
@@ -178,12 +186,13 @@ class Mapping:
         return self.file is not None
 
     def release(self) -> None:
+        self.peer = None  # the proof dies with the mapping
         if self.file is not None:
             self.file.drop()
             self.file = None
 
     def __repr__(self) -> str:
-        kind = "fd" if self.direct else "msg"
+        kind = "fd" if self.direct else ("peer" if self.peer is not None else "msg")
         return f"<Mapping {self.iova:#x}+{self.size:#x} {kind} flags={self.flags}>"
 
 
@@ -321,12 +330,19 @@ class DmaPort:
     """
 
     def __init__(self, table: DmaTable, messages: MessagePath | None,
-                 gate: threading.Lock | None = None):
+                 gate: threading.Lock | None = None, peers=None,
+                 peer_enabled: Callable[[], bool] = lambda: True):
         self.table = table
         self.messages = messages
         self.gate = gate if gate is not None else threading.Lock()
+        self.peers = peers  # peer.PeerSet or None: peer memories we may prove mappings into
+        self.peer_enabled = peer_enabled
         self.direct_bytes = 0
         self.message_bytes = 0
+        self.peer_bytes = 0  # moved by the peer fast path
+        self.probes = 0  # proofs attempted
+        self.proofs = 0  # proofs that held
+        self._hint = None  # (peer, iova, offset) of the last proof: where the next piece likely is
 
     def write(self, iova: int, data, stale: Callable[[], bool] = _never) -> None:
         """Device -> host memory."""
@@ -356,6 +372,42 @@ class DmaPort:
         except DmaFault as fault:
             fault.done = done[0]
             raise
+
+    def _prove(self, m: Mapping, at: int, room: int, stale):
+        """Proof that mapping ``m`` is backed by a peer's memory, or None.
+
+        Writes a fresh random nonce through the IOVA (DMA_WRITE messages: the
+        client translates them through its IOMMU) at the first and the last
+        NONCE_SIZE bytes of [at, at+room) -- bytes this transfer overwrites
+        anyway -- and looks for both in each peer's memory at offsets that
+        fit: page-aligned start of ``m``, all of ``m`` inside the peer memory,
+        the two nonces ``room - NONCE_SIZE`` apart.  Returns (peer, offset of
+        m.iova in the peer's memory)."""
+        self.probes += 1
+        first, last = at, at + room - NONCE_SIZE
+        n1, n2 = os.urandom(NONCE_SIZE), os.urandom(NONCE_SIZE)
+        self.messages.dma_write(first, memoryview(n1), stale)
+        self.messages.dma_write(last, memoryview(n2), stale)
+        rel1, rel2 = first - m.iova, last - m.iova
+
+        def holds(peer, o: int) -> bool:
+            return (o >= 0 and o % PEER_PAGE == 0 and o + m.size <= peer.size
+                    and peer.view[o + rel1:o + rel1 + NONCE_SIZE] == n1
+                    and peer.view[o + rel2:o + rel2 + NONCE_SIZE] == n2)
+
+        peers = self.peers.views()
+        if self._hint is not None:  # the next piece of the same mapping, most likely
+            hpeer, hiova, hoff = self._hint
+            guess = hoff + (m.iova - hiova)
+            if any(p is hpeer for p in peers) and holds(hpeer, guess):
+                return hpeer, guess
+        for peer in peers:
+            idx = peer.mm.find(n1)
+            while idx != -1:
+                if holds(peer, idx - rel1):
+                    return peer, idx - rel1
+                idx = peer.mm.find(n1, idx + 1)
+        return None
 
     def _move(self, iova: int, buf: memoryview, need: int, stale, done: list) -> None:
         length = len(buf)
@@ -393,9 +445,36 @@ class DmaPort:
                         pos += n
                         done[0] = pos
                         continue
+                    if m.peer is not None and self.peer_enabled():
+                        n = min(room, DIRECT_CHUNK)
+                        off = m.peer_offset + (at - m.iova)
+                        if to_host:
+                            m.peer.view[off:off + n] = buf[pos:pos + n]
+                        else:
+                            buf[pos:pos + n] = m.peer.view[off:off + n]
+                        self.peer_bytes += n
+                        pos += n
+                        done[0] = pos
+                        continue
             # message path, outside the locks: the replies come via the reader thread
             if self.messages is None:
                 raise DmaFault(FaultKind.CLOSED, at, errno.ENOTCONN, "no client connected")
+            if (to_host and self.peers and not m.probed and m.peer is None
+                    and room >= 2 * NONCE_SIZE and self.peer_enabled()):
+                try:
+                    proof = self._prove(m, at, room, stale)
+                except DmaFault as fault:
+                    done[0] = pos + fault.done
+                    raise
+                with self.table.lock:
+                    if self.table.find(at) is m and m.file is None:  # not unmapped meanwhile
+                        if proof is None:
+                            m.probed = True
+                        else:
+                            m.peer, m.peer_offset = proof
+                            self.proofs += 1
+                            self._hint = (proof[0], m.iova, proof[1])
+                            continue  # the fast path takes it from here
             try:
                 if to_host:
                     self.messages.dma_write(at, buf[pos:pos + room], stale)

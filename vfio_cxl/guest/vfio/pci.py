@@ -72,11 +72,14 @@ class VfioPciDevice:
     def open(cls, bdf: str, *, bind: bool = True, backend: str | None = None,
              iommu_types: tuple[int, ...] | None = None,
              sysfs: Sysfs | None = None, dev_vfio: str = DEV_VFIO, iommufd_path: str = iommufd.IOMMUFD_PATH,
-             ioctl: syscalls.IoctlFn = syscalls.ioctl) -> "VfioPciDevice":
+             ioctl: syscalls.IoctlFn = syscalls.ioctl,
+             container: Container | None = None) -> "VfioPciDevice":
         """Bind (unless ``bind=False``), attach and open ``bdf``; see the module docstring.
 
         ``sysfs``, ``dev_vfio``, ``iommufd_path`` and ``ioctl`` exist so tests can stand in
-        for the kernel.
+        for the kernel.  ``container``: join this caller-owned type1 container instead of
+        opening one, so several devices share one IOMMU context (peer-to-peer DMA); the
+        backend is then type1, and the caller owns the container and its mappings.
         """
         sysfs = sysfs or Sysfs()
         self = cls(normalize_bdf(bdf))
@@ -86,11 +89,12 @@ class VfioPciDevice:
                 stack.callback(self.binding.restore)
             else:
                 require_vfio_pci(self.bdf, sysfs)
-            self.backend = choose_backend(self.bdf, backend, sysfs=sysfs, iommufd_path=iommufd_path)
+            self.backend = ("type1" if container is not None else
+                            choose_backend(self.bdf, backend, sysfs=sysfs, iommufd_path=iommufd_path))
             if self.backend == "iommufd":
                 self._open_iommufd(stack, sysfs, dev_vfio, iommufd_path, ioctl)
             else:
-                self._open_type1(stack, sysfs, dev_vfio, iommu_types, ioctl)
+                self._open_type1(stack, sysfs, dev_vfio, iommu_types, ioctl, container)
             self.device.info  # fail now, inside the stack, if the fd is unusable
             self._stack = stack.pop_all()  # success: keep everything for close()
         return self
@@ -109,21 +113,27 @@ class VfioPciDevice:
         ctx.attach(fd, self.bdf)
 
     def _open_type1(self, stack: contextlib.ExitStack, sysfs: Sysfs, dev_vfio: str,
-                    iommu_types: tuple[int, ...] | None, ioctl: syscalls.IoctlFn) -> None:
+                    iommu_types: tuple[int, ...] | None, ioctl: syscalls.IoctlFn,
+                    shared: Container | None = None) -> None:
         group_number = iommu_group(self.bdf, sysfs)
 
-        self.container = self.iommu = Container.open(str(Path(dev_vfio) / Path(CONTAINER_PATH).name),
-                                                     ioctl=ioctl)
-        stack.callback(self.container.close)
+        if shared is not None:
+            self.container = self.iommu = shared
+        else:
+            self.container = self.iommu = Container.open(str(Path(dev_vfio) / Path(CONTAINER_PATH).name),
+                                                         ioctl=ioctl)
+            stack.callback(self.container.close)
         self.group = Group.open(group_number, dev_vfio=dev_vfio, ioctl=ioctl)
         stack.callback(self.group.close)
         self.group.require_viable(lambda: sysfs.group_members(group_number))
 
         self.group.set_container(self.container)
         stack.callback(self.group.unset_container)
-        self.container.set_iommu(iommu_types or tuple(IOMMU_TYPES))
-        # Mappings go before the group leaves: that drops the IOMMU and all its state.
-        stack.callback(self.container.unmap_all)
+        if self.container.iommu_type is None:
+            self.container.set_iommu(iommu_types or tuple(IOMMU_TYPES))
+        if shared is None:
+            # Mappings go before the group leaves: that drops the IOMMU and all its state.
+            stack.callback(self.container.unmap_all)
 
         self.device = Device(self.group.device_fd(self.bdf), self.bdf, ioctl=ioctl)
         stack.callback(self.device.close)

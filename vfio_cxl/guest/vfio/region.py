@@ -140,6 +140,21 @@ class Region:
                               "use read()/write(), or stay inside RegionInfo.mmap_areas()")
         return memoryview(area.map)[offset - area.start: offset - area.start + length]
 
+    def mmap_object(self):
+        """The one mmap covering the whole region (e.g. to DMA-map a BAR for a peer device).
+
+        RegionError when the region is not mmappable as a whole (no mmap flag,
+        or sparse areas that leave holes)."""
+        if not self.info.mmappable:
+            raise RegionError(f"{self.name} is not mmappable (the device did not set VFIO_REGION_INFO_FLAG_MMAP)",
+                              "map a BAR the device offers for mmap (the GPU's BAR2, its VRAM)")
+        self.map()
+        area = self._area(0, self.size)
+        if area is None:
+            raise RegionError(f"{self.name} is mmappable only in parts ({self.info.mmap_areas()})",
+                              "map a region that is mmappable as a whole")
+        return area.map
+
     # -- byte access ---------------------------------------------------------
 
     def read(self, offset: int, length: int) -> bytes:
