@@ -79,6 +79,11 @@ def remove_stale_rundirs() -> None:
             shutil.rmtree(rundir, ignore_errors=True)
 
 
+def gpu_server_args(gpu) -> list[str]:
+    """The GPU server's options for a topology's ``[gpus.NAME]``: VRAM size, interrupt mode."""
+    return ["--vram-mib", str(gpu.vram >> 20), "--irq-mode", gpu.irq]
+
+
 class Lab:
     def __init__(self, topology: Topology, *, runtime: QemuRuntime | None = None,
                  image: GuestImage | None = None, accel: str = "tcg", ssh_port: int | None = None,
@@ -170,9 +175,8 @@ class Lab:
                         with open(vm.res.lsa_file(t3.name), "wb") as f:
                             f.truncate(t3.lsa_size)
                 for gpu_name, sock in vm.res.gpu_sockets.items():   # one server per GPU
-                    vram_mib = self.topology.gpus[gpu_name].vram >> 20
                     server = GpuServerProcess(sock, vm.res.rundir / f"{gpu_name}.log",
-                                              ["--vram-mib", str(vram_mib), *self.gpu_args])
+                                              [*gpu_server_args(self.topology.gpus[gpu_name]), *self.gpu_args])
                     self.gpu_servers[gpu_name] = server
                     server.start()
                 self.vms[vm.name] = vm
