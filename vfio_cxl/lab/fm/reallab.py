@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
-from ..lab import Lab
+from ...errors import LabError
+from ..gpu_process import GpuServerProcess
+from ..lab import Lab, gpu_server_args
 from ..logs import archive_logs
 from .manager import Child
 
@@ -41,8 +45,9 @@ class RealLab:
                                files={"console_log": str(vm.res.console_log), "qemu_log": str(vm.qemu_log)}))
         for gpu, owner in gpu_names(self.lab).items():
             server = self.lab.gpu_servers[gpu]
-            found.append(Child("gpu", gpu, server.process, owner=owner,
-                               files={"socket": str(server.socket), "log": str(server.log)}))
+            spec = self.lab.topology.gpus[gpu]
+            found.append(Child("gpu", gpu, server.process, owner=owner, port=spec.at or spec.root_port,
+                               dev_id=gpu, files={"socket": str(server.socket), "log": str(server.log)}))
         return found
 
     def ssh_info(self, vm: str) -> dict:
@@ -64,6 +69,76 @@ class RealLab:
                     pass
                 machine.qmp = None
             return f"unresponsive ({type(err).__name__})"
+
+    # -- the fabric: GPU servers, QMP hot-plug, the guest's view ---------------------------
+    def gpu_specs(self) -> dict[str, dict]:
+        """Every GPU of the topology: initial owner, interrupt mode, VRAM size."""
+        return {name: {"owner": g.owner, "irq": g.irq, "vram_mib": g.vram >> 20}
+                for name, g in self.lab.topology.gpus.items()}
+
+    def hotplug_ports(self, vm: str) -> list[str]:
+        return self.lab.topology.vm(vm).hotplug_port_ids()
+
+    def start_server(self, gpu: str, generation: int) -> tuple:
+        """A fresh GPU server (fresh VRAM: a new zeroed memfd); (Popen, files)."""
+        fabric = self.rundir / "fabric"
+        fabric.mkdir(exist_ok=True)
+        old = self.lab.gpu_servers.pop(gpu, None)
+        if old is not None:
+            old.stop()
+        server = GpuServerProcess(fabric / f"{gpu}.{generation}.sock", fabric / f"{gpu}.{generation}.log",
+                                  [*gpu_server_args(self.lab.topology.gpus[gpu]), *self.lab.gpu_args])
+        server.start()
+        self.lab.gpu_servers[gpu] = server
+        return server.process, {"socket": str(server.socket), "log": str(server.log)}
+
+    def stop_server(self, gpu: str) -> None:
+        server = self.lab.gpu_servers.pop(gpu, None)
+        if server is not None:
+            server.stop()
+
+    def _qmp(self, vm: str):
+        machine = self.lab.vms[vm]
+        qmp = machine.connect_qmp(timeout=5)
+        qmp.settimeout(10)
+        return qmp
+
+    def device_add(self, vm: str, dev_id: str, port: str, socket: str) -> None:
+        answer = self._qmp(vm).cmd_obj({"execute": "device_add", "arguments": {
+            "driver": "vfio-user-pci", "id": dev_id, "bus": port,
+            "socket": {"type": "unix", "path": socket}}})
+        if "error" in answer:
+            raise LabError(f"QEMU of VM {vm} refused device_add of {dev_id} on {port}: "
+                           f"{answer['error'].get('desc')}", f"see {self.lab.vms[vm].qemu_log}")
+
+    def device_del(self, vm: str, dev_id: str) -> None:
+        answer = self._qmp(vm).cmd_obj({"execute": "device_del", "arguments": {"id": dev_id}})
+        if "error" in answer:
+            raise LabError(f"QEMU of VM {vm} refused device_del of {dev_id}: {answer['error'].get('desc')}",
+                           f"see {self.lab.vms[vm].qemu_log}")
+
+    def wait_deleted(self, vm: str, dev_id: str, timeout: float) -> bool:
+        """True once QEMU reports DEVICE_DELETED for dev_id (the guest let go), False on timeout."""
+        qmp = self._qmp(vm)
+        deadline = time.monotonic() + timeout
+        for event in qmp.get_events(wait=False):
+            if event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
+                qmp.clear_events()
+                return True
+        qmp.clear_events()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = qmp.pull_event(wait=left)
+            except Exception:   # timeout
+                return False
+            if event and event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
+                return True
+        return False
+
+    def guest(self, vm: str, args: str, timeout: float = 60) -> dict:
+        """Run the guest's `vfio-cxl` CLI over SSH; its JSON answer."""
+        out = self.lab.vms[vm].run(f"python3 -m vfio_cxl.guest.cli {args} --json", timeout=timeout)
+        return json.loads(out.stdout)
 
     def stop_processes(self) -> None:
         for vm in self.lab.vms.values():
