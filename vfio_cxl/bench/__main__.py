@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "chaos": "vfio_cxl.bench.chaos",
     "supervision": "vfio_cxl.bench.supervision",
     "channel": "vfio_cxl.bench.channel",
+    "fabric": "vfio_cxl.bench.fabric",
 }
 
 

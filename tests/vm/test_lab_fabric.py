@@ -1,0 +1,148 @@
+"""GPUs that move between hosts at run time: the `fabric` topology, detached, driven like a user
+(`vfio-cxl fm assign|release|restart` as separate processes, `vfio-cxl gpu ...` in the guests over
+`vfio-cxl vm ssh`).  Real QEMU hot-plug (QMP device_add / device_del, ACPI), the guests' real
+vfio-pci and intel-iommu, real devdax.  Figures are printed (pytest -s or -rA shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from vfio_cxl.lab.fm import registry
+from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning
+
+from .test_lab_fm import Detached, EventFollower, detached, vfio_cxl  # noqa: F401 (fixture)
+
+ROUND_TRIPS = int(os.environ.get("VFIO_CXL_FABRIC_ROUND_TRIPS", "10"))
+TAG = "secret of host a"
+
+
+def gpu_ls(lab: Detached, vm: str) -> list[dict]:
+    result = lab.ssh(vm, "vfio-cxl", "gpu", "ls", "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["gpus"]
+
+
+def gpu_dma(lab: Detached, vm: str) -> dict:
+    result = lab.ssh(vm, "vfio-cxl", "gpu", "dma", "--json")
+    assert result.returncode == 0, f"gpu dma in {vm}: {result.stdout} {result.stderr}"
+    answer = json.loads(result.stdout)
+    assert answer["match"] and answer["sha256_read"] == answer["sha256_expected"]
+    return answer
+
+
+def vram_read(lab: Detached, vm: str) -> dict:
+    result = lab.ssh(vm, "vfio-cxl", "gpu", "vram-read", "--length", str(len(TAG)), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def fm(lab: Detached, *args: str) -> dict:
+    result = vfio_cxl("fm", *args, "--lab", lab.name, "--json", timeout=300)
+    assert result.returncode == 0, f"fm {' '.join(args)}: {result.stderr}"
+    return json.loads(result.stdout)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
+    lab = detached("fabric")
+    status = lab.status()
+    assert status["gpus"]["gpu0"]["owner"] == "a" and status["gpus"]["gpu0"]["state"] == "attached"
+    assert status["gpus"]["gpu1"] == {**status["gpus"]["gpu1"], "owner": None, "state": "free",
+                                      "server_pid": None}
+    assert status["free_hotplug_ports"] == {"a": ["hp0"], "b": ["hp0"]}
+    gpu_dma(lab, "a")
+
+    # Scrubbed by default: a writes a tag, the GPU moves, b reads zeros.
+    assert lab.ssh("a", "vfio-cxl", "gpu", "vram-write", TAG).returncode == 0
+    moved = fm(lab, "assign", "gpu0", "b")
+    print(f"\nmove a->b (scrubbed): release {moved['release_s']:.2f} s, scrub {moved['scrub_s']:.2f} s, "
+          f"attach {moved['attach_s']:.2f} s, full move {moved['move_s']:.2f} s")
+    assert gpu_ls(lab, "a") == []
+    (seen,) = gpu_ls(lab, "b")
+    assert seen["driver"] == "vfio-pci" and seen["iommu_group"] is not None
+    gpu_dma(lab, "b")
+    status = lab.status()["gpus"]["gpu0"]
+    assert (status["owner"], status["state"], status["scrubbed"]) == ("b", "attached", True)
+    # gpu dma wrote its payload at VRAM offset 0; the tag lives at 8 MiB, untouched by it.
+    assert vram_read(lab, "b")["zero"], "b read a's VRAM after a scrubbed move"
+
+    # Kept: b writes a tag, the GPU moves with --keep-vram, a reads it back.
+    assert lab.ssh("b", "vfio-cxl", "gpu", "vram-write", TAG).returncode == 0
+    moved = fm(lab, "assign", "gpu0", "a", "--keep-vram")
+    assert moved["scrubbed"] is False
+    assert bytes.fromhex(vram_read(lab, "a")["hex"]) == TAG.encode()
+    assert lab.status()["gpus"]["gpu0"]["scrubbed"] is False
+
+    # Round trips, gpu dma after each; then count what the FM holds.
+    fm_pid = lab.record.fm["pid"]
+    fds_before = open_fds(fm_pid)
+    procs_before = len(processes_mentioning(lab.record.rundir))
+    files_before = sorted(str(p) for p in __import__("pathlib").Path(lab.record.rundir).rglob("*"))
+    moves = []
+    for i in range(ROUND_TRIPS):
+        for vm in ("b", "a"):
+            moves.append(fm(lab, "assign", "gpu0", vm)["move_s"])
+            assert len(gpu_ls(lab, vm)) == 1
+            gpu_dma(lab, vm)
+    print(f"{ROUND_TRIPS} round trips a<->b: full move min {min(moves):.2f} s, "
+          f"max {max(moves):.2f} s, mean {sum(moves) / len(moves):.2f} s")
+    files_after = sorted(str(p) for p in __import__("pathlib").Path(lab.record.rundir).rglob("*"))
+    leaked = {"fds": open_fds(fm_pid) - fds_before,
+              "processes": len(processes_mentioning(lab.record.rundir)) - procs_before,
+              "files": len(set(files_after) ^ set(files_before)) - _renamed(files_before, files_after)}
+    print(f"after {2 * ROUND_TRIPS} moves: {leaked}")
+    assert leaked == {"fds": 0, "processes": 0, "files": 0}, (files_before, files_after)
+
+    result = lab.down()
+    assert result.returncode == 0, result.stderr
+    assert lab.leftovers() == {"processes": 0, "sockets": 0, "rundir_files": 0, "records": 0}
+
+
+def _renamed(before: list[str], after: list[str]) -> int:
+    """A fresh server per scrubbed move has a new socket and log name (gpu0.N.sock): the same
+    number of files, other names."""
+    gone, new = set(before) - set(after), set(after) - set(before)
+    return 2 * min(len(gone), len(new))
+
+
+def test_msix_gpu_release_is_refused_with_the_reason(detached):
+    lab = detached("single")
+    result = vfio_cxl("fm", "release", "gpu0", "--lab", lab.name)
+    assert result.returncode == 1
+    assert "MSI-X" in result.stderr and 'irq = "msi"' in result.stderr and "Traceback" not in result.stderr
+    assert lab.status()["gpus"]["gpu0"]["state"] == "attached"
+    gpu_dma(lab, "host0")
+    assert lab.down().returncode == 0
+
+
+def test_dead_vm_frees_its_gpu_for_the_other(detached):
+    lab = detached("fabric")
+    events = EventFollower(lab.name)
+    try:
+        qemu_pid = lab.status()["vms"]["a"]["qemu_pid"]
+        t_kill = time.time()
+        os.kill(qemu_pid, signal.SIGKILL)
+        died = events.until("vm-died")
+        freed = events.until("gpu-freed")
+        print(f"\nVM a killed: reported after {died['time'] - t_kill:.3f} s, gpu0 free after "
+              f"{freed['time'] - t_kill:.3f} s")
+        assert died["time"] - t_kill < 1.0
+        status = lab.status()
+        assert status["vms"]["a"]["state"] == "dead"
+        gpu = status["gpus"]["gpu0"]
+        assert (gpu["owner"], gpu["state"], gpu["scrubbed"]) == (None, "free", True)
+        assert ProcessId.of(gpu["server_pid"]) is not None
+        fm(lab, "assign", "gpu0", "b")
+        gpu_dma(lab, "b")
+        assert lab.status()["gpus"]["gpu0"]["owner"] == "b"
+    finally:
+        events.close()
+    assert lab.down().returncode == 0
+    assert not any(r.name == lab.name for r in registry.records())
