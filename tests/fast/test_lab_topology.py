@@ -151,9 +151,9 @@ def test_single_and_shared_keep_their_shape():
     assert shared.links[0].vms == ("a", "b")
 
 
-def test_fabric_has_an_unowned_gpu_and_free_hotplug_ports():
+def test_fabric_has_a_gpu_per_host_and_free_hotplug_ports():
     fabric = topology.load("fabric")
-    assert {g.name: g.owner for g in fabric.gpus.values()} == {"gpu0": "a", "gpu1": None}
+    assert {g.name: g.owner for g in fabric.gpus.values()} == {"gpu0": "a", "gpu1": "b"}
     assert [vm.hotplug_port_ids() for vm in fabric.vms] == [["hp0"], ["hp0"]]
     assert fabric.gpus["gpu1"].irq == "msi" and fabric.gpus["gpu0"].irq == "msi" and fabric.gpus["gpu1"].vram == 64 << 20
 

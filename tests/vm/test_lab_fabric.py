@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning
@@ -26,16 +27,16 @@ def gpu_ls(lab: Detached, vm: str) -> list[dict]:
     return json.loads(result.stdout)["gpus"]
 
 
-def gpu_dma(lab: Detached, vm: str) -> dict:
-    result = lab.ssh(vm, "vfio-cxl", "gpu", "dma", "--json")
+def gpu_dma(lab: Detached, vm: str, bdf: str) -> dict:
+    result = lab.ssh(vm, "vfio-cxl", "gpu", "dma", "--gpu", bdf, "--json")
     assert result.returncode == 0, f"gpu dma in {vm}: {result.stdout} {result.stderr}"
     answer = json.loads(result.stdout)
     assert answer["match"] and answer["sha256_read"] == answer["sha256_expected"]
     return answer
 
 
-def vram_read(lab: Detached, vm: str) -> dict:
-    result = lab.ssh(vm, "vfio-cxl", "gpu", "vram-read", "--length", str(len(TAG)), "--json")
+def vram_read(lab: Detached, vm: str, bdf: str) -> dict:
+    result = lab.ssh(vm, "vfio-cxl", "gpu", "vram-read", "--gpu", bdf, "--length", str(len(TAG)), "--json")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -51,49 +52,53 @@ def open_fds(pid: int) -> int:
 
 
 def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
+    """gpu0 starts in a, gpu1 in b (fabric); gpu0 moves to b's hot-plug port and back."""
     lab = detached("fabric")
     status = lab.status()
-    assert status["gpus"]["gpu0"]["owner"] == "a" and status["gpus"]["gpu0"]["state"] == "attached"
-    assert status["gpus"]["gpu1"] == {**status["gpus"]["gpu1"], "owner": None, "state": "free",
-                                      "server_pid": None}
+    assert {n: (g["owner"], g["state"]) for n, g in status["gpus"].items()} == {
+        "gpu0": ("a", "attached"), "gpu1": ("b", "attached")}
     assert status["free_hotplug_ports"] == {"a": ["hp0"], "b": ["hp0"]}
-    gpu_dma(lab, "a")
+    (in_a,) = gpu_ls(lab, "a")
+    (gpu1_in_b,) = gpu_ls(lab, "b")
+    gpu_dma(lab, "a", in_a["bdf"])
 
     # Scrubbed by default: a writes a tag, the GPU moves, b reads zeros.
-    assert lab.ssh("a", "vfio-cxl", "gpu", "vram-write", TAG).returncode == 0
+    assert lab.ssh("a", "vfio-cxl", "gpu", "vram-write", "--gpu", in_a["bdf"], TAG).returncode == 0
     moved = fm(lab, "assign", "gpu0", "b")
     print(f"\nmove a->b (scrubbed): release {moved['release_s']:.2f} s, scrub {moved['scrub_s']:.2f} s, "
           f"attach {moved['attach_s']:.2f} s, full move {moved['move_s']:.2f} s")
     assert gpu_ls(lab, "a") == []
-    (seen,) = gpu_ls(lab, "b")
-    assert seen["driver"] == "vfio-pci" and seen["iommu_group"] is not None
-    gpu_dma(lab, "b")
+    in_b = {g["bdf"]: g for g in gpu_ls(lab, "b")}
+    assert set(in_b) == {gpu1_in_b["bdf"], moved["bdf"]}
+    assert in_b[moved["bdf"]]["driver"] == "vfio-pci" and in_b[moved["bdf"]]["iommu_group"] is not None
+    gpu_dma(lab, "b", moved["bdf"])
     status = lab.status()["gpus"]["gpu0"]
-    assert (status["owner"], status["state"], status["scrubbed"]) == ("b", "attached", True)
+    assert (status["owner"], status["state"], status["scrubbed"], status["port"]) == ("b", "attached", True, "hp0")
     # gpu dma wrote its payload at VRAM offset 0; the tag lives at 8 MiB, untouched by it.
-    assert vram_read(lab, "b")["zero"], "b read a's VRAM after a scrubbed move"
+    assert vram_read(lab, "b", moved["bdf"])["zero"], "b read a's VRAM after a scrubbed move"
 
     # Kept: b writes a tag, the GPU moves with --keep-vram, a reads it back.
-    assert lab.ssh("b", "vfio-cxl", "gpu", "vram-write", TAG).returncode == 0
+    assert lab.ssh("b", "vfio-cxl", "gpu", "vram-write", "--gpu", moved["bdf"], TAG).returncode == 0
     moved = fm(lab, "assign", "gpu0", "a", "--keep-vram")
     assert moved["scrubbed"] is False
-    assert bytes.fromhex(vram_read(lab, "a")["hex"]) == TAG.encode()
+    assert bytes.fromhex(vram_read(lab, "a", moved["bdf"])["hex"]) == TAG.encode()
     assert lab.status()["gpus"]["gpu0"]["scrubbed"] is False
 
     # Round trips, gpu dma after each; then count what the FM holds.
     fm_pid = lab.record.fm["pid"]
     fds_before = open_fds(fm_pid)
     procs_before = len(processes_mentioning(lab.record.rundir))
-    files_before = sorted(str(p) for p in __import__("pathlib").Path(lab.record.rundir).rglob("*"))
+    files_before = sorted(str(p) for p in Path(lab.record.rundir).rglob("*"))
     moves = []
     for i in range(ROUND_TRIPS):
         for vm in ("b", "a"):
-            moves.append(fm(lab, "assign", "gpu0", vm)["move_s"])
-            assert len(gpu_ls(lab, vm)) == 1
-            gpu_dma(lab, vm)
+            moved = fm(lab, "assign", "gpu0", vm)
+            moves.append(moved["move_s"])
+            assert moved["bdf"] in [g["bdf"] for g in gpu_ls(lab, vm)]
+            gpu_dma(lab, vm, moved["bdf"])
     print(f"{ROUND_TRIPS} round trips a<->b: full move min {min(moves):.2f} s, "
           f"max {max(moves):.2f} s, mean {sum(moves) / len(moves):.2f} s")
-    files_after = sorted(str(p) for p in __import__("pathlib").Path(lab.record.rundir).rglob("*"))
+    files_after = sorted(str(p) for p in Path(lab.record.rundir).rglob("*"))
     leaked = {"fds": open_fds(fm_pid) - fds_before,
               "processes": len(processes_mentioning(lab.record.rundir)) - procs_before,
               "files": len(set(files_after) ^ set(files_before)) - _renamed(files_before, files_after)}
@@ -118,7 +123,8 @@ def test_msix_gpu_release_is_refused_with_the_reason(detached):
     assert result.returncode == 1
     assert "MSI-X" in result.stderr and 'irq = "msi"' in result.stderr and "Traceback" not in result.stderr
     assert lab.status()["gpus"]["gpu0"]["state"] == "attached"
-    gpu_dma(lab, "host0")
+    (gpu,) = gpu_ls(lab, "host0")
+    gpu_dma(lab, "host0", gpu["bdf"])
     assert lab.down().returncode == 0
 
 
@@ -139,8 +145,8 @@ def test_dead_vm_frees_its_gpu_for_the_other(detached):
         gpu = status["gpus"]["gpu0"]
         assert (gpu["owner"], gpu["state"], gpu["scrubbed"]) == (None, "free", True)
         assert ProcessId.of(gpu["server_pid"]) is not None
-        fm(lab, "assign", "gpu0", "b")
-        gpu_dma(lab, "b")
+        moved = fm(lab, "assign", "gpu0", "b")
+        gpu_dma(lab, "b", moved["bdf"])
         assert lab.status()["gpus"]["gpu0"]["owner"] == "b"
     finally:
         events.close()

@@ -76,17 +76,23 @@ def _bound(bdf: str | None = None) -> str:
 
 
 def cmd_bind(args) -> int:
+    """Wait until the VM has ``--count`` GPUs (a hot-plugged one has appeared), bind every one
+    to vfio-pci; print them."""
     deadline = time.monotonic() + args.wait
     while True:
         found = _gpus()
-        if found or time.monotonic() >= deadline:
+        if len(found) >= args.count or time.monotonic() >= deadline:
             break
         time.sleep(0.05)   # polling sysfs for the hot-plugged device (no udev daemon in the guest)
-    if not found:
-        raise VfioError(f"no GPU appeared within {args.wait:.0f} s", "is it plugged in? (vfio-cxl fm status)")
-    bdf = _bound(args.gpu or (found[0] if len(found) == 1 else None))
-    info = describe(bdf)
-    print(json.dumps(info) if args.json else f"{bdf} bound to {info['driver']}")
+    if len(found) < args.count:
+        raise VfioError(f"{len(found)} GPU(s) after {args.wait:.0f} s, expected {args.count}",
+                        "is it plugged in? (vfio-cxl fm status on the host; dmesg here)")
+    new = [bdf for bdf in found if Sysfs().driver(bdf) != "vfio-pci"]
+    for bdf in ([args.gpu] if args.gpu else found):
+        bind_vfio_pci(bdf)
+    info = {"gpus": [describe(bdf) for bdf in found], "new": new,
+            "bdf": new[-1] if new else found[-1], "driver": "vfio-pci"}
+    print(json.dumps(info) if args.json else "\n".join(f"{g['bdf']} bound to {g['driver']}" for g in info["gpus"]))
     return 0
 
 
@@ -161,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_dma)
     p = gpu.add_parser("bind", help="wait for a GPU and bind it to vfio-pci")
     p.add_argument("--wait", type=float, default=0, metavar="S")
+    p.add_argument("--count", type=int, default=1, help="wait until there are this many GPUs")
     p.add_argument("--gpu", metavar="BDF")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bind)

@@ -309,7 +309,9 @@ class FabricManager:
             fabric.device_add(vm, dev_id, port, gpu.files["socket"])
             gpu.owner, gpu.dev_id, gpu.port = vm, dev_id, port
             t_add = time.monotonic() - t0
-            seen = fabric.guest(vm, f"gpu bind --wait {BIND_TIMEOUT:.0f}", timeout=BIND_TIMEOUT + 30)
+            count = sum(1 for g in self.gpus.values() if g.owner == vm)   # this one included
+            seen = fabric.guest(vm, f"gpu bind --wait {BIND_TIMEOUT:.0f} --count {count}",
+                                timeout=BIND_TIMEOUT + 30)
         except BaseException:
             self._set_child_state(gpu, "failed")
             raise
