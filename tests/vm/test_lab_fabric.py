@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning
+from vfio_cxl.paths import REPO_ROOT
 
 from .test_lab_fm import Detached, EventFollower, detached, vfio_cxl  # noqa: F401 (fixture)
 
@@ -152,3 +156,49 @@ def test_dead_vm_frees_its_gpu_for_the_other(detached):
         events.close()
     assert lab.down().returncode == 0
     assert not any(r.name == lab.name for r in registry.records())
+
+
+WAITER = r"""
+import os, sys, time
+from vfio_cxl.guest.gpu_driver import GpuDriver, GpuError
+gpu = GpuDriver.open(sys.argv[1])
+print("waiting", flush=True)
+try:
+    gpu.wait([], timeout=60)    # nothing submitted: waits on the GPU's interrupts
+except GpuError as err:
+    print(f"guest-error {time.time():.3f} {type(err).__name__}: {err.what}", flush=True)
+    os._exit(3)
+"""
+
+
+def test_killed_gpu_server_is_reported_and_the_guest_errs_promptly(detached):
+    lab = detached("fabric")
+    (gpu,) = gpu_ls(lab, "a")
+    gpu_dma(lab, "a", gpu["bdf"])
+    events = EventFollower(lab.name)
+    waiter = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "ssh", "--lab", lab.name, "a", "--",
+                               "python3", "-c", WAITER, gpu["bdf"]], stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.PIPE, cwd=REPO_ROOT)
+    try:
+        assert waiter.stdout.readline().strip() == "waiting", waiter.stderr.read()
+        server = lab.status()["gpus"]["gpu0"]["server_pid"]
+        t_kill = time.time()
+        os.kill(server, signal.SIGKILL)
+        died = events.until("gpu-server-died")
+        removal = events.until("gpu-surprise-removal")
+        ready, _, _ = select.select([waiter.stdout], [], [], 30)
+        line = waiter.stdout.readline() if ready else ""
+        print(f"\nGPU server killed: reported after {died['time'] - t_kill:.3f} s, device_del sent after "
+              f"{removal['time'] - t_kill:.3f} s; guest: {line.strip() or 'no error within 30 s'}")
+        assert died["time"] - t_kill < 1.0
+        assert line.startswith("guest-error"), line
+        assert float(line.split()[1]) - t_kill < 10.0
+        assert lab.status()["gpus"]["gpu0"]["state"] == "failed"
+    finally:
+        waiter.kill()
+        waiter.wait()
+        events.close()
+    restarted = fm(lab, "restart", "gpu0")
+    gpu_dma(lab, "a", restarted["bdf"])
+    assert lab.status()["gpus"]["gpu0"]["state"] == "attached"
+    assert lab.down().returncode == 0
