@@ -310,8 +310,7 @@ class FabricManager:
             gpu.owner, gpu.dev_id, gpu.port = vm, dev_id, port
             t_add = time.monotonic() - t0
             count = sum(1 for g in self.gpus.values() if g.owner == vm)   # this one included
-            seen = fabric.guest(vm, f"gpu bind --wait {BIND_TIMEOUT:.0f} --count {count}",
-                                timeout=BIND_TIMEOUT + 30)
+            seen = fabric.bind_in_guest(vm, count, BIND_TIMEOUT)
         except BaseException:
             self._set_child_state(gpu, "failed")
             raise
