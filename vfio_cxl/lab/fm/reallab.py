@@ -21,29 +21,31 @@ def gpu_names(lab: Lab) -> dict[str, str]:
     return {name: lab.topology.gpus[name].owner for name in lab.gpu_servers}
 
 
-# In the guest, POSIX sh only (a guest Python start costs seconds under TCG; this is what the
+# In the guest, POSIX sh builtins in the loop (a guest Python start costs seconds and every fork
+# tens of ms under TCG); this is what the
 # guest's `vfio-cxl gpu bind --wait S --count N` does): wait until the VM has $1 GPUs (at most
 # $2 s, polling sysfs: the guest has no udev daemon), bind each to vfio-pci with
 # driver_override + drivers_probe, check, print the newly bound one as JSON.
-BIND_SCRIPT = r"""want=$1; limit=$2; end=$(( $(date +%s) + limit ))
+BIND_SCRIPT = r"""want=$1; limit=$2; tries=$(( limit * 20 ))
 while :; do
   set --
   for d in /sys/bus/pci/devices/*; do
-    [ "$(cat $d/vendor):$(cat $d/device)" = 0x0601:0x1991 ] && set -- "$@" "${d##*/}"
+    read v < $d/vendor; read i < $d/device
+    [ "$v:$i" = 0x0601:0x1991 ] && set -- "$@" "${d##*/}"
   done
   [ $# -ge $want ] && break
-  [ $(date +%s) -ge $end ] && { echo "$# GPU(s) after $limit s, expected $want" >&2; exit 1; }
+  tries=$(( tries - 1 ))
+  [ $tries -le 0 ] && { echo "$# GPU(s) after $limit s, expected $want" >&2; exit 1; }
   sleep 0.05
 done
 [ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci
 new=""
 for b in "$@"; do
-  p=/sys/bus/pci/devices/$b
-  [ "$(basename "$(readlink $p/driver)")" = vfio-pci ] && continue
-  echo vfio-pci > $p/driver_override && echo $b > /sys/bus/pci/drivers_probe; new=$b
+  [ -e /sys/bus/pci/drivers/vfio-pci/$b ] && continue
+  echo vfio-pci > /sys/bus/pci/devices/$b/driver_override && echo $b > /sys/bus/pci/drivers_probe; new=$b
 done
 for b in "$@"; do
-  [ "$(basename "$(readlink /sys/bus/pci/devices/$b/driver)")" = vfio-pci ] || { echo "$b did not bind to vfio-pci" >&2; exit 1; }
+  [ -e /sys/bus/pci/drivers/vfio-pci/$b ] || { echo "$b did not bind to vfio-pci" >&2; exit 1; }
 done
 echo "{\"bdf\": \"${new:-$b}\", \"driver\": \"vfio-pci\", \"gpus\": $#}"
 """
