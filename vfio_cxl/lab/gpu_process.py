@@ -21,15 +21,16 @@ from .vm import die_with_parent
 
 
 class GpuServerProcess:
-    def __init__(self, socket: Path, log: Path, extra_args: list[str] = ()):
+    def __init__(self, socket: Path, log: Path, extra_args: list[str] = (), append: bool = False):
         self.socket = socket
         self.log = log
+        self.append = append   # one log across a GPU's successive servers
         self.extra_args = list(extra_args)
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 15) -> None:
         cmd = [sys.executable, "-m", "vfio_cxl.devices.gpu", "serve", "--socket", str(self.socket), *self.extra_args]
-        with open(self.log, "wb") as log:
+        with open(self.log, "ab" if self.append else "wb") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                 env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True,

@@ -116,8 +116,11 @@ class RealLab:
         old = self.lab.gpu_servers.pop(gpu, None)
         if old is not None:
             old.stop()
-        server = GpuServerProcess(fabric / f"{gpu}.{generation}.sock", fabric / f"{gpu}.{generation}.log",
-                                  [*gpu_server_args(self.lab.topology.gpus[gpu]), *self.lab.gpu_args])
+        # One socket path and one log per GPU: the old server is gone (and its socket removed)
+        # before the new one listens; its log lines are appended.
+        server = GpuServerProcess(fabric / f"{gpu}.sock", fabric / f"{gpu}.log",
+                                  [*gpu_server_args(self.lab.topology.gpus[gpu]), *self.lab.gpu_args],
+                                  append=True)
         server.start()
         self.lab.gpu_servers[gpu] = server
         return server.process, {"socket": str(server.socket), "log": str(server.log)}
