@@ -4,7 +4,7 @@
     vfio-cxl vm up TOPOLOGY [--dry-run]      boot a topology: a name or a .toml path (Ctrl-C stops it)
     vfio-cxl vm up TOPOLOGY --detach         boot it and return; the lab stays up
     vfio-cxl vm ls | ssh VM | down [LAB]     labs that stay up
-    vfio-cxl fm status|events|restart        a running lab's fabric manager
+    vfio-cxl fm status|events|assign|release|restart   a running lab's fabric manager
     vfio-cxl vm topologies                   list topologies
     vfio-cxl vm topology TOPOLOGY [--svg F]  the topology as a tree (text), or drawn (--svg/--png)
     vfio-cxl demo tour|dma|share|p2p         the demos

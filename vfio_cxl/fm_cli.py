@@ -1,4 +1,4 @@
-"""The command line of labs that stay up: ``vm up --detach``, ``vm ls|ssh|down``, ``fm status|events|restart``.
+"""The command line of labs that stay up: ``vm up --detach``, ``vm ls|ssh|down``, ``fm status|events|assign|release|restart``.
 
 Every command here is a request to a lab's fabric manager (vfio_cxl.lab.fm)
 over its control socket, except ``vm down`` of a lab whose manager died,
@@ -153,7 +153,11 @@ def fm_status(args) -> int:
         print(f"  vm  {name:8} {vm['state']:9} ssh 127.0.0.1:{vm['ssh_port']}  QEMU pid {vm['qemu_pid']}{extra}{qmp}")
     for name, gpu in status["gpus"].items():
         extra = "" if gpu["returncode"] is None else f", exit {gpu['returncode']}"
-        print(f"  gpu {name:8} {gpu['state']:9} owner {gpu['owner'] or '-'}  server pid {gpu['server_pid']}{extra}")
+        print(f"  gpu {name:8} {gpu['state']:9} owner {gpu['owner'] or '-'}  server pid {gpu['server_pid']}  "
+              f"VRAM {gpu.get('vram_mib')} MiB {'scrubbed' if gpu.get('scrubbed') else 'holds data'}  "
+              f"irq {gpu.get('irq')}{extra}")
+    for name, ports in status.get("free_hotplug_ports", {}).items():
+        print(f"  vm  {name:8} free hot-plug ports: {', '.join(ports) or 'none'}")
     print(f"  logs: {status['logdir']} (live: {status['rundir']})")
     return 0
 
@@ -178,12 +182,31 @@ def fm_events(args) -> int:
     return 0
 
 
-def fm_restart(args) -> int:
+def _fabric_call(args, op: str, **fields) -> int:
     from .lab.fm.client import FmClient
 
-    with FmClient.for_lab(args.lab) as client:
-        client.restart(args.gpu)
+    with FmClient.for_lab(args.lab, timeout=180) as client:
+        result = getattr(client, op)(**fields)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    timing = ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in result.items() if k.endswith("_s"))
+    where = f" -> {result['vm']} ({result.get('bdf', '')})" if result.get("vm") and op != "release" else ""
+    print(f"{op} {result.get('gpu')}{where}: ok" + (f"; {timing}" if timing else "")
+          + ("" if result.get("scrubbed", True) else "; VRAM kept"))
     return 0
+
+
+def fm_restart(args) -> int:
+    return _fabric_call(args, "restart", gpu=args.gpu)
+
+
+def fm_assign(args) -> int:
+    return _fabric_call(args, "assign", gpu=args.gpu, vm=args.vm, keep_vram=args.keep_vram)
+
+
+def fm_release(args) -> int:
+    return _fabric_call(args, "release", gpu=args.gpu, force=args.force, keep_vram=args.keep_vram)
 
 
 def add_vm_commands(vm: argparse._SubParsersAction) -> None:
@@ -213,7 +236,23 @@ def add_fm_parser(sub: argparse._SubParsersAction) -> None:
     events.add_argument("--follow", "-f", action="store_true", help="keep printing new events until the lab stops")
     events.add_argument("--json", action="store_true", help="one JSON object per line")
     events.set_defaults(func=fm_events)
-    restart = fm.add_parser("restart", help="restart a failed GPU's server (not supported yet)")
+    restart = fm.add_parser("restart", help="a fresh GPU server (VRAM scrubbed), re-attached to its VM")
     restart.add_argument("--lab")
+    restart.add_argument("--json", action="store_true")
     restart.add_argument("gpu")
     restart.set_defaults(func=fm_restart)
+    assign = fm.add_parser("assign", help="hot-plug a GPU into a VM (released from its owner first)")
+    assign.add_argument("--lab")
+    assign.add_argument("--json", action="store_true")
+    assign.add_argument("--keep-vram", action="store_true", help="hand VRAM over intact (default: scrubbed)")
+    assign.add_argument("gpu")
+    assign.add_argument("vm")
+    assign.set_defaults(func=fm_assign)
+    release = fm.add_parser("release", help="hot-remove a GPU from its VM (device_del, DEVICE_DELETED)")
+    release.add_argument("--lab")
+    release.add_argument("--json", action="store_true")
+    release.add_argument("--force", action="store_true",
+                         help="if the guest does not let go: surprise removal (its server is stopped)")
+    release.add_argument("--keep-vram", action="store_true", help="keep VRAM for the next owner")
+    release.add_argument("gpu")
+    release.set_defaults(func=fm_release)

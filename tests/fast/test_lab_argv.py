@@ -69,7 +69,7 @@ def test_hotplug_reserve_follows_the_largest_vram(tmp_path):
         "[gpus.gpu1]", "[gpus.gpu1]\nvram = \"256M\""))
     topo = topology.load(str(path))
     argv = qemu_argv(topo, topo.vms[1], resources(topo, 2))
-    assert "pcie-root-port,id=hp0,bus=pcie.0,chassis=1,slot=1,pref64-reserve=256M" in devices(argv)
+    assert "pcie-root-port,id=hp0,bus=pcie.0,chassis=1,slot=2,pref64-reserve=256M" in devices(argv)
 
 
 def test_shared_vms_map_one_backend_file():
@@ -131,9 +131,14 @@ def test_gpus_behind_a_pcie_switch():
         next(d for d in devs if '"id":"gpu1"' in d))
 
 
-def test_unowned_gpu_is_nowhere_at_boot():
+def test_unowned_gpu_is_nowhere_at_boot(tmp_path):
+    path = tmp_path / "unowned.toml"
+    path.write_text((topology.TOPOLOGY_DIR / "fabric.toml").read_text().replace('owner = "b"', ""))
+    topo = topology.load(str(path))
+    assert topo.gpus["gpu1"].owner is None
     for vm_index in (1, 2):
-        gpus = [json.loads(d) for d in devices(argv_of("fabric", vm_index)) if d.startswith("{")]
+        argv = qemu_argv(topo, topo.vms[vm_index - 1], resources(topo, vm_index))
+        gpus = [json.loads(d) for d in devices(argv) if d.startswith("{")]
         assert "gpu1" not in [g["id"] for g in gpus]
 
 

@@ -138,14 +138,19 @@ def test_an_overlong_line_is_refused_and_the_connection_closed(env):
         assert client.status()["state"] == "running"
 
 
-def test_restart_is_refused_with_the_reason(env):
+def test_fabric_ops_on_a_lab_without_hotplug_are_refused_with_the_reason(env):
+    """The FAKE lab has no fabric (no QMP): assign/release/restart say so; unknown names are named."""
     fm = FakeFm()
     with fm.client() as client:
-        with pytest.raises(protocol.RemoteError) as err:
-            client.restart("gpu0")
-        assert "not supported yet" in err.value.what and "MSI-X" in err.value.fix
+        for call in (lambda: client.restart("gpu0"), lambda: client.assign("gpu0", "b"),
+                     lambda: client.release("gpu0")):
+            with pytest.raises(protocol.RemoteError) as err:
+                call()
+            assert "no fabric" in err.value.what or "MSI-X" in err.value.what, err.value.what
         with pytest.raises(protocol.RemoteError, match="no GPU 'gpu9'"):
             client.restart("gpu9")
+        with pytest.raises(protocol.RemoteError, match="no VM 'zz'"):
+            client.assign("gpu0", "zz")
 
 
 def test_a_dead_gpu_server_is_reported_within_a_second(env):

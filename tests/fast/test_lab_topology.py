@@ -170,11 +170,11 @@ def test_single_and_shared_keep_their_shape():
     assert list(smc3.smcs) == ["smc0"] and smc3.smc_of("c") == (smc3.smcs["smc0"], 2)
 
 
-def test_fabric_has_an_unowned_gpu_and_free_hotplug_ports():
+def test_fabric_has_a_gpu_per_host_and_free_hotplug_ports():
     fabric = topology.load("fabric")
-    assert {g.name: g.owner for g in fabric.gpus.values()} == {"gpu0": "a", "gpu1": None}
+    assert {g.name: g.owner for g in fabric.gpus.values()} == {"gpu0": "a", "gpu1": "b"}
     assert [vm.hotplug_port_ids() for vm in fabric.vms] == [["hp0"], ["hp0"]]
-    assert fabric.gpus["gpu1"].irq == "msix" and fabric.gpus["gpu1"].vram == 64 << 20
+    assert fabric.gpus["gpu1"].irq == "msi" and fabric.gpus["gpu0"].irq == "msi" and fabric.gpus["gpu1"].vram == 64 << 20
 
 
 def test_region_order_follows_the_decoders():

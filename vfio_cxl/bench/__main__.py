@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "supervision": "vfio_cxl.bench.supervision",
     "channel": "vfio_cxl.bench.channel",
     "p2p": "vfio_cxl.bench.p2p",
+    "fabric": "vfio_cxl.bench.fabric",
 }
 
 

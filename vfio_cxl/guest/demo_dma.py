@@ -28,14 +28,14 @@ def expected_payload(size: int) -> bytes:
     return (MESSAGE + regs.prng_bytes(SEED, size - len(MESSAGE)))[:size]
 
 
-def run(size: int, offset: int) -> dict:
+def run(size: int, offset: int, bdf: str | None = None) -> dict:
     dax_device = cxl.ensure_ram_devdax()
     if offset % 4096 or offset < 0 or size <= len(MESSAGE) or offset + size > dax_device.size:
         raise cxl.CxlError(f"--size {size} at --offset {offset} does not fit devdax {dax_device.name} "
                            f"({dax_device.size} bytes): the offset must be a multiple of 4096, the size more than "
                            f"{len(MESSAGE)} bytes (the message), and offset + size at most the devdax size",
                            f"use --size <= {dax_device.size - offset}")
-    with DaxMapping(dax_device) as dax, GpuDriver.open() as gpu:
+    with DaxMapping(dax_device) as dax, GpuDriver.open(bdf) as gpu:
         if size > gpu.vram_size:
             raise cxl.CxlError(f"--size {size} exceeds the GPU's VRAM ({gpu.vram_size} bytes)", "use a smaller --size")
         dax.write(offset, bytes(size))                      # so stale data cannot pass the check

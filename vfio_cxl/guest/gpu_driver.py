@@ -25,7 +25,9 @@ the ring and the records, so no record of dropped work lands afterwards.
 
 from __future__ import annotations
 
+import math
 import mmap
+import select
 from dataclasses import dataclass
 
 from ..devices.gpu import regs
@@ -41,6 +43,10 @@ PCI_COMMAND_MASTER = 0x4
 
 class GpuError(VfioError):
     pass
+
+
+class GpuRemovedError(GpuError):
+    """The kernel asked the driver to release the GPU (hot-removal, surprise or not)."""
 
 
 class GpuCompletionError(GpuError):
@@ -91,6 +97,7 @@ class GpuDriver:
         self._ring = self._control_view[:ring_bytes]
         self._completions = self._control_view[ring_bytes:]
         self.vectors, self.irq_mode = self._enable_interrupts(device)
+        self.request = self._enable_request(device)
         self._tail = 0
         self._retired = 0          # descriptors the device retired since reset (mirrors COMPLETED)
         self._inflight: dict[int, tuple[int, int]] = {}   # ring index -> (cookie, expected seq)
@@ -107,8 +114,32 @@ class GpuDriver:
         except InterruptError:  # no multi-message MSI here
             return device.interrupts(uapi.VFIO_PCI_MSI_IRQ_INDEX, 1), "msi"
 
+    @staticmethod
+    def _enable_request(device):
+        """The kernel's release request (VFIO_PCI_REQ_IRQ_INDEX) on an eventfd: when the host
+        hot-removes the GPU, vfio-pci signals it and the driver stops instead of blocking the
+        removal ("No device request channel registered, blocked until released by user")."""
+        try:
+            return device.interrupts(uapi.VFIO_PCI_REQ_IRQ_INDEX, 1)
+        except InterruptError:
+            return None
+
+    def release_requested(self) -> bool:
+        return self.request is not None and self.request.pending(0) > 0
+
     def _fired(self, timeout: float) -> dict:
-        """{vector: count} that fired; with one folded MSI vector, INTR_STATUS says which."""
+        """{vector: count} that fired; with one folded MSI vector, INTR_STATUS says which.
+        A release request from the kernel while waiting raises GpuRemovedError."""
+        if self.request is not None:
+            poller = select.poll()
+            for fd in (*self.vectors.eventfds, *self.request.eventfds):
+                poller.register(fd, select.POLLIN)
+            poller.poll(max(0, math.ceil(timeout * 1000)))
+            if self.release_requested():
+                raise GpuRemovedError(
+                    "the host is removing this GPU (vfio-pci release request): the driver stopped",
+                    "the GPU left this VM (vfio-cxl fm status on the host); close it and use another")
+            timeout = 0
         fired = self.vectors.wait_any(timeout)
         if len(self.vectors.eventfds) > regs.VEC_ERROR:
             return fired

@@ -22,17 +22,19 @@ from .vm import die_with_parent
 
 
 class DeviceServerProcess:
-    def __init__(self, what: str, module: str, args: list[str], sockets: list[Path], log: Path):
+    def __init__(self, what: str, module: str, args: list[str], sockets: list[Path], log: Path,
+                 append: bool = False):
         self.what = what              # for messages: "GPU server", "SMC server smc0"
         self.module = module
         self.args = list(args)
         self.sockets = list(sockets)
         self.log = log
+        self.append = append   # append to the log instead of starting it afresh
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 15) -> None:
         cmd = [sys.executable, "-m", self.module, "serve", *self.args]
-        with open(self.log, "wb") as log:
+        with open(self.log, "ab" if self.append else "wb") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                 env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True,

@@ -14,8 +14,9 @@ from .device_process import DeviceServerProcess
 
 
 class GpuServerProcess(DeviceServerProcess):
-    def __init__(self, socket: Path, log: Path, extra_args: list[str] = ()):
+    def __init__(self, socket: Path, log: Path, extra_args: list[str] = (), append: bool = False):
         self.socket = socket
         self.extra_args = list(extra_args)
         super().__init__("GPU server", "vfio_cxl.devices.gpu",
-                         ["--socket", str(socket), *self.extra_args], [socket], log)
+                         ["--socket", str(socket), *self.extra_args], [socket], log,
+                         append=append)   # append: one log across a GPU's successive servers

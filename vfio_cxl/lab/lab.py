@@ -81,6 +81,11 @@ def remove_stale_rundirs() -> None:
             shutil.rmtree(rundir, ignore_errors=True)
 
 
+def gpu_server_args(gpu) -> list[str]:
+    """The GPU server's options for a topology's ``[gpus.NAME]``: VRAM size, interrupt mode."""
+    return ["--vram-mib", str(gpu.vram >> 20), "--irq-mode", gpu.irq]
+
+
 class Lab:
     def __init__(self, topology: Topology, *, runtime: QemuRuntime | None = None,
                  image: GuestImage | None = None, accel: str = "tcg", ssh_port: int | None = None,
@@ -200,12 +205,12 @@ class Lab:
                 # and may reach the others' (the proven P2P fast path, docs/gpu-device.md)
                 shares = {g: vm.res.rundir / f"{g}.vram.sock" for g in vm.res.gpu_sockets}
                 for gpu_name, sock in vm.res.gpu_sockets.items():   # one server per GPU
-                    vram_mib = self.topology.gpus[gpu_name].vram >> 20
                     p2p = ([f"--share-vram={shares[gpu_name]}"]
                            + [f"--peer={path}" for g, path in shares.items() if g != gpu_name]
                            if len(shares) > 1 else [])
                     server = GpuServerProcess(sock, vm.res.rundir / f"{gpu_name}.log",
-                                              ["--vram-mib", str(vram_mib), *p2p, *self.gpu_args])
+                                              [*gpu_server_args(self.topology.gpus[gpu_name]), *p2p,
+                                               *self.gpu_args])
                     self.gpu_servers[gpu_name] = server
                     server.start()
                 self.vms[vm.name] = vm

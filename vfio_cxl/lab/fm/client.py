@@ -145,3 +145,9 @@ class FmClient:
 
     def restart(self, gpu: str) -> dict:
         return self.call("restart", gpu=gpu)
+
+    def assign(self, gpu: str, vm: str, keep_vram: bool = False) -> dict:
+        return self.call("assign", gpu=gpu, vm=vm, keep_vram=keep_vram)
+
+    def release(self, gpu: str, force: bool = False, keep_vram: bool = False) -> dict:
+        return self.call("release", gpu=gpu, force=force, keep_vram=keep_vram)

@@ -40,7 +40,9 @@ from .registry import LabRecord
 
 LAB_STATES = ("starting", "running", "degraded", "stopping", "stopped")
 VM_STATES = ("running", "dead", "stopped")
-GPU_STATES = ("attached", "failed", "stopped")   # assign/release will add "free" and "moving"
+GPU_STATES = ("attached", "free", "moving", "failed", "stopped")
+RELEASE_TIMEOUT = 15.0   # s for the guest to let go of a GPU (DEVICE_DELETED)
+BIND_TIMEOUT = 30.0
 MAX_OUTBUF = 4 << 20   # a follower that reads slower than this is dropped
 
 
@@ -51,7 +53,7 @@ class Child:
 
     kind: str
     name: str
-    popen: Popen
+    popen: Popen | None
     owner: str | None = None                 # gpu: the VM it is plugged into
     ssh_port: int | None = None              # vm
     files: dict[str, str] = field(default_factory=dict)   # log name -> live path
@@ -60,6 +62,13 @@ class Child:
     qemu_pid: int | None = None              # vm: QEMU itself (below bwrap, if any)
     pidfd: int | None = None
     hosts: tuple[str, ...] = ()              # smc: the VMs it serves, host ID = position
+    # gpu only: where it sits, how it interrupts, what its VRAM holds
+    dev_id: str | None = None                # QEMU device id while it is in a VM
+    port: str | None = None                  # the VM's root port it is plugged into
+    irq: str = "msix"
+    vram_mib: int = 0
+    scrubbed: bool = True                    # VRAM zero since its last owner
+    generation: int = 0                      # servers started for it (names their sockets)
 
 
 class ManagedLab(Protocol):
@@ -163,14 +172,187 @@ class FabricManager:
                        f"{describe_exit(vm.returncode)}; the other VMs are untouched",
                        vm=vm.name, pid=vm.popen.pid, qemu_pid=vm.qemu_pid, returncode=vm.returncode)
             self._set_lab_state("degraded")
+            for gpu in self.gpus.values():   # its GPUs become free, scrubbed, assignable
+                if gpu.owner == vm.name:
+                    self._gpu_left(gpu, keep_vram=False)
+                    self.event("gpu-freed", f"GPU {gpu.name}: free (its VM {vm.name} died); VRAM scrubbed "
+                               f"by a fresh server (pid {gpu.popen.pid if gpu.popen else None})",
+                               gpu=gpu.name, vm=vm.name, scrubbed=gpu.scrubbed)
 
     def _gpu_exited(self, gpu: Child) -> None:
         self._set_child_state(gpu, "failed" if self.state != "stopping" else "stopped")
         if gpu.state == "failed":
+            t0 = time.monotonic()
             self.event("gpu-server-died", f"GPU {gpu.name} (in VM {gpu.owner}): server pid {gpu.popen.pid} "
                        f"{describe_exit(gpu.returncode)}", gpu=gpu.name, owner=gpu.owner,
                        pid=gpu.popen.pid, returncode=gpu.returncode)
             self._set_lab_state("degraded")
+            owner = self.vms.get(gpu.owner) if gpu.owner else None
+            if gpu.dev_id and owner is not None and owner.state == "running" and gpu.irq == "msi":
+                # Surprise removal: take the dead device out of its VM so guest processes get
+                # the kernel's release request (and an error) instead of hanging in reset waits.
+                try:
+                    self.lab.device_del(gpu.owner, gpu.dev_id)
+                    self.event("gpu-surprise-removal", f"GPU {gpu.name}: device_del {gpu.dev_id} sent to VM "
+                               f"{gpu.owner} {1e3 * (time.monotonic() - t0):.0f} ms after the death was seen",
+                               gpu=gpu.name, vm=gpu.owner, dev_id=gpu.dev_id)
+                    gpu.files["pending_delete"] = gpu.dev_id
+                except Exception as err:
+                    self.event("gpu-surprise-removal-failed", f"GPU {gpu.name}: device_del failed: {err}",
+                               gpu=gpu.name)
+
+    # -- the fabric: assign, release, restart (GPU state changes only through these) -------
+    def _fabric(self):
+        if not hasattr(self.lab, "device_add"):
+            raise LabError("this lab has no fabric (no hot-plug support)", "use a real lab")
+        return self.lab
+
+    def _unwatch(self, child: Child) -> None:
+        if child.pidfd is not None:
+            self.sel.unregister(child.pidfd)
+            os.close(child.pidfd)
+            child.pidfd = None
+
+    def _fresh_server(self, gpu: Child) -> None:
+        """Scrub = a fresh server: its VRAM is a new memfd, zero; the old one's memory is gone."""
+        self._unwatch(gpu)
+        gpu.generation += 1
+        gpu.popen, files = self._fabric().start_server(gpu.name, gpu.generation)
+        gpu.files.update(files)
+        gpu.returncode = None
+        gpu.scrubbed = True
+        ident = ProcessId.of(gpu.popen.pid)
+        if ident:
+            self.record.processes[f"gpu:{gpu.name}"] = ident.to_json()
+            self.record.save()
+        if self.sel is not None:
+            self._watch(gpu)
+
+    def _gpu_left(self, gpu: Child, keep_vram: bool) -> None:
+        """The GPU is out of its VM (DEVICE_DELETED, or the VM died): free, scrubbed unless kept."""
+        gpu.owner, gpu.dev_id, gpu.port = None, None, None
+        gpu.files.pop("pending_delete", None)
+        if not keep_vram or gpu.popen is None or gpu.popen.poll() is not None:
+            self._fresh_server(gpu)
+        else:
+            gpu.scrubbed = False
+        self._set_child_state(gpu, "free")
+
+    def free_ports(self, vm: str) -> list[str]:
+        used = {g.port for g in self.gpus.values() if g.owner == vm}
+        return [p for p in self._fabric().hotplug_ports(vm) if p not in used]
+
+    def _check_removable(self, gpu: Child) -> None:
+        if gpu.irq != "msi":
+            raise LabError(
+                f"GPU {gpu.name} uses MSI-X, and hot-removing a vfio-user device with MSI-X aborts "
+                f"this QEMU (11.1.3: memory_region_del_subregion assertion in vfio-user's finalize; "
+                f"fixed upstream by 'vfio-user: Do not delete the subregion')",
+                f'set irq = "msi" under [gpus.{gpu.name}] in the topology (as the fabric topology does) '
+                f"and boot the lab again")
+
+    def release(self, gpu: Child, *, force: bool = False, keep_vram: bool = False,
+                timeout: float = RELEASE_TIMEOUT) -> dict:
+        fabric = self._fabric()
+        if gpu.owner is None or gpu.dev_id is None:
+            raise LabError(f"GPU {gpu.name} is not in a VM (state {gpu.state})", "nothing to release")
+        self._check_removable(gpu)
+        vm, dev_id, was = gpu.owner, gpu.dev_id, gpu.state
+        self._set_child_state(gpu, "moving")
+        t0 = time.monotonic()
+        try:
+            if gpu.files.get("pending_delete") != dev_id:
+                fabric.device_del(vm, dev_id)
+            deleted = fabric.wait_deleted(vm, dev_id, timeout)
+            if not deleted and force:
+                self.event("gpu-force", f"GPU {gpu.name}: VM {vm} did not let go within {timeout:.0f} s; "
+                           "surprise removal: its server is stopped", gpu=gpu.name, vm=vm)
+                self._unwatch(gpu)
+                fabric.stop_server(gpu.name)
+                keep_vram = False
+                deleted = fabric.wait_deleted(vm, dev_id, timeout)
+            if not deleted:
+                holders = self._holders(vm)
+                raise LabError(f"VM {vm} did not release GPU {gpu.name} within {timeout:.0f} s "
+                               f"(no DEVICE_DELETED for {dev_id}); holding it: {holders}",
+                               f"stop that process in VM {vm}, or vfio-cxl fm release {gpu.name} --force")
+        except BaseException:
+            self._set_child_state(gpu, was if gpu.popen is not None and gpu.popen.poll() is None else "failed")
+            raise
+        t_release = time.monotonic() - t0
+        t1 = time.monotonic()
+        self._gpu_left(gpu, keep_vram)
+        t_scrub = time.monotonic() - t1
+        self.event("gpu-released", f"GPU {gpu.name} released by VM {vm} in {t_release * 1e3:.0f} ms; "
+                   + ("VRAM kept" if keep_vram else f"VRAM scrubbed (fresh server pid {gpu.popen.pid}, "
+                                                    f"{t_scrub * 1e3:.0f} ms)"),
+                   gpu=gpu.name, vm=vm, release_s=t_release, scrub_s=t_scrub, scrubbed=gpu.scrubbed)
+        return {"gpu": gpu.name, "vm": vm, "release_s": t_release, "scrub_s": t_scrub, "scrubbed": gpu.scrubbed}
+
+    def _holders(self, vm: str) -> str:
+        try:
+            found = self.lab.guest(vm, "gpu holders", timeout=20)["holders"]
+        except Exception as err:
+            return f"unknown ({err})"
+        return ", ".join(f"pid {h['pid']} ({h['comm']}) on {h['path']}" for h in found) or "no process (kernel?)"
+
+    def attach(self, gpu: Child, vm: str) -> dict:
+        fabric = self._fabric()
+        ports = self.free_ports(vm)
+        if not ports:
+            raise LabError(f"VM {vm} has no free hot-plug port for GPU {gpu.name}",
+                           f"release a GPU from {vm}, or give it more: hotplug_ports in the topology")
+        if gpu.popen is None or gpu.popen.poll() is not None:
+            self._fresh_server(gpu)
+        self._set_child_state(gpu, "moving")
+        port = ports[0]
+        dev_id = f"{gpu.name}-{gpu.generation}-{len(self.events)}"
+        t0 = time.monotonic()
+        try:
+            fabric.device_add(vm, dev_id, port, gpu.files["socket"])
+            gpu.owner, gpu.dev_id, gpu.port = vm, dev_id, port
+            t_add = time.monotonic() - t0
+            count = sum(1 for g in self.gpus.values() if g.owner == vm)   # this one included
+            seen = fabric.bind_in_guest(vm, count, BIND_TIMEOUT)
+        except BaseException:
+            self._set_child_state(gpu, "failed")
+            raise
+        t_attach = time.monotonic() - t0
+        self._set_child_state(gpu, "attached")
+        self.event("gpu-attached", f"GPU {gpu.name} attached to VM {vm} on {port} as {dev_id}, bound to "
+                   f"{seen['driver']} at {seen['bdf']} in {t_attach * 1e3:.0f} ms", gpu=gpu.name, vm=vm,
+                   port=port, dev_id=dev_id, bdf=seen["bdf"], attach_s=t_attach, device_add_s=t_add)
+        return {"gpu": gpu.name, "vm": vm, "port": port, "bdf": seen["bdf"], "attach_s": t_attach,
+                "device_add_s": t_add, "scrubbed": gpu.scrubbed}
+
+    def op_assign(self, client, request) -> dict:
+        gpu, vm = self._gpu(request["gpu"]), self._vm(request["vm"])
+        keep = bool(request.get("keep_vram", False))
+        if vm.state != "running":
+            raise LabError(f"VM {vm.name} is {vm.state}", f"assign {gpu.name} to a running VM")
+        if gpu.state == "moving":
+            raise LabError(f"GPU {gpu.name} is moving", "wait for the move to end (vfio-cxl fm events)")
+        if gpu.owner == vm.name and gpu.state == "attached":
+            return {"gpu": gpu.name, "vm": vm.name, "already": True}
+        t0 = time.monotonic()
+        result = {"gpu": gpu.name, "vm": vm.name, "from": gpu.owner}
+        if gpu.owner is not None:
+            if not self.free_ports(vm.name):   # refuse before taking it away from its owner
+                raise LabError(f"VM {vm.name} has no free hot-plug port for GPU {gpu.name}",
+                               f"release a GPU from {vm.name}, or give it more: hotplug_ports in the topology")
+            result.update(self.release(gpu, keep_vram=keep))
+        elif not keep and not gpu.scrubbed:
+            t1 = time.monotonic()
+            self._fresh_server(gpu)
+            result["scrub_s"] = time.monotonic() - t1
+        result.update(self.attach(gpu, vm.name))
+        result["vm"] = vm.name
+        result["move_s"] = time.monotonic() - t0
+        return result
+
+    def op_release(self, client, request) -> dict:
+        return self.release(self._gpu(request["gpu"]), force=bool(request.get("force", False)),
+                            keep_vram=bool(request.get("keep_vram", False)))
 
     def _smc_exited(self, smc: Child) -> None:
         self._set_child_state(smc, "failed" if self.state != "stopping" else "stopped")
@@ -242,8 +424,21 @@ class FabricManager:
                            f"QEMU pid {child.qemu_pid})", vm=child.name, qemu_pid=child.qemu_pid)
             else:
                 self._set_child_state(child, "attached")
-                (self.smcs if child.kind == "smc" else self.gpus)[child.name] = child
+                if child.kind == "smc":
+                    self.smcs[child.name] = child
+                else:
+                    child.dev_id = child.dev_id or child.name
+                    self.gpus[child.name] = child
+        specs = self.lab.gpu_specs() if hasattr(self.lab, "gpu_specs") else {}
+        for name, spec in specs.items():
+            gpu = self.gpus.get(name) or Child("gpu", name, None)
+            gpu.irq, gpu.vram_mib = spec["irq"], spec["vram_mib"]
+            if name not in self.gpus:   # unowned: no server until it is assigned
+                self._set_child_state(gpu, "free")
+                self.gpus[name] = gpu
         for child in [*self.vms.values(), *self.gpus.values(), *self.smcs.values()]:
+            if child.popen is None:
+                continue
             ident = ProcessId.of(child.popen.pid)
             if ident:
                 self.record.processes[f"{child.kind}:{child.name}"] = ident.to_json()
@@ -273,7 +468,8 @@ class FabricManager:
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
         for child in [*self.vms.values(), *self.gpus.values(), *self.smcs.values()]:
-            self._watch(child)
+            if child.popen is not None:
+                self._watch(child)
 
     def _watch(self, child: Child) -> None:
         try:
@@ -417,12 +613,26 @@ class FabricManager:
         return {"stopping": self.record.name, "pid": os.getpid()}
 
     def op_restart(self, client, request) -> dict:
+        """A fresh server (scrubbed VRAM), re-attached to the VM it was in (if any)."""
         gpu = self._gpu(request["gpu"])
-        raise LabError(
-            f"restarting GPU {gpu.name} is not supported yet",
-            "a restart has to hot-remove the dead device from its VM first, and hot-removing a "
-            "vfio-user device with MSI-X aborts QEMU 11.1.3; it comes with the GPU's MSI mode. "
-            f"For now: vfio-cxl vm down {self.record.name}, then vm up again")
+        self._fabric()
+        if gpu.state == "moving":
+            raise LabError(f"GPU {gpu.name} is moving", "wait for the move to end (vfio-cxl fm events)")
+        vm = gpu.owner
+        t0 = time.monotonic()
+        if gpu.dev_id is not None:
+            self._check_removable(gpu)
+            self.release(gpu, force=True, keep_vram=False, timeout=10)
+        elif gpu.popen is None or gpu.popen.poll() is not None or not gpu.scrubbed:
+            self._fresh_server(gpu)
+            self._set_child_state(gpu, "free")
+        result = {"gpu": gpu.name, "server_pid": gpu.popen.pid}
+        if vm is not None and self.vms[vm].state == "running":
+            result.update(self.attach(gpu, vm))
+        self.event("gpu-restarted", f"GPU {gpu.name}: fresh server pid {gpu.popen.pid}"
+                   + (f", back in VM {vm}" if gpu.owner else ", free"), gpu=gpu.name, vm=gpu.owner,
+                   restart_s=time.monotonic() - t0)
+        return result
 
     def _vm(self, name: str) -> Child:
         if name not in self.vms:
@@ -445,12 +655,16 @@ class FabricManager:
                               "run_state": self.lab.run_state(vm.name) if vm.state == "running" else None,
                               "qemu_pid": vm.qemu_pid, "returncode": vm.returncode, **vm.files}
                     for vm in self.vms.values()},
-            "gpus": {gpu.name: {"owner": gpu.owner, "state": gpu.state, "server_pid": gpu.popen.pid,
-                                "returncode": gpu.returncode, **gpu.files}
+            "gpus": {gpu.name: {"owner": gpu.owner, "state": gpu.state,
+                                "server_pid": gpu.popen.pid if gpu.popen else None,
+                                "returncode": gpu.returncode, "vram_mib": gpu.vram_mib, "irq": gpu.irq,
+                                "scrubbed": gpu.scrubbed, "port": gpu.port, "dev_id": gpu.dev_id, **gpu.files}
                      for gpu in self.gpus.values()},
             "smcs": {smc.name: {"hosts": list(smc.hosts), "state": smc.state, "server_pid": smc.popen.pid,
                                 "returncode": smc.returncode, **smc.files}
                      for smc in self.smcs.values()},
+            "free_hotplug_ports": ({vm: self.free_ports(vm) for vm in self.vms}
+                                   if hasattr(self.lab, "hotplug_ports") else {}),
         }
 
     # -- stop ----------------------------------------------------------------------------

@@ -32,6 +32,8 @@ OPS: dict[str, dict[str, tuple[type, bool]]] = {
     "ssh_info": {"vm": (str, True)},
     "stop": {},
     "restart": {"gpu": (str, True)},
+    "assign": {"gpu": (str, True), "vm": (str, True), "keep_vram": (bool, False)},
+    "release": {"gpu": (str, True), "force": (bool, False), "keep_vram": (bool, False)},
 }
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
-from ..lab import Lab
+from ...errors import LabError
+from ..gpu_process import GpuServerProcess
+from ..lab import Lab, gpu_server_args
 from ..logs import archive_logs
 from .manager import Child
 
@@ -15,6 +19,36 @@ def gpu_names(lab: Lab) -> dict[str, str]:
     """GPU name -> the VM it is plugged into, for the GPUs the lab started a server for
     (the topology's ``[gpus.NAME]`` with an owner)."""
     return {name: lab.topology.gpus[name].owner for name in lab.gpu_servers}
+
+
+# In the guest, POSIX sh builtins in the loop (a guest Python start costs seconds and every fork
+# tens of ms under TCG); this is what the
+# guest's `vfio-cxl gpu bind --wait S --count N` does): wait until the VM has $1 GPUs (at most
+# $2 s, polling sysfs: the guest has no udev daemon), bind each to vfio-pci with
+# driver_override + drivers_probe, check, print the newly bound one as JSON.
+BIND_SCRIPT = r"""want=$1; limit=$2; tries=$(( limit * 20 ))
+while :; do
+  set --
+  for d in /sys/bus/pci/devices/*; do
+    read v < $d/vendor; read i < $d/device
+    [ "$v:$i" = 0x0601:0x1991 ] && set -- "$@" "${d##*/}"
+  done
+  [ $# -ge $want ] && break
+  tries=$(( tries - 1 ))
+  [ $tries -le 0 ] && { echo "$# GPU(s) after $limit s, expected $want" >&2; exit 1; }
+  sleep 0.05
+done
+[ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci
+new=""
+for b in "$@"; do
+  [ -e /sys/bus/pci/drivers/vfio-pci/$b ] && continue
+  echo vfio-pci > /sys/bus/pci/devices/$b/driver_override && echo $b > /sys/bus/pci/drivers_probe; new=$b
+done
+for b in "$@"; do
+  [ -e /sys/bus/pci/drivers/vfio-pci/$b ] || { echo "$b did not bind to vfio-pci" >&2; exit 1; }
+done
+echo "{\"bdf\": \"${new:-$b}\", \"driver\": \"vfio-pci\", \"gpus\": $#}"
+"""
 
 
 class RealLab:
@@ -41,8 +75,9 @@ class RealLab:
                                files={"console_log": str(vm.res.console_log), "qemu_log": str(vm.qemu_log)}))
         for gpu, owner in gpu_names(self.lab).items():
             server = self.lab.gpu_servers[gpu]
-            found.append(Child("gpu", gpu, server.process, owner=owner,
-                               files={"socket": str(server.socket), "log": str(server.log)}))
+            spec = self.lab.topology.gpus[gpu]
+            found.append(Child("gpu", gpu, server.process, owner=owner, port=spec.at or spec.root_port,
+                               dev_id=gpu, files={"socket": str(server.socket), "log": str(server.log)}))
         for name, server in self.lab.smc_servers.items():
             found.append(Child("smc", name, server.process, hosts=tuple(self.lab.topology.smcs[name].hosts),
                                files={"sockets": " ".join(map(str, server.sockets)), "log": str(server.log)}))
@@ -67,6 +102,84 @@ class RealLab:
                     pass
                 machine.qmp = None
             return f"unresponsive ({type(err).__name__})"
+
+    # -- the fabric: GPU servers, QMP hot-plug, the guest's view ---------------------------
+    def gpu_specs(self) -> dict[str, dict]:
+        """Every GPU of the topology: initial owner, interrupt mode, VRAM size."""
+        return {name: {"owner": g.owner, "irq": g.irq, "vram_mib": g.vram >> 20}
+                for name, g in self.lab.topology.gpus.items()}
+
+    def hotplug_ports(self, vm: str) -> list[str]:
+        return self.lab.topology.vm(vm).hotplug_port_ids()
+
+    def start_server(self, gpu: str, generation: int) -> tuple:
+        """A fresh GPU server (fresh VRAM: a new zeroed memfd); (Popen, files)."""
+        fabric = self.rundir / "fabric"
+        fabric.mkdir(exist_ok=True)
+        old = self.lab.gpu_servers.pop(gpu, None)
+        if old is not None:
+            old.stop()
+        # One socket path and one log per GPU: the old server is gone (and its socket removed)
+        # before the new one listens; its log lines are appended.
+        server = GpuServerProcess(fabric / f"{gpu}.sock", fabric / f"{gpu}.log",
+                                  [*gpu_server_args(self.lab.topology.gpus[gpu]), *self.lab.gpu_args],
+                                  append=True)
+        server.start()
+        self.lab.gpu_servers[gpu] = server
+        return server.process, {"socket": str(server.socket), "log": str(server.log)}
+
+    def stop_server(self, gpu: str) -> None:
+        server = self.lab.gpu_servers.pop(gpu, None)
+        if server is not None:
+            server.stop()
+
+    def _qmp(self, vm: str):
+        machine = self.lab.vms[vm]
+        qmp = machine.connect_qmp(timeout=5)
+        qmp.settimeout(10)
+        return qmp
+
+    def device_add(self, vm: str, dev_id: str, port: str, socket: str) -> None:
+        answer = self._qmp(vm).cmd_obj({"execute": "device_add", "arguments": {
+            "driver": "vfio-user-pci", "id": dev_id, "bus": port,
+            "socket": {"type": "unix", "path": socket}}})
+        if "error" in answer:
+            raise LabError(f"QEMU of VM {vm} refused device_add of {dev_id} on {port}: "
+                           f"{answer['error'].get('desc')}", f"see {self.lab.vms[vm].qemu_log}")
+
+    def device_del(self, vm: str, dev_id: str) -> None:
+        answer = self._qmp(vm).cmd_obj({"execute": "device_del", "arguments": {"id": dev_id}})
+        if "error" in answer:
+            raise LabError(f"QEMU of VM {vm} refused device_del of {dev_id}: {answer['error'].get('desc')}",
+                           f"see {self.lab.vms[vm].qemu_log}")
+
+    def wait_deleted(self, vm: str, dev_id: str, timeout: float) -> bool:
+        """True once QEMU reports DEVICE_DELETED for dev_id (the guest let go), False on timeout."""
+        qmp = self._qmp(vm)
+        deadline = time.monotonic() + timeout
+        for event in qmp.get_events(wait=False):
+            if event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
+                qmp.clear_events()
+                return True
+        qmp.clear_events()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = qmp.pull_event(wait=left)
+            except Exception:   # timeout
+                return False
+            if event and event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
+                return True
+        return False
+
+    def bind_in_guest(self, vm: str, count: int, timeout: float) -> dict:
+        """Wait until VM has ``count`` GPUs, all bound to vfio-pci; the new one's BDF."""
+        out = self.lab.vms[vm].run(f"sh -s -- {count} {timeout:.0f}", stdin=BIND_SCRIPT, timeout=timeout + 30)
+        return json.loads(out.stdout)
+
+    def guest(self, vm: str, args: str, timeout: float = 60) -> dict:
+        """Run the guest's `vfio-cxl` CLI over SSH; its JSON answer."""
+        out = self.lab.vms[vm].run(f"python3 -m vfio_cxl.guest.cli {args} --json", timeout=timeout)
+        return json.loads(out.stdout)
 
     def stop_processes(self) -> None:
         for vm in self.lab.vms.values():

@@ -1,0 +1,197 @@
+"""GPUs that move between hosts at run time: the `fabric` topology, detached, driven like a user
+(`vfio-cxl fm assign|release|restart` as separate processes, `vfio-cxl gpu ...` in the guests over
+`vfio-cxl vm ssh`).  Real QEMU hot-plug (QMP device_add / device_del, ACPI), the guests' real
+vfio-pci and intel-iommu, real devdax.  Figures are printed (pytest -s or -rA shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from vfio_cxl.lab.fm import registry
+from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning
+from vfio_cxl.paths import REPO_ROOT
+
+from .test_lab_fm import Detached, EventFollower, detached, vfio_cxl  # noqa: F401 (fixture)
+
+ROUND_TRIPS = int(os.environ.get("VFIO_CXL_FABRIC_ROUND_TRIPS", "10"))
+TAG = "secret of host a"
+
+
+def gpu_ls(lab: Detached, vm: str) -> list[dict]:
+    result = lab.ssh(vm, "vfio-cxl", "gpu", "ls", "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["gpus"]
+
+
+def gpu_dma(lab: Detached, vm: str, bdf: str) -> dict:
+    result = lab.ssh(vm, "vfio-cxl", "gpu", "dma", "--gpu", bdf, "--json")
+    assert result.returncode == 0, f"gpu dma in {vm}: {result.stdout} {result.stderr}"
+    answer = json.loads(result.stdout)
+    assert answer["match"] and answer["sha256_read"] == answer["sha256_expected"]
+    return answer
+
+
+def vram_read(lab: Detached, vm: str, bdf: str) -> dict:
+    result = lab.ssh(vm, "vfio-cxl", "gpu", "vram-read", "--gpu", bdf, "--length", str(len(TAG)), "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def fm(lab: Detached, *args: str) -> dict:
+    result = vfio_cxl("fm", *args, "--lab", lab.name, "--json", timeout=300)
+    assert result.returncode == 0, f"fm {' '.join(args)}: {result.stderr}"
+    return json.loads(result.stdout)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
+    """gpu0 starts in a, gpu1 in b (fabric); gpu0 moves to b's hot-plug port and back."""
+    lab = detached("fabric")
+    status = lab.status()
+    assert {n: (g["owner"], g["state"]) for n, g in status["gpus"].items()} == {
+        "gpu0": ("a", "attached"), "gpu1": ("b", "attached")}
+    assert status["free_hotplug_ports"] == {"a": ["hp0"], "b": ["hp0"]}
+    (in_a,) = gpu_ls(lab, "a")
+    (gpu1_in_b,) = gpu_ls(lab, "b")
+    gpu_dma(lab, "a", in_a["bdf"])
+
+    # Scrubbed by default: a writes a tag, the GPU moves, b reads zeros.
+    assert lab.ssh("a", "vfio-cxl", "gpu", "vram-write", "--gpu", in_a["bdf"], TAG).returncode == 0
+    moved = fm(lab, "assign", "gpu0", "b")
+    print(f"\nmove a->b (scrubbed): release {moved['release_s']:.2f} s, scrub {moved['scrub_s']:.2f} s, "
+          f"attach {moved['attach_s']:.2f} s, full move {moved['move_s']:.2f} s")
+    assert gpu_ls(lab, "a") == []
+    in_b = {g["bdf"]: g for g in gpu_ls(lab, "b")}
+    assert set(in_b) == {gpu1_in_b["bdf"], moved["bdf"]}
+    assert in_b[moved["bdf"]]["driver"] == "vfio-pci" and in_b[moved["bdf"]]["iommu_group"] is not None
+    gpu_dma(lab, "b", moved["bdf"])
+    status = lab.status()["gpus"]["gpu0"]
+    assert (status["owner"], status["state"], status["scrubbed"], status["port"]) == ("b", "attached", True, "hp0")
+    # gpu dma wrote its payload at VRAM offset 0; the tag lives at 8 MiB, untouched by it.
+    assert vram_read(lab, "b", moved["bdf"])["zero"], "b read a's VRAM after a scrubbed move"
+
+    # Kept: b writes a tag, the GPU moves with --keep-vram, a reads it back.
+    assert lab.ssh("b", "vfio-cxl", "gpu", "vram-write", "--gpu", moved["bdf"], TAG).returncode == 0
+    moved = fm(lab, "assign", "gpu0", "a", "--keep-vram")
+    assert moved["scrubbed"] is False
+    assert bytes.fromhex(vram_read(lab, "a", moved["bdf"])["hex"]) == TAG.encode()
+    assert lab.status()["gpus"]["gpu0"]["scrubbed"] is False
+
+    # Round trips, gpu dma after each; then count what the FM holds.
+    fm_pid = lab.record.fm["pid"]
+    fds_before = open_fds(fm_pid)
+    procs_before = len(processes_mentioning(lab.record.rundir))
+    files_before = sorted(str(p) for p in Path(lab.record.rundir).rglob("*"))
+    moves = []
+    for i in range(ROUND_TRIPS):
+        for vm in ("b", "a"):
+            moved = fm(lab, "assign", "gpu0", vm)
+            moves.append(moved["move_s"])
+            assert moved["bdf"] in [g["bdf"] for g in gpu_ls(lab, vm)]
+            gpu_dma(lab, vm, moved["bdf"])
+    print(f"{ROUND_TRIPS} round trips a<->b: full move min {min(moves):.2f} s, "
+          f"max {max(moves):.2f} s, mean {sum(moves) / len(moves):.2f} s")
+    files_after = sorted(str(p) for p in Path(lab.record.rundir).rglob("*"))
+    leaked = {"fds": open_fds(fm_pid) - fds_before,
+              "processes": len(processes_mentioning(lab.record.rundir)) - procs_before,
+              "files": len(set(files_after) ^ set(files_before))}
+    print(f"after {2 * ROUND_TRIPS} moves: {leaked}")
+    assert leaked == {"fds": 0, "processes": 0, "files": 0}, (files_before, files_after)
+
+    result = lab.down()
+    assert result.returncode == 0, result.stderr
+    assert lab.leftovers() == {"processes": 0, "sockets": 0, "rundir_files": 0, "records": 0}
+
+
+def test_msix_gpu_release_is_refused_with_the_reason(detached):
+    lab = detached("single")
+    result = vfio_cxl("fm", "release", "gpu0", "--lab", lab.name)
+    assert result.returncode == 1
+    assert "MSI-X" in result.stderr and 'irq = "msi"' in result.stderr and "Traceback" not in result.stderr
+    assert lab.status()["gpus"]["gpu0"]["state"] == "attached"
+    (gpu,) = gpu_ls(lab, "host0")
+    gpu_dma(lab, "host0", gpu["bdf"])
+    assert lab.down().returncode == 0
+
+
+def test_dead_vm_frees_its_gpu_for_the_other(detached):
+    lab = detached("fabric")
+    events = EventFollower(lab.name)
+    try:
+        qemu_pid = lab.status()["vms"]["a"]["qemu_pid"]
+        t_kill = time.time()
+        os.kill(qemu_pid, signal.SIGKILL)
+        died = events.until("vm-died")
+        freed = events.until("gpu-freed")
+        print(f"\nVM a killed: reported after {died['time'] - t_kill:.3f} s, gpu0 free after "
+              f"{freed['time'] - t_kill:.3f} s")
+        assert died["time"] - t_kill < 1.0
+        status = lab.status()
+        assert status["vms"]["a"]["state"] == "dead"
+        gpu = status["gpus"]["gpu0"]
+        assert (gpu["owner"], gpu["state"], gpu["scrubbed"]) == (None, "free", True)
+        assert ProcessId.of(gpu["server_pid"]) is not None
+        moved = fm(lab, "assign", "gpu0", "b")
+        gpu_dma(lab, "b", moved["bdf"])
+        assert lab.status()["gpus"]["gpu0"]["owner"] == "b"
+    finally:
+        events.close()
+    assert lab.down().returncode == 0
+    assert not any(r.name == lab.name for r in registry.records())
+
+
+WAITER = r"""
+import os, sys, time
+from vfio_cxl.guest.gpu_driver import GpuDriver, GpuError
+gpu = GpuDriver.open(sys.argv[1])
+print("waiting", flush=True)
+try:
+    gpu.wait([], timeout=60)    # nothing submitted: waits on the GPU's interrupts
+except GpuError as err:
+    print(f"guest-error {time.time():.3f} {type(err).__name__}: {err.what}", flush=True)
+    os._exit(3)
+"""
+
+
+def test_killed_gpu_server_is_reported_and_the_guest_errs_promptly(detached):
+    lab = detached("fabric")
+    (gpu,) = gpu_ls(lab, "a")
+    gpu_dma(lab, "a", gpu["bdf"])
+    events = EventFollower(lab.name)
+    waiter = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "ssh", "--lab", lab.name, "a", "--",
+                               "python3", "-c", WAITER, gpu["bdf"]], stdout=subprocess.PIPE, text=True,
+                              stderr=subprocess.PIPE, cwd=REPO_ROOT)
+    try:
+        assert waiter.stdout.readline().strip() == "waiting", waiter.stderr.read()
+        server = lab.status()["gpus"]["gpu0"]["server_pid"]
+        t_kill = time.time()
+        os.kill(server, signal.SIGKILL)
+        died = events.until("gpu-server-died")
+        removal = events.until("gpu-surprise-removal")
+        ready, _, _ = select.select([waiter.stdout], [], [], 30)
+        line = waiter.stdout.readline() if ready else ""
+        print(f"\nGPU server killed: reported after {died['time'] - t_kill:.3f} s, device_del sent after "
+              f"{removal['time'] - t_kill:.3f} s; guest: {line.strip() or 'no error within 30 s'}")
+        assert died["time"] - t_kill < 1.0
+        assert line.startswith("guest-error"), line
+        assert float(line.split()[1]) - t_kill < 10.0
+        assert lab.status()["gpus"]["gpu0"]["state"] == "failed"
+    finally:
+        waiter.kill()
+        waiter.wait()
+        events.close()
+    restarted = fm(lab, "restart", "gpu0")
+    gpu_dma(lab, "a", restarted["bdf"])
+    assert lab.status()["gpus"]["gpu0"]["state"] == "attached"
+    assert lab.down().returncode == 0

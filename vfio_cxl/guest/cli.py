@@ -1,0 +1,200 @@
+"""In the guest: the ``vfio-cxl`` command (installed in the image as /usr/local/bin/vfio-cxl).
+
+    vfio-cxl gpu ls [--json]                   GPUs: BDF, IOMMU group, bound driver, VFIO backend
+    vfio-cxl gpu dma [--size N] [--gpu BDF]    VRAM -> devdax via VFIO, checksum verified (exit 0 on a match)
+    vfio-cxl gpu vram-write|vram-read ...      put / read a tag in VRAM (what the next owner sees)
+    vfio-cxl gpu bind [--wait S] [--json]      wait for a (hot-plugged) GPU and bind it to vfio-pci
+    vfio-cxl gpu holders [--json]              processes that hold a GPU's VFIO group open
+
+Every command works right after a hot-plug: a GPU that has no driver yet is
+bound to vfio-pci first (driver_override + drivers_probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..devices.gpu import regs
+from ..errors import LabError
+from .cxl import CxlError
+from .vfio import bind_vfio_pci, find_pci_devices, normalize_bdf
+from .vfio.bind import Sysfs
+from .vfio.errors import VfioError
+
+
+def _gpus() -> list[str]:
+    return find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
+
+
+def describe(bdf: str, sysfs: Sysfs | None = None) -> dict:
+    sysfs = sysfs or Sysfs()
+    group = sysfs.iommu_group(bdf)
+    driver = sysfs.driver(bdf)
+    backend = None
+    if driver == "vfio-pci" and group is not None:
+        backend = f"group /dev/vfio/{group}"
+        cdevs = list((sysfs.device_dir(bdf) / "vfio-dev").glob("vfio*"))
+        if cdevs:
+            backend += f", cdev /dev/vfio/devices/{cdevs[0].name}"
+    return {"bdf": bdf, "ids": f"{regs.PCI_VENDOR_ID:04x}:{regs.PCI_DEVICE_ID:04x}", "iommu_group": group,
+            "driver": driver, "vfio_backend": backend}
+
+
+def cmd_ls(args) -> int:
+    found = [describe(bdf) for bdf in _gpus()]
+    if args.json:
+        print(json.dumps({"gpus": found}))
+        return 0
+    if not found:
+        print("no GPU in this VM")
+    for g in found:
+        print(f"{g['bdf']}  [{g['ids']}]  iommu group {g['iommu_group']}  driver {g['driver'] or '-'}  "
+              f"vfio {g['vfio_backend'] or '-'}")
+    return 0
+
+
+def _bound(bdf: str | None = None) -> str:
+    """The GPU (the only one, or ``bdf``) bound to vfio-pci; binds it if it has no driver yet."""
+    found = _gpus()
+    if bdf is not None:
+        bdf = normalize_bdf(bdf)
+        if bdf not in found:
+            raise VfioError(f"no GPU at {bdf}", f"GPUs here: {', '.join(found) or 'none'} (vfio-cxl gpu ls)")
+    elif not found:
+        raise VfioError("no GPU in this VM", "assign one from the host: vfio-cxl fm assign GPU VM")
+    elif len(found) > 1:
+        raise VfioError(f"{len(found)} GPUs here: {', '.join(found)}", "pick one with --gpu BDF")
+    else:
+        bdf = found[0]
+    bind_vfio_pci(bdf)
+    return bdf
+
+
+def cmd_bind(args) -> int:
+    """Wait until the VM has ``--count`` GPUs (a hot-plugged one has appeared), bind every one
+    to vfio-pci; print them."""
+    deadline = time.monotonic() + args.wait
+    while True:
+        found = _gpus()
+        if len(found) >= args.count or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)   # polling sysfs for the hot-plugged device (no udev daemon in the guest)
+    if len(found) < args.count:
+        raise VfioError(f"{len(found)} GPU(s) after {args.wait:.0f} s, expected {args.count}",
+                        "is it plugged in? (vfio-cxl fm status on the host; dmesg here)")
+    new = [bdf for bdf in found if Sysfs().driver(bdf) != "vfio-pci"]
+    for bdf in ([args.gpu] if args.gpu else found):
+        bind_vfio_pci(bdf)
+    info = {"gpus": [describe(bdf) for bdf in found], "new": new,
+            "bdf": new[-1] if new else found[-1], "driver": "vfio-pci"}
+    print(json.dumps(info) if args.json else "\n".join(f"{g['bdf']} bound to {g['driver']}" for g in info["gpus"]))
+    return 0
+
+
+def cmd_dma(args) -> int:
+    from . import demo_dma
+    bdf = _bound(args.gpu)
+    result = demo_dma.run(args.size, 0, bdf=bdf)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{bdf}: {result['bytes']} bytes VRAM -> {result['dax']} via VFIO; checksum "
+              f"{'MATCH' if result['match'] else 'MISMATCH'} (sha256 {result['sha256_read'][:16]}…)")
+    return 0 if result["match"] else 1
+
+
+def cmd_vram(args) -> int:
+    """A tag at the start of VRAM (after ``gpu dma``'s payload area it does not matter where)."""
+    from .gpu_driver import GpuDriver
+    bdf = _bound(args.gpu)
+    with GpuDriver.open(bdf) as gpu:
+        if args.op == "vram-write":
+            gpu.vram_write(args.offset, args.text.encode())
+            data = args.text.encode()
+        else:
+            data = gpu.vram_read(args.offset, args.length)
+    if args.json:
+        print(json.dumps({"bdf": bdf, "hex": data.hex(), "zero": not any(data)}))
+    else:
+        print(data.decode(errors="replace"))
+    return 0
+
+
+def holders() -> list[dict]:
+    """Processes with a VFIO group or device file open (what keeps a GPU from being released)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/vfio/") and target != "/dev/vfio/vfio":
+                    comm = (proc / "comm").read_text().strip()
+                    found.append({"pid": int(proc.name), "comm": comm, "path": target})
+        except OSError:
+            continue
+    return found
+
+
+def cmd_holders(args) -> int:
+    found = holders()
+    if args.json:
+        print(json.dumps({"holders": found}))
+    else:
+        for h in found:
+            print(f"pid {h['pid']} ({h['comm']}) holds {h['path']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="room", required=True)
+    gpu = sub.add_parser("gpu", help="the GPUs of this VM").add_subparsers(dest="command", required=True)
+    p = gpu.add_parser("ls", help="GPUs, BDF, IOMMU group, bound driver, VFIO backend")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ls)
+    p = gpu.add_parser("dma", help="VRAM -> devdax via VFIO, checksum verified")
+    p.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20)
+    p.add_argument("--gpu", metavar="BDF")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_dma)
+    p = gpu.add_parser("bind", help="wait for a GPU and bind it to vfio-pci")
+    p.add_argument("--wait", type=float, default=0, metavar="S")
+    p.add_argument("--count", type=int, default=1, help="wait until there are this many GPUs")
+    p.add_argument("--gpu", metavar="BDF")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bind)
+    for op in ("vram-write", "vram-read"):
+        p = gpu.add_parser(op, help=f"{op.replace('-', ' ')} at an offset of VRAM")
+        p.add_argument("--gpu", metavar="BDF")
+        p.add_argument("--offset", type=lambda s: int(s, 0), default=regs.MIB * 8)
+        if op == "vram-write":
+            p.add_argument("text")
+        else:
+            p.add_argument("--length", type=int, default=32)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=cmd_vram, op=op)
+    p = gpu.add_parser("holders", help="processes that hold a VFIO group open")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_holders)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (LabError, CxlError) as err:
+        print(f"vfio-cxl: error: {err.what}" + (f" -- {err.fix}" if err.fix else ""), file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
