@@ -26,8 +26,7 @@ from ..vfio_user.pci_config import BAR_MEM_64, BAR_PREFETCH, Bar, MsixLayout, Pc
 from ..vfio_user.server import Region
 from . import regs
 from .engine import Engine, Input, State
-from .msix import MsixTable
-from .registers import read_bytes, split_write
+from ..vfio_user.bar import MsixBar, read_bytes, split_write
 
 
 IRQ_MODES = ("msix", "msi")
@@ -73,7 +72,7 @@ class GpuDevice:
         msi = irq_mode == "msi"
         self.irqs = IrqTable(irq_types(msix_vectors=0 if msi else regs.MSIX_VECTORS,
                                        msi_vectors=regs.MSI_VECTORS if msi else 0))
-        self.msix = MsixTable()
+        self.msix = MsixBar(regs.MSIX_VECTORS, regs.MSIX_BAR_SIZE)
         self.engine = Engine(self.vram, self.irqs.raise_msi if msi else self.irqs.raise_msix)
 
         rw = wire.REGION_INFO_FLAG_READ | wire.REGION_INFO_FLAG_WRITE

@@ -7,11 +7,9 @@ and writes it under its own lock.
 
 from __future__ import annotations
 
-import struct
 
 from . import regs
 
-_U32 = struct.Struct("<I")
 
 # ring configuration registers: offset -> (attribute, bit shift)
 RING_CONFIG = {
@@ -87,25 +85,3 @@ class RegisterFile:
             regs.REG_P2P_CONTROL: self.p2p_control,
         }
         return values.get(reg, 0)
-
-
-def read_bytes(value_of, offset: int, count: int) -> bytes:
-    """Bytes ``offset .. offset+count`` of BAR0, given ``value_of(reg)`` per 32-bit register."""
-    first, last = offset & ~3, (offset + count + 3) & ~3
-    raw = b"".join(_U32.pack(value_of(r)) for r in range(first, last, 4))
-    return raw[offset - first:offset - first + count]
-
-
-def split_write(offset: int, data: bytes) -> list[tuple[int, int, int]]:
-    """A BAR0 write as (register, value, byte mask) per 32-bit register touched, so a
-    partial write of a W1C or doorbell register touches only the bytes written."""
-    first = offset & ~3
-    padded = bytes(offset - first) + bytes(data)
-    padded += bytes(-len(padded) % 4)
-    out = []
-    for i in range(0, len(padded), 4):
-        lo, hi = max(offset - first - i, 0), min(offset - first + len(data) - i, 4)
-        mask = sum(0xFF << (8 * b) for b in range(lo, hi))
-        if mask:
-            out.append((first + i, _U32.unpack_from(padded, i)[0], mask))
-    return out

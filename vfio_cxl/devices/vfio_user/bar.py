@@ -1,8 +1,7 @@
 """Device-independent pieces of a trapped BAR: byte-lane decoding of 32-bit
 registers and an MSI-X table/PBA BAR that keeps what the client writes.
 
-Any device model may use these (the SMC does; the GPU has its own copies in
-``gpu/registers.py`` and ``gpu/msix.py``).
+Any device model may use these (the GPU and the SMC do).
 """
 
 from __future__ import annotations
