@@ -8,12 +8,20 @@ A single reader thread owns the receive side and demultiplexes:
   belong to.  A DMA_READ reply is received straight into its destination
   (VRAM), so the payload is never copied in Python.
 
-Limits that keep QEMU 11.1 happy (lab notes): DMA_READ replies larger than
-about one socket buffer arrive cut, so reads go out in 64 KiB pieces;
-DMA_WRITE pieces stay within the client's max_data_xfer_size.  Exactly one
-request is in flight per transfer: the reader sends the next piece as soon
-as the previous reply is in (it only sends, never waits), and wakes the
-engine thread once, when the whole transfer is done or has failed.
+Pieces and pipelining (docs/gpu-device.md, "Data paths"): a transfer goes
+out in pieces of at most the client's max_data_xfer_size (8 MiB at most),
+up to ``DMA_WINDOW`` of them in flight; the reader sends the next piece as
+soon as a reply is in (it only sends, never waits), and wakes the engine
+thread once, when the whole transfer is done or has failed.  DMA_WRITE data
+leaves by page reference (Transport zero_copy): no copy on our side.
+
+QEMU 11.1 sends its replies with one non-blocking write and forgets
+whatever did not fit into its socket buffer (~208 KiB by default): a
+DMA_READ reply that does not fit arrives cut and the stream is lost.  So
+for a client offering at most 1 MiB (QEMU's default) DMA_READ pieces are
+64 KiB and the bytes of DMA_READ replies outstanding on the connection --
+stale ones of dropped transfers included -- never exceed
+``QEMU_READ_BUDGET``.
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ from .transport import ConnectionClosed, MessageTimeout, Transport, close_fds
 log = logging.getLogger(__name__)
 
 DMA_READ_CHUNK_QEMU = 64 * 1024  # DMA_READ piece for clients offering <= 1 MiB (QEMU 11.1)
+# DMA_READ reply bytes outstanding per connection for such clients: two 64 KiB
+# replies take ~148 KiB of QEMU's ~208 KiB socket buffer (skb overhead included)
+QEMU_READ_BUDGET = 2 * DMA_READ_CHUNK_QEMU
 DMA_PIECE_MAX = 8 << 20  # largest DMA message piece even if the client allows more
 DMA_WINDOW = 4  # DMA message pieces in flight per transfer
 MAX_REQUEST_BODY = wire.SERVER_MAX_DATA_XFER + 4096  # REGION_WRITE of max size + slack
@@ -82,11 +93,14 @@ class Connection:
         self.name = name
         self.max_write = wire.DEFAULT_MAX_DATA_XFER
         self.max_read = DMA_READ_CHUNK_QEMU
+        self.read_budget = QEMU_READ_BUDGET  # DMA_READ reply bytes outstanding, at most
         self.window = DMA_WINDOW
         self.internal_errors = 0
         self.messages_in = 0
         self._handler: Handler | None = None
-        self._pending: dict[int, _Transfer] = {}
+        self._pending: dict[int, _Transfer] = {}  # message id -> transfer, stale ones too
+        self._reads_out = 0  # bytes of DMA_READ replies still to come (in _pending)
+        self._live: set[_Transfer] = set()  # transfers not finished yet
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -107,10 +121,13 @@ class Connection:
         """Size our DMA messages by what the client said it accepts (never more)."""
         self.max_write = min(max_data_xfer, DMA_PIECE_MAX)
         if max_data_xfer <= wire.DEFAULT_MAX_DATA_XFER:
-            # QEMU 11.1 cuts DMA_READ replies above ~212 KiB (docs: departures)
+            # QEMU 11.1 cuts DMA_READ replies that do not fit its socket buffer
+            # (module doc; docs/gpu-device.md, departures)
             self.max_read = min(max_data_xfer, DMA_READ_CHUNK_QEMU)
+            self.read_budget = QEMU_READ_BUDGET
         else:
             self.max_read = min(max_data_xfer, DMA_PIECE_MAX)
+            self.read_budget = DMA_WINDOW * self.max_read
 
     def shutdown(self) -> None:
         """Ask the reader to stop (it sees EOF); returns at once."""
@@ -131,6 +148,7 @@ class Connection:
         with self._lock:
             self._dma_closed = True
             pending, self._pending = self._pending, {}
+            self._reads_out = 0
         for t in set(pending.values()):
             self._finish(t, errno.ECONNRESET, "closed")
 
@@ -142,7 +160,7 @@ class Connection:
         """Settle every transfer in flight as aborted (the device dropped its work).
         Replies still on their way are read and thrown away."""
         with self._lock:
-            transfers = set(self._pending.values())
+            transfers = set(self._pending.values()) | self._live
         for t in transfers:
             self._finish(t, 0, "aborted")
 
@@ -193,6 +211,8 @@ class Connection:
         try:
             parts, out_fds = self._handler(header, payload, fds)
         except wire.ProtocolError as exc:
+            close_fds(fds)  # before the error reply: a refused fd never outlives it
+            fds.clear()
             self._reply_error(header, exc.errno, str(exc))
             if exc.hang_up:
                 raise ConnectionClosed(f"{header.describe()}: {exc}") from None
@@ -215,10 +235,22 @@ class Connection:
             self.transport.send([wire.error_header(header, err)])
 
     def _on_reply(self, header: wire.Header, fds: list[int]) -> None:
-        body = max(header.size - wire.HEADER_SIZE, 0)
         with self._lock:
-            t = self._pending.pop(header.msg_id, None)
+            t = self._pending.get(header.msg_id)
             piece = t.inflight.get(header.msg_id) if t is not None else None
+        self._take_reply(header, fds, t, piece)
+        # the reply is off the socket now: its id is free, its bytes leave the budget
+        with self._lock:
+            starved = []
+            if self._pending.pop(header.msg_id, None) is not None and piece is not None \
+                    and t.command == wire.DMA_READ:
+                self._reads_out -= piece[1]
+                starved = [x for x in self._live if x.command == wire.DMA_READ]
+        for x in starved:  # DMA_READ transfers waiting for room in the budget (t too)
+            self._pump(x)
+
+    def _take_reply(self, header: wire.Header, fds: list[int], t, piece) -> None:
+        body = max(header.size - wire.HEADER_SIZE, 0)
         if t is None or t.command != header.command or piece is None:
             log.warning("%s: unexpected reply %s", self.name, header.describe())
             self.transport.discard(body, fds)
@@ -255,7 +287,8 @@ class Connection:
             complete = t.acked >= len(t.buf)
         if complete:
             return self._finish(t)
-        self._pump(t)  # sends only: the replies come back to this thread
+        if t.command == wire.DMA_WRITE:  # a DMA_READ is pumped once its budget is back
+            self._pump(t)  # sends only: the replies come back to this thread
 
     # ------------------------------------------------------------ our DMA requests
     def dma_write(self, iova: int, data: memoryview, stale: Callable[[], bool] = _never) -> None:
@@ -272,6 +305,8 @@ class Connection:
         """Start a transfer and wait for it; raise DmaFault (``done`` set) on failure."""
         if not len(t.buf):
             return
+        with self._lock:
+            self._live.add(t)
         self._pump(t)
         last = -1
         while not t._done.acquire(timeout=self.dma_timeout):
@@ -282,6 +317,7 @@ class Connection:
                 # pieces still out stay in _pending: their late replies are thrown away
                 t.fault_at = t.acked
                 t.finished, t.errno, t.outcome = True, errno.ETIMEDOUT, "timeout"
+                self._live.discard(t)
             break
         if t.outcome == "ok":
             return
@@ -308,6 +344,10 @@ class Connection:
                     closed = False
                     pos = t.next_pos
                     n = min(t.chunk, len(t.buf) - pos)
+                    if t.command == wire.DMA_READ:
+                        if self._reads_out and self._reads_out + n > self.read_budget:
+                            return  # the reply that frees the budget pumps again
+                        self._reads_out += n
                     msg_id = next(self._ids) & 0xFFFF
                     while msg_id in self._pending:
                         msg_id = next(self._ids) & 0xFFFF
@@ -338,8 +378,10 @@ class Connection:
             log.debug("-> %s id=%d iova=%#x count=%d", wire.COMMAND_NAMES[t.command], msg_id, at, n)
         outcome = None
         try:
+            # DMA_WRITE data goes by page reference (no copy on our side): the
+            # piece is in flight until its reply, and nothing rewrites it before
             self.transport.send([wire.request_header(msg_id, t.command, size), *parts],
-                                guard=guard)
+                                guard=guard, zero_copy=True)
         except DmaAborted:
             outcome = (0, "aborted")
         except DmaFault as fault:
@@ -353,7 +395,8 @@ class Connection:
         if outcome is None:
             return True
         with self._lock:
-            self._pending.pop(msg_id, None)
+            if self._pending.pop(msg_id, None) is not None and t.command == wire.DMA_READ:
+                self._reads_out -= n
             t.inflight.pop(msg_id, None)
             t.fault_at = pos
             t.update_acked()
@@ -363,6 +406,7 @@ class Connection:
     def _finish(self, t: _Transfer, err: int = 0, outcome: str = "ok") -> None:
         """Settle a transfer exactly once and wake the engine waiting for it."""
         with self._lock:
+            self._live.discard(t)
             if t.finished:
                 return
             t.finished, t.errno, t.outcome = True, err, outcome

@@ -12,6 +12,11 @@ The socket stays in blocking mode with kernel timeouts (SO_RCVTIMEO /
 SO_SNDTIMEO): a blocking recvmsg is one syscall per chunk, where
 poll-then-read would be two plus an exception on every EAGAIN -- that
 difference is a sizeable part of a 64 KiB DMA round trip in Python.
+
+Large payloads: the send buffer is raised to SEND_BUFFER (capped by the
+kernel's net.core.wmem_max), and a caller may ask for a **zero-copy** send
+of a message's last part (splice.py): its pages are queued by reference,
+so the receiver's copy is the only copy of the data.
 """
 
 from __future__ import annotations
@@ -23,10 +28,17 @@ import struct
 import threading
 
 from . import wire
+from .splice import PageSender
 
 _CMSG_FD_SPACE = socket.CMSG_SPACE(64 * array.array("i").itemsize)
 _SEND_FLAGS = socket.MSG_NOSIGNAL
 _RECV_FLAGS = socket.MSG_CMSG_CLOEXEC
+# SO_SNDBUF: a UNIX stream socket holds at most this much unread data (the
+# receiver's SO_RCVBUF plays no part).  With the usual default (~208 KiB) a
+# sender blocked on an 8 MiB message is woken ~50 times, each wake-up a
+# cross-CPU hand-off; with 4 MiB (the kernel doubles it) a few times.
+SEND_BUFFER = 4 << 20
+ZERO_COPY_MIN = 128 * 1024  # smaller payloads: one sendmsg copy costs less than two splices
 
 
 class ConnectionClosed(Exception):
@@ -60,10 +72,15 @@ def _fds_from_ancdata(ancdata, into: list[int]) -> None:
 
 class Transport:
     def __init__(self, sock: socket.socket, *, partial_timeout: float = 2.0,
-                 send_timeout: float = 5.0):
+                 send_timeout: float = 5.0, send_buffer: int = SEND_BUFFER):
         sock.setblocking(True)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(partial_timeout))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout))
+        if send_buffer:
+            try:  # the kernel caps it at net.core.wmem_max (and doubles it)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+            except OSError:
+                pass
         self.sock = sock
         self.partial_timeout = partial_timeout
         self.send_timeout = send_timeout
@@ -72,6 +89,7 @@ class Transport:
         self.poisoned = ""  # why the stream can no longer be trusted ("" = it can)
         self._header = bytearray(wire.HEADER_SIZE)
         self._header_view = memoryview(self._header)
+        self._pages: PageSender | None = None  # created on the first zero-copy send
 
     # ------------------------------------------------------------ receiving
     def _recv(self, buffers, fds: list[int], idle_ok: bool) -> int:
@@ -134,11 +152,16 @@ class Transport:
             count -= n
 
     # ------------------------------------------------------------ sending
-    def send(self, parts, fds=(), guard=None) -> None:
+    def send(self, parts, fds=(), guard=None, zero_copy: bool = False) -> None:
         """Send one whole message (a list of bytes-like parts) plus optional fds.
 
         ``guard()``, if given, runs under the send lock before the first byte
         goes out; an exception from it cancels the message (nothing is sent).
+
+        ``zero_copy``: the last part, if at least ZERO_COPY_MIN bytes, is
+        spliced into the socket by page reference instead of copied
+        (splice.py): the caller must not change it until the peer has
+        answered the message.
 
         If the message cannot be sent whole in one ``sendmsg`` (it failed, or it
         returned short because the send timeout expired), the transport is **poisoned**: the
@@ -158,6 +181,12 @@ class Transport:
             if guard is not None:
                 guard()
             total = sum(len(v) for v in views)
+            spliced = None
+            if zero_copy and len(views) > 1 and len(views[-1]) >= ZERO_COPY_MIN:
+                if self._pages is None:
+                    self._pages = PageSender()
+                if self._pages.available:
+                    spliced = views.pop()
             sent_total = 0
             try:
                 while True:
@@ -166,6 +195,8 @@ class Transport:
                     except InterruptedError:  # nothing sent yet: try again
                         continue
                     break
+                if spliced is not None and sent_total == total - len(spliced):
+                    sent_total += self._pages.send(self.sock, spliced, _SEND_FLAGS)
                 if sent_total < total:
                     # a blocking send returns short only when SO_SNDTIMEO expired (or a
                     # signal came) mid-message: the peer is not reading; never finish
@@ -199,5 +230,7 @@ class Transport:
     def close(self) -> None:
         with self._send_lock:
             self._closed = True
+            if self._pages is not None:
+                self._pages.close()
         self.shutdown()
         self.sock.close()
