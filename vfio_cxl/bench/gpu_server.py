@@ -1,13 +1,16 @@
 """Benchmark of the GPU server alone (no VM): DMA throughput and doorbell latency.
 
-    scripts/bench gpu-server [--size-mib 32] [--runs 3] [--latency-runs 9]
+    scripts/bench gpu-server [--size-mib 32] [--runs 15] [--latency-runs 15]
                              [--max-xfer-mib 64] [--json]
 
 The server runs as its own process (``python -m vfio_cxl.devices.gpu serve``), as
 with QEMU; this process plays QEMU with the vfio-user client stand-in,
 answering the server's DMA messages from local buffers.  It offers
 ``--max-xfer-mib`` as its max_data_xfer_size (64 MiB, like a patient QEMU;
-QEMU 11.1's default is 1 MiB).  Measured, side by side in one run:
+QEMU 11.1's default is 1 MiB).  The stand-in is a lean client: it receives a
+DMA_WRITE straight into its buffer and sends a DMA_READ reply from it (one
+copy each), where QEMU copies once more through its own buffer.  Measured,
+side by side in one run:
 
 * host memcpy bandwidth (memoryview copy between two memfd mappings): the reference;
 * direct path, sealed memfd (F_SEAL_SHRINK, like QEMU's memory-backend-memfd):
@@ -17,9 +20,13 @@ QEMU 11.1's default is 1 MiB).  Measured, side by side in one run:
 * message path: DMA_MAP without fd, data travels in DMA_READ / DMA_WRITE;
 * doorbell -> MSI-X eventfd for one 1 MiB VRAM -> host descriptor.
 
-Each throughput figure is the median of ``--runs`` single-descriptor
-transfers, timed from the (posted) doorbell write to the MSI-X eventfd, and
-is printed beside its share of host memcpy.
+Each path gets one warm-up descriptor, then ``--runs`` single-descriptor
+transfers, each timed from the (posted) doorbell write to the MSI-X eventfd.
+Printed: the median with min-max, the median's share of host memcpy, and
+the CPU seconds per GB both processes spent over all runs (server + client,
+from the kernel's per-thread run time): a figure other load on the machine
+barely moves, where wall-clock MB/s drop with every competing process.  The
+load average is printed too: figures taken at load >= 1 are low.
 """
 
 from __future__ import annotations
@@ -50,10 +57,43 @@ TARGET_DIRECT_FRACTION = 0.5
 TARGET_MESSAGE_TO_VRAM_MBPS = 1500  # host -> VRAM: DMA_READ
 TARGET_MESSAGE_TO_HOST_MBPS = 3000  # VRAM -> host: DMA_WRITE
 TARGET_LATENCY_MS = 5.0
+QUIET_LOAD = 1.0  # above this load average wall-clock figures are not trustworthy
 
 
-def memcpy_bandwidth(size: int, runs: int) -> float:
-    """MB/s of a memoryview copy between two pre-touched memfd mappings."""
+def cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of ``pid`` so far (ns resolution, /proc/PID/task/*/schedstat)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread just ended
+            pass
+    return total / 1e9
+
+
+class Figure:
+    """Wall-clock samples of one path plus the CPU both processes spent on them."""
+
+    def __init__(self, size: int, times: list[float], cpu: tuple[float, float]):
+        rates = sorted(size / t / MB for t in times)
+        self.median, self.low, self.high = statistics.median(rates), rates[0], rates[-1]
+        moved = size * len(times) / 1e9
+        self.cpu_server, self.cpu_client = cpu[0] / moved, cpu[1] / moved
+
+    @property
+    def cpu(self) -> float:
+        return self.cpu_server + self.cpu_client
+
+    def as_dict(self) -> dict:
+        return {"median_mbps": round(self.median), "min_mbps": round(self.low),
+                "max_mbps": round(self.high), "cpu_s_per_gb": round(self.cpu, 3),
+                "cpu_s_per_gb_server": round(self.cpu_server, 3),
+                "cpu_s_per_gb_client": round(self.cpu_client, 3)}
+
+
+def memcpy_bandwidth(size: int, runs: int) -> Figure:
+    """A memoryview copy between two pre-touched memfd mappings (one warm-up)."""
     bufs = []
     for name in ("src", "dst"):
         fd = os.memfd_create(f"bench-{name}", os.MFD_CLOEXEC)
@@ -63,20 +103,24 @@ def memcpy_bandwidth(size: int, runs: int) -> float:
         mm.write(b"\x5a" * size)  # fault every page in first
         bufs.append(mm)
     src, dst = (memoryview(b) for b in bufs)
+    dst[:] = src
     times = []
+    c0 = time.thread_time()
     for _ in range(runs):
         t0 = time.perf_counter()
         dst[:] = src
         times.append(time.perf_counter() - t0)
+    cpu = time.thread_time() - c0
     src.release()
     dst.release()
     for b in bufs:
         b.close()
-    return size / statistics.median(times) / MB
+    return Figure(size, times, (0.0, cpu))
 
 
 class Bench:
-    def __init__(self, sock: str, size: int, max_xfer: int):
+    def __init__(self, sock: str, size: int, max_xfer: int, server_pid: int):
+        self.server_pid = server_pid
         self.memory = GuestMemory()
         self.ring = self.memory.add(RING_IOVA, 2 * RING_ENTRIES * regs.DESC_SIZE, shared=True,
                                     sealed=True)
@@ -145,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench gpu-server",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=32, help="bytes per throughput run")
-    parser.add_argument("--runs", type=int, default=3, help="throughput runs (median)")
-    parser.add_argument("--latency-runs", type=int, default=9, help="1 MiB latency runs (median)")
+    parser.add_argument("--runs", type=int, default=15, help="throughput runs per path (median)")
+    parser.add_argument("--latency-runs", type=int, default=15, help="1 MiB latency runs (median)")
     parser.add_argument("--max-xfer-mib", type=int, default=64,
                         help="max_data_xfer_size the client offers (QEMU 11.1: 1)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -154,28 +198,34 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size_mib * regs.MIB
     vram_mib = max(64, 1 << (args.size_mib - 1).bit_length())
 
+    if args.runs < 1 or args.latency_runs < 1 or args.size_mib < 1:
+        parser.error("--size-mib, --runs and --latency-runs must be at least 1")
+    load = [os.getloadavg()[0]]
     memcpy = memcpy_bandwidth(size, args.runs)
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         sock = os.path.join(tmp, "gpu.sock")
         proc = start_server(sock, vram_mib)
         try:
-            bench = Bench(sock, size, args.max_xfer_mib * regs.MIB)
+            bench = Bench(sock, size, args.max_xfer_mib * regs.MIB, proc.pid)
             try:
-                results = measure(bench, size, args.runs, args.latency_runs)
+                results, latency = measure(bench, size, args.runs, args.latency_runs)
             finally:
                 bench.close()
         finally:
             proc.terminate()
             proc.wait(10)
+    load.append(os.getloadavg()[0])
     if args.json:
         print(json.dumps({"size": size, "runs": args.runs, "max_data_xfer_size":
-                          args.max_xfer_mib * regs.MIB, "memcpy_mbps": round(memcpy),
-                          "figures": {k: round(v, 2) for k, v in results.items()},
-                          "ratio_to_memcpy": {k: round(v / memcpy, 3) for k, v in results.items()
-                                              if not k.startswith("latency")},
-                          "targets": targets(memcpy, results)}, indent=2))
+                          args.max_xfer_mib * regs.MIB, "load_average": load,
+                          "memcpy": memcpy.as_dict(),
+                          "figures": {k: v.as_dict() for k, v in results.items()},
+                          "latency_ms": {k: round(v, 3) for k, v in latency.items()},
+                          "ratio_to_memcpy": {k: round(v.median / memcpy.median, 3)
+                                              for k, v in results.items()},
+                          "targets": targets(memcpy, results, latency)}, indent=2))
     else:
-        report(memcpy, size, results, args)
+        report(memcpy, size, results, latency, load, args)
     return 0
 
 
@@ -191,49 +241,65 @@ MSG_TO_HOST = "message (DMA_WRITE)           VRAM->host"
 MSG_TO_VRAM = "message (DMA_READ)            host->VRAM"
 
 
-def measure(bench: Bench, size: int, runs: int, latency_runs: int) -> dict:
+def measure(bench: Bench, size: int, runs: int, latency_runs: int) -> tuple[dict, dict]:
     bench.run(Op.FILL_PRNG, 1991, 0, size)  # VRAM content to move
     results = {}
+    me = os.getpid()
     for name, (op, src, dst) in CASES.items():
         bench.run(op, src, dst, size)  # warm-up (first-touch faults in the server's mmaps)
+        s0, c0 = cpu_seconds(bench.server_pid), cpu_seconds(me)
         times = [bench.run(op, src, dst, size) for _ in range(runs)]
-        results[name] = size / statistics.median(times) / MB
+        s1, c1 = cpu_seconds(bench.server_pid), cpu_seconds(me)
+        results[name] = Figure(size, times, (s1 - s0, c1 - c0))
     # sanity: the bytes really arrived on every path
     expect = regs.prng_bytes(1991, 1 << 20)
     for area in (bench.direct, bench.file, bench.message):
         if bytes(area.view[:1 << 20]) != expect:
             raise RuntimeError(f"wrong bytes at IOVA {area.iova:#x}")
+    latency = {}
     for name, dst in (("direct", DIRECT_IOVA), ("message", MESSAGE_IOVA)):
         bench.run(Op.VRAM_TO_HOST, 0, dst, 1 << 20)
         lat = [bench.run(Op.VRAM_TO_HOST, 0, dst, 1 << 20) for _ in range(latency_runs)]
-        results[f"latency {name}"] = statistics.median(lat) * 1000
-    return results
+        latency[name] = statistics.median(lat) * 1000
+    return results, latency
 
 
-def targets(memcpy: float, r: dict) -> dict:
-    direct = min(v for k, v in r.items() if k.startswith("direct (sealed"))
-    lat = max(r["latency direct"], r["latency message"])
+def targets(memcpy: Figure, r: dict, latency: dict) -> dict:
+    direct = min(v.median for k, v in r.items() if k.startswith("direct (sealed"))
+    lat = max(latency.values())
     return {
-        "direct >= 50% of memcpy": direct >= TARGET_DIRECT_FRACTION * memcpy,
+        "direct >= 50% of memcpy": direct >= TARGET_DIRECT_FRACTION * memcpy.median,
         f"message host->VRAM >= {TARGET_MESSAGE_TO_VRAM_MBPS} MB/s":
-            r[MSG_TO_VRAM] >= TARGET_MESSAGE_TO_VRAM_MBPS,
+            r[MSG_TO_VRAM].median >= TARGET_MESSAGE_TO_VRAM_MBPS,
         f"message VRAM->host >= {TARGET_MESSAGE_TO_HOST_MBPS} MB/s":
-            r[MSG_TO_HOST] >= TARGET_MESSAGE_TO_HOST_MBPS,
+            r[MSG_TO_HOST].median >= TARGET_MESSAGE_TO_HOST_MBPS,
         f"1 MiB latency <= {TARGET_LATENCY_MS} ms": lat <= TARGET_LATENCY_MS,
     }
 
 
-def report(memcpy: float, size: int, r: dict, args) -> None:
-    print(f"GPU server DMA benchmark ({size >> 20} MiB per transfer, median of {args.runs}; "
-          f"latency median of {args.latency_runs}; client max_data_xfer_size "
+def report(memcpy: Figure, size: int, r: dict, latency: dict, load: list, args) -> None:
+    print(f"GPU server DMA benchmark ({size >> 20} MiB per transfer, 1 warm-up + {args.runs} "
+          f"runs per path; latency median of {args.latency_runs}; client max_data_xfer_size "
           f"{args.max_xfer_mib} MiB)")
-    print(f"  {'host memcpy (reference)':41s} {memcpy:7.0f} MB/s  (100.0% of memcpy)")
+    print(f"  {'path':41s} {'median':>7s} {'(min-max)':>13s}       {'of memcpy':>9s}  "
+          f"CPU s/GB (server+client)")
+
+    def line(name: str, f: Figure) -> None:
+        split = (f"({f.cpu_server:.3f}+{f.cpu_client:.3f})" if f is not memcpy
+                 else "(one thread)")
+        print(f"  {name:41s} {f.median:7.0f} ({f.low:5.0f}-{f.high:5.0f}) MB/s  "
+              f"{f.median / memcpy.median:8.1%}  {f.cpu:6.3f} {split}")
+
+    line("host memcpy (reference)", memcpy)
     for name in CASES:
-        print(f"  {name:41s} {r[name]:7.0f} MB/s  ({r[name] / memcpy:6.1%} of memcpy)")
-    print(f"  1 MiB VRAM->host doorbell->MSI-X: direct {r['latency direct']:.2f} ms, "
-          f"message {r['latency message']:.2f} ms")
+        line(name, r[name])
+    print(f"  1 MiB VRAM->host doorbell->MSI-X: direct {latency['direct']:.2f} ms, "
+          f"message {latency['message']:.2f} ms")
+    print(f"  load average {load[0]:.2f} at start, {load[1]:.2f} at end"
+          + ("" if max(load) < QUIET_LOAD else
+             f": the machine was busy, wall-clock figures are low (CPU s/GB holds)"))
     print("targets: " + "; ".join(f"{name}: {'ok' if ok else 'MISSED'}"
-                                  for name, ok in targets(memcpy, r).items()))
+                                  for name, ok in targets(memcpy, r, latency).items()))
 
 
 if __name__ == "__main__":
