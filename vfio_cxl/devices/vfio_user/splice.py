@@ -90,18 +90,15 @@ class PageSender:
                             return sent + sock.sendmsg([data[sent:]], [], flags)
                         except InterruptedError:
                             continue
-                left = got
-                while left:
-                    try:
-                        n = os.splice(pipe_r, sock_fd, left)
-                    except BlockingIOError:  # SO_SNDTIMEO expired
-                        return sent + got - left
-                    except InterruptedError:
-                        continue
-                    if n <= 0:
-                        return sent + got - left
-                    left -= n
-                sent += got
+                try:
+                    n = os.splice(pipe_r, sock_fd, got)
+                except BlockingIOError:  # SO_SNDTIMEO expired before a byte went
+                    return sent
+                # a blocking splice returns short only when SO_SNDTIMEO expired (or
+                # a signal came) mid-way: like a short sendmsg, the stream is cut
+                sent += n
+                if n < got:
+                    return sent
         return sent
 
     def close(self) -> None:
