@@ -9,7 +9,8 @@ answering the server's DMA messages from local buffers.  It offers
 ``--max-xfer-mib`` as its max_data_xfer_size (64 MiB, like a patient QEMU;
 QEMU 11.1's default is 1 MiB).  The stand-in is a lean client: it receives a
 DMA_WRITE straight into its buffer and sends a DMA_READ reply from it (one
-copy each), where QEMU copies once more through its own buffer.  Measured,
+copy each) through a 4 MiB socket send buffer, where QEMU copies once more
+through its own buffer and keeps the system's default send buffer.  Measured,
 side by side in one run:
 
 * host memcpy bandwidth (memoryview copy between two memfd mappings): the reference;
