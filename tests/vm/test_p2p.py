@@ -32,6 +32,19 @@ def test_p2p_message_path_is_still_correct(p2p_lab):
     assert copy["match"] and copy["path"] == "message path" and copy["peer_kib"] == 0, copy
 
 
+def test_p2p_pull_over_the_message_path_reads_every_byte_through_qemu(p2p_lab):
+    """HOST_TO_VRAM from the peer's BAR IOVA with the fast path off: 64 DMA_READ
+    messages of 64 KiB that QEMU 11.1 answers, at most two outstanding (QEMU drops
+    what does not fit its socket buffer); every byte lands in the initiator's VRAM."""
+    vm = p2p_lab["host0"]
+    result = guest_json(vm, "python3 -m vfio_cxl.guest.p2p --size 4M --path message --pull "
+                            "--one-way --json")
+    (copy,) = result["copies"]
+    assert copy["match"] and copy["bytes"] == 4 << 20, copy
+    assert copy["path"] == "message path" and copy["peer_kib"] == 0, copy
+    assert copy["initiator"] == copy["to"], copy
+
+
 def test_p2p_isolation_unmapped_and_after_unmap(p2p_lab):
     vm = p2p_lab["host0"]
     result = guest_json(vm, "python3 -m vfio_cxl.guest.p2p --check isolation")

@@ -107,26 +107,36 @@ class PeerPair:
                 self.bar_iovas.append(iova)
             self._stack = stack.pop_all()
 
-    def copy(self, src: int, length: int, *, seed: int, fast: bool = True) -> dict:
+    def copy(self, src: int, length: int, *, seed: int, fast: bool = True,
+             pull: bool = False) -> dict:
         """GPU ``src`` fills VRAM[0:length] with PRNG(seed), its engine copies it into the
-        other GPU's VRAM through the IOVA; every byte checked through both BAR mmaps."""
+        other GPU's VRAM through the IOVA; every byte checked through both BAR mmaps.
+        ``pull``: the other way -- the peer's VRAM holds the bytes and GPU ``src``'s
+        engine reads them through the IOVA into its own VRAM (HOST_TO_VRAM; on the
+        message path these are DMA_READ messages that QEMU answers)."""
         a, b = self.gpus[src], self.gpus[1 - src]
         if not 0 < length <= min(a.vram_size, b.vram_size):
             raise P2pError(f"size {length} is beyond the VRAM/BAR2 ({min(a.vram_size, b.vram_size)} bytes)",
                            "use a smaller --size")
         a.bar0.write32(regs.REG_P2P_CONTROL, 0 if fast else regs.P2P_FAST_DISABLE)
-        a.run([Transfer(Op.FILL_PRNG, src=seed, dst=0, length=length)])
-        b.vram.view(0, length)[:] = bytes(length)   # stale bytes cannot pass the check
+        holder, receiver = (b, a) if pull else (a, b)
+        holder.run([Transfer(Op.FILL_PRNG, src=seed, dst=0, length=length)])
+        receiver.vram.view(0, length)[:] = bytes(length)   # stale bytes cannot pass the check
         kib0 = a.bar0.read32(regs.REG_P2P_PEER_KIB)
         t0 = time.perf_counter()
-        (done,) = a.run([Transfer(Op.VRAM_TO_HOST, src=0, dst=self.bar_iovas[1 - src], length=length)], timeout=120)
+        if pull:
+            op = Transfer(Op.HOST_TO_VRAM, src=self.bar_iovas[1 - src], dst=0, length=length)
+        else:
+            op = Transfer(Op.VRAM_TO_HOST, src=0, dst=self.bar_iovas[1 - src], length=length)
+        (done,) = a.run([op], timeout=120)
         seconds = time.perf_counter() - t0
         peer_kib = (a.bar0.read32(regs.REG_P2P_PEER_KIB) - kib0) & 0xFFFFFFFF
         a.bar0.write32(regs.REG_P2P_CONTROL, 0)
         want = hashlib.sha256(regs.prng_bytes(seed, length)).hexdigest()
         got_a = hashlib.sha256(a.vram.view(0, length)).hexdigest()
         got_b = hashlib.sha256(b.vram.view(0, length)).hexdigest()
-        return {"from": a.device.bdf, "to": b.device.bdf, "size": length, "bytes": done["bytes_done"],
+        return {"from": holder.device.bdf, "to": receiver.device.bdf, "initiator": a.device.bdf,
+                "size": length, "bytes": done["bytes_done"],
                 "match": want == got_a == got_b, "sha256": got_b,
                 "path": "peer fast path" if peer_kib * 1024 >= length - 4096 else "message path",
                 "peer_kib": peer_kib, "seconds": seconds, "mb_per_s": length / seconds / 1e6,
@@ -158,13 +168,14 @@ def pick_bdfs(from_bdf: str | None, to_bdf: str | None) -> tuple[str, str]:
 
 
 def run(from_bdf: str | None = None, to_bdf: str | None = None, size: int = 1 << 20,
-        both_ways: bool = True, fast: bool = True) -> dict:
-    """A -> B (and B -> A), every byte checked; the IOMMU groups and what the kernel did."""
+        both_ways: bool = True, fast: bool = True, pull: bool = False) -> dict:
+    """A -> B (and B -> A), every byte checked; the IOMMU groups and what the kernel did.
+    ``pull``: A's engine reads B's VRAM instead (and B's reads A's)."""
     bdfs = pick_bdfs(from_bdf, to_bdf)
     with PeerPair(bdfs) as pair:
-        copies = [pair.copy(0, size, seed=SEEDS[0], fast=fast)]
+        copies = [pair.copy(0, size, seed=SEEDS[0], fast=fast, pull=pull)]
         if both_ways:
-            copies.append(pair.copy(1, size, seed=SEEDS[1], fast=fast))
+            copies.append(pair.copy(1, size, seed=SEEDS[1], fast=fast, pull=pull))
         return {"groups": pair.groups, "kernel": pair.kernel, "copies": copies,
                 "match": all(c["match"] for c in copies)}
 
@@ -304,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: the proven peer fast path when the device holds a proof; "
                              "message: force DMA_WRITE messages (REG_P2P_CONTROL)")
     parser.add_argument("--one-way", action="store_true", help="only --from -> --to")
+    parser.add_argument("--pull", action="store_true",
+                        help="the initiating GPU reads the peer's VRAM into its own (HOST_TO_VRAM; "
+                             "with --path message: DMA_READ messages answered by QEMU)")
     parser.add_argument("--bench", action="store_true", help="all guest-side bench figures (JSON)")
     parser.add_argument("--check", choices=("isolation", "bad-input"),
                         help="print (JSON) the isolation or the bad-input checks instead")
@@ -317,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.bench:
             print(json.dumps(bench(args.from_bdf, args.to_bdf, args.size)))
             return 0
-        result = run(args.from_bdf, args.to_bdf, args.size, not args.one_way, args.path == "auto")
+        result = run(args.from_bdf, args.to_bdf, args.size, not args.one_way, args.path == "auto",
+                     args.pull)
     except VfioError as err:
         print(f"p2p: error: {err}", file=sys.stderr)
         return 1
