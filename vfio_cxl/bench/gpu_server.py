@@ -26,7 +26,8 @@ transfers, each timed from the (posted) doorbell write to the MSI-X eventfd.
 Printed: the median with min-max, the median's share of host memcpy, and
 the CPU seconds per GB both processes spent over all runs (server + client,
 from the kernel's per-thread run time): a figure other load on the machine
-barely moves, where wall-clock MB/s drop with every competing process.  The
+moves little (memory-bandwidth contention still shows), where wall-clock
+MB/s drop with every competing process.  The
 load average is printed too: figures taken at load >= 1 are low.
 """
 
@@ -298,7 +299,7 @@ def report(memcpy: Figure, size: int, r: dict, latency: dict, load: list, args) 
           f"message {latency['message']:.2f} ms")
     print(f"  load average {load[0]:.2f} at start, {load[1]:.2f} at end"
           + ("" if max(load) < QUIET_LOAD else
-             f": the machine was busy, wall-clock figures are low (CPU s/GB holds)"))
+             f": the machine was busy, wall-clock figures are low (compare CPU s/GB)"))
     print("targets: " + "; ".join(f"{name}: {'ok' if ok else 'MISSED'}"
                                   for name, ok in targets(memcpy, r, latency).items()))
 
