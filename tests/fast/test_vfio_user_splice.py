@@ -62,7 +62,7 @@ def test_zero_copy_send_delivers_exact_bytes_in_order(pair, vram):
     ta.send([b"end"])
     reader.join(10)
     assert got["b"] == b"H" * 16 + payload[5:] + b"end"
-    assert ta._pages is not None and ta._pages.available, "the zero-copy path was not used"
+    assert ta.page_sender is not None and ta.page_sender.available, "the zero-copy path was not used"
     assert not ta.poisoned
 
 
@@ -85,7 +85,7 @@ def test_small_parts_are_copied(pair, vram):
     ta.send([b"H" * 16, vram[:4096]], zero_copy=True)  # under ZERO_COPY_MIN
     vram[:4096] = b"\x44" * 4096
     assert receive(tb, 16 + 4096)[16:] == b"\x33" * 4096
-    assert ta._pages is None
+    assert ta.page_sender is None
 
 
 def test_stalled_zero_copy_send_poisons_the_transport(pair, vram):
@@ -102,14 +102,14 @@ def test_stalled_zero_copy_send_poisons_the_transport(pair, vram):
 
 def test_refused_vmsplice_falls_back_to_sendmsg(pair, vram, monkeypatch):
     """Our fallback logic, with a stand-in for a kernel that refuses vmsplice
-    (the real call is replaced): the rest of the message goes by sendmsg,
+    (a fake: the real call is replaced for this test only): the rest of the message goes by sendmsg,
     whole, and the sender is not tried again."""
     ta, tb = pair
 
     def refuse(fd, iov, n, flags):
         return -1
 
-    monkeypatch.setattr(splice, "_vmsplice", refuse)
+    monkeypatch.setattr(splice.PageSender, "vmsplice", staticmethod(refuse))
     vram[:2 * MIB] = os.urandom(2 * MIB)
     expect = bytes(vram[:2 * MIB])
     got = {}
@@ -119,7 +119,7 @@ def test_refused_vmsplice_falls_back_to_sendmsg(pair, vram, monkeypatch):
     reader.join(10)
     assert got["b"] == b"H" * 16 + expect
     assert not ta.poisoned
-    assert ta._pages is not None and not ta._pages.available
+    assert ta.page_sender is not None and not ta.page_sender.available
 
 
 def test_send_buffer_is_raised():

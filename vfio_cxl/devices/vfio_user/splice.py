@@ -51,12 +51,16 @@ class PageSender:
     transport is poisoned then and this sender is never used again.
     """
 
+    # vmsplice(2) through libc (cffi); a class attribute so a test can stand in
+    # for a kernel that refuses it
+    vmsplice = staticmethod(_vmsplice) if _vmsplice is not None else None
+
     def __init__(self):
         self.available = False
         self.refused = 0  # errno of a vmsplice the kernel refused (then: sendmsg for good)
         self._r = self._w = -1
         self.pipe_size = 0
-        if _vmsplice is None or not hasattr(os, "splice"):
+        if self.vmsplice is None or not hasattr(os, "splice"):
             return
         self._r, self._w = os.pipe2(os.O_CLOEXEC)
         try:
@@ -81,7 +85,7 @@ class PageSender:
             while sent < total:
                 iov.iov_base = base + sent
                 iov.iov_len = min(self.pipe_size, total - sent)
-                got = _vmsplice(pipe_w, iov, 1, SPLICE_F_NONBLOCK)
+                got = self.vmsplice(pipe_w, iov, 1, SPLICE_F_NONBLOCK)
                 if got <= 0:  # the pipe is empty here: nothing is lost by falling back
                     self.available = False
                     self.refused = _ffi.errno or errno.EIO

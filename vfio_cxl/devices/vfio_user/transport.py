@@ -214,6 +214,11 @@ class Transport:
                 self._poison(f"interrupted after {sent_total} of {total} bytes")
                 raise
 
+    @property
+    def page_sender(self) -> PageSender | None:
+        """The zero-copy sender, once a zero-copy send was asked for (else None)."""
+        return self._pages
+
     def _poison(self, why: str) -> None:
         """Send lock held.  Never send again; make the reader see EOF."""
         self.poisoned = why
