@@ -19,7 +19,7 @@ from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
-                  "lab_kernel_lab": 5}
+                  "lab_kernel_lab": 5, "p2p_lab_kernel_lab": 6}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
 NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4}
@@ -75,6 +75,16 @@ def lab_kernel_lab(labs) -> Lab:
     if found is None:
         pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
     return labs.get("single", GuestKernel(found / "bzImage", label="lab"))
+
+
+@pytest.fixture
+def p2p_lab_kernel_lab(labs) -> Lab:
+    """``p2p`` (three GPUs) on the lab kernel: iommufd peer-to-peer needs several GPUs, which
+    ``single`` has not.  One extra boot (~30 s under TCG), only when the lab kernel is built."""
+    found = cached_lab_kernel()
+    if found is None:
+        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
+    return labs.get("p2p", GuestKernel(found / "bzImage", label="lab"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -37,7 +38,7 @@ from .gpu_driver import GpuDriver, GpuError, Transfer
 from .vfio import Container, DmaMapping, IommufdContext, find_pci_devices, iommu_group
 from .vfio import uapi
 from .vfio.bind import modprobe
-from .vfio.errors import DmaMapError, VfioError
+from .vfio.errors import DmaMapError, VfioError, describe_errno
 from .vfio.iommufd import DmaBufError, export_dma_buf
 
 # IOVA layout in the shared container (docs/gpu-device.md, "P2P"): each GPU's
@@ -122,7 +123,8 @@ def map_peer_bar(initiator: GpuDriver, peer: GpuDriver, iova: int, size: int | N
         view.release()
         if not isinstance(shared, IommufdContext) or err.errno is None:
             raise
-        refused = f"{ioctl} of the BAR mmap refused ({err.what})"
+        why = ": iommufd pins pages, and a BAR mmap (VM_PFNMAP) has none" if err.errno == errno.EFAULT else ""
+        refused = f"{ioctl} of the BAR mmap refused ({describe_errno(err.errno)}{why})"
         notes[what] = refused
     except BaseException:
         view.release()
