@@ -40,13 +40,11 @@ class DmaBufError(IommufdError):
         super().__init__(what, fix)
 
 
-DMABUF_CONFIG = ("CONFIG_VFIO_PCI_DMABUF (on by itself when PCI_P2PDMA and DMA_SHARED_BUFFER are; "
-                 "DMA_SHARED_BUFFER has no prompt: an option that selects it, e.g. SYNC_FILE, turns it on)")
-
 _DMABUF_ERRNO_HELP = {
-    errno.ENOTTY: (f"this kernel cannot export a VFIO BAR as a dma-buf (no {DMABUF_CONFIG})",
+    errno.ENOTTY: ("this kernel has no VFIO dma-buf export (CONFIG_VFIO_PCI_DMABUF is off: it needs "
+                   "PCI_P2PDMA and DMA_SHARED_BUFFER)",
                    "use the type1 container (it maps a BAR mmap directly), or a kernel with "
-                   "CONFIG_VFIO_PCI_DMABUF=y"),
+                   "CONFIG_VFIO_PCI_DMABUF=y (DMA_SHARED_BUFFER has no prompt: CONFIG_SYNC_FILE=y selects it)"),
     errno.ENODEV: ("the BAR is not claimed by vfio-pci, or the device's memory decoding is off "
                    "(the dma-buf starts revoked)", "enable PCI_COMMAND_MEMORY before exporting"),
     errno.EINVAL: ("the kernel refused the range (offset and length must be page-aligned and inside the BAR)",
