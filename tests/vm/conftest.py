@@ -19,7 +19,7 @@ from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
-                  "lab_kernel_lab": 5, "p2p_lab_kernel_lab": 6}
+                  "lab_kernel_lab": 5}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
 NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4}
@@ -69,18 +69,11 @@ def p2p_lab(labs) -> Lab:
 
 @pytest.fixture
 def lab_kernel_lab(labs) -> Lab:
-    """``single`` booted on the lab kernel (IOMMUFD).  Built by ``VFIO_CXL_LAB_KERNEL=1 scripts/test`` when missing
+    """``p2p`` booted on the lab kernel (IOMMUFD).  p2p rather than single: it has the same
+    CXL RAM region on backend cxl0 and a GPU on a root port of its own, which the backend
+    tests use, plus the three GPUs the iommufd peer-to-peer case needs -- one boot for
+    all lab-kernel tests.  Built by ``VFIO_CXL_LAB_KERNEL=1 scripts/test`` when missing
     (``vfio-cxl provision --kernel lab``); a bare pytest run without it skips, saying so."""
-    found = cached_lab_kernel()
-    if found is None:
-        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
-    return labs.get("single", GuestKernel(found / "bzImage", label="lab"))
-
-
-@pytest.fixture
-def p2p_lab_kernel_lab(labs) -> Lab:
-    """``p2p`` (three GPUs) on the lab kernel: iommufd peer-to-peer needs several GPUs, which
-    ``single`` has not.  One extra boot (~30 s under TCG), only when the lab kernel is built."""
     found = cached_lab_kernel()
     if found is None:
         pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")

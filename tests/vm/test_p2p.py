@@ -1,8 +1,8 @@
 """Peer-to-peer DMA on the p2p topology: gpu0 and gpu1 behind one PCIe switch, gpu2 on a
 root port of its own, all in one VFIO container; each GPU's engine writes into the
 others' VRAM through the IOMMU -- behind the switch (A<->B) and through the root
-complex (A<->C) in the same boot.  The last case boots p2p on the lab kernel
-(IOMMUFD) when it is built, for the iommufd route."""
+complex (A<->C) in the same boot.  The last case runs on the lab kernel (IOMMUFD;
+``lab_kernel_lab`` boots p2p for every lab-kernel test) when it is built."""
 
 import json
 
@@ -78,13 +78,13 @@ def test_p2p_cli_reports_groups_and_kernel(p2p_lab):
     assert err.exited == 1 and "beyond" in err.stderr and "Traceback" not in err.stderr, err.stderr
 
 
-def test_p2p_on_iommufd_lab_kernel(p2p_lab_kernel_lab):
+def test_p2p_on_iommufd_lab_kernel(lab_kernel_lab):
     """The lab kernel (7.3, IOMMUFD): one iommufd IOAS for the three GPUs.  IOMMU_IOAS_MAP of a
     BAR mmap is refused (iommufd pins pages; the BAR is VM_PFNMAP); the BAR goes in as a VFIO
     dma-buf with IOMMU_IOAS_MAP_FILE when the kernel has CONFIG_VFIO_PCI_DMABUF, and the copies
     then take both routes like type1; without it every refusal is reported, naming the option,
     and nothing stays open (type1 P2P works right after)."""
-    vm = p2p_lab_kernel_lab["host0"]
+    vm = lab_kernel_lab["host0"]
     result = guest_json(vm, "python3 -m vfio_cxl.guest.p2p --check iommufd --size 1M")
     assert result["config"]["CONFIG_IOMMUFD"] == "y" and result["config"]["CONFIG_VFIO_DEVICE_CDEV"] == "y", result
     notes = list(result["kernel"].values())
