@@ -121,11 +121,13 @@ def test_persistent_type3_gets_its_label_storage_area():
 def test_gpus_behind_a_pcie_switch():
     argv = argv_of("p2p")
     devs = devices(argv)
-    assert "pcie-root-port,id=psw0-port,bus=pcie.0,chassis=1,slot=1" in devs
+    assert "pcie-root-port,id=psw0-port,bus=pcie.0,chassis=1,slot=2" in devs
     assert "x3130-upstream,id=psw0,bus=psw0-port" in devs
     assert "xio3130-downstream,id=dp0,bus=psw0,chassis=2,slot=0" in devs
+    # gpu2 has no 'at': a root port of its own, so gpu0 -> gpu2 goes through the root complex
+    assert "pcie-root-port,id=gpu2-port,bus=pcie.0,chassis=1,slot=1" in devs
     gpus = [json.loads(d) for d in devs if d.startswith("{")]
-    assert [(g["id"], g["bus"]) for g in gpus] == [("gpu0", "dp0"), ("gpu1", "dp1")]
+    assert sorted((g["id"], g["bus"]) for g in gpus) == [("gpu0", "dp0"), ("gpu1", "dp1"), ("gpu2", "gpu2-port")]
     # The switch comes before its GPUs on the command line.
     assert devs.index("xio3130-downstream,id=dp1,bus=psw0,chassis=2,slot=1") < devs.index(
         next(d for d in devs if '"id":"gpu1"' in d))

@@ -69,12 +69,15 @@ def p2p_lab(labs) -> Lab:
 
 @pytest.fixture
 def lab_kernel_lab(labs) -> Lab:
-    """``single`` booted on the lab kernel (IOMMUFD).  Built by ``VFIO_CXL_LAB_KERNEL=1 scripts/test`` when missing
+    """``p2p`` booted on the lab kernel (IOMMUFD).  p2p rather than single: it has the same
+    CXL RAM region on backend cxl0 and a GPU on a root port of its own, which the backend
+    tests use, plus the three GPUs the iommufd peer-to-peer case needs -- one boot for
+    all lab-kernel tests.  Built by ``VFIO_CXL_LAB_KERNEL=1 scripts/test`` when missing
     (``vfio-cxl provision --kernel lab``); a bare pytest run without it skips, saying so."""
     found = cached_lab_kernel()
     if found is None:
         pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
-    return labs.get("single", GuestKernel(found / "bzImage", label="lab"))
+    return labs.get("p2p", GuestKernel(found / "bzImage", label="lab"))
 
 
 def pytest_collection_modifyitems(config, items):

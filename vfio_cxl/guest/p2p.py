@@ -1,14 +1,21 @@
 """In the guest: peer-to-peer DMA -- one GPU's engine writes straight into another GPU's VRAM.
 
     python3 -m vfio_cxl.guest.p2p [--from BDF] [--to BDF] [--size N] [--json]
-                                  [--bench] [--path auto|message]
+                                  [--backend type1|iommufd] [--bench] [--path auto|message]
 
-Both GPUs join ONE type1 container (one IOMMU context); each GPU's BAR2
-(VRAM) is mmapped through its VFIO region and that mmap is DMA-mapped into
-the container (``VFIO_IOMMU_MAP_DMA``), so each GPU can reach the other's
-VRAM at an IOVA.  ``--from`` GPU fills its VRAM, its engine copies
-VRAM -> IOVA(peer BAR2), and the bytes are checked through both BAR mmaps;
-then the other way round.
+All GPUs join ONE IOMMU context: a type1 container (``VFIO_IOMMU_MAP_DMA`` of
+each GPU's BAR2 mmap) or one iommufd IOAS (a BAR mmap is VM_PFNMAP, which
+``IOMMU_IOAS_MAP`` cannot pin: the BAR goes in as a VFIO dma-buf,
+``VFIO_DEVICE_FEATURE_DMA_BUF`` + ``IOMMU_IOAS_MAP_FILE``, where the kernel has
+CONFIG_VFIO_PCI_DMABUF).  So each GPU reaches the others' VRAM at an IOVA.
+``--from`` GPU fills its VRAM, its engine copies VRAM -> IOVA(peer BAR2), and
+the bytes are checked through both BAR mmaps; then the other way round.
+
+Without ``--to``, A (``--from``, default: the first GPU that shares a PCIe switch
+with another) is paired with every peer the VM has: on the ``p2p`` topology B
+behind the same switch and C on a root port of its own, so both the "behind a
+switch" and the "through the root complex" path are taken; each copy says
+which (read from the PCI hierarchy in sysfs).
 
 ``run()`` and ``main()`` are the entry points a guest ``vfio-cxl gpu p2p``
 command hooks into.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -27,18 +35,21 @@ import time
 from ..devices.gpu import regs
 from ..devices.gpu.regs import Op
 from .gpu_driver import GpuDriver, GpuError, Transfer
-from .vfio import Container, DmaMapping, find_pci_devices, iommu_group
+from .vfio import Container, DmaMapping, IommufdContext, find_pci_devices, iommu_group
 from .vfio import uapi
 from .vfio.bind import modprobe
-from .vfio.errors import VfioError
+from .vfio.errors import DmaMapError, VfioError, describe_errno
+from .vfio.iommufd import DmaBufError, export_dma_buf
 
 # IOVA layout in the shared container (docs/gpu-device.md, "P2P"): each GPU's
 # control area at its own IOVA, the peer BARs high above guest-RAM buffers.
-CONTROL_IOVAS = (0x0010_0000, 0x0020_0000)
+CONTROL_IOVAS = (0x0010_0000, 0x0020_0000, 0x0030_0000, 0x0040_0000)
 PEER_BAR_IOVA = 0x10_0000_0000           # BAR2 of GPU i at PEER_BAR_IOVA + i * PEER_BAR_STRIDE
 PEER_BAR_STRIDE = 0x1_0000_0000
 BOUNCE_IOVA = 0x0800_0000                 # guest RAM (the bounce path in the bench)
 SEEDS = (0xA11CE, 0xB0B)
+BACKENDS = ("type1", "iommufd")
+SYS_PCI = "/sys/bus/pci/devices"
 
 
 class P2pError(GpuError):
@@ -52,18 +63,47 @@ def open_container() -> Container:
     return Container.open()
 
 
-def map_peer_bar(initiator: GpuDriver, peer: GpuDriver, iova: int, size: int | None = None,
-                 region: int = regs.BAR_VRAM) -> DmaMapping:
-    """DMA-map ``peer``'s BAR2 (its VRAM, via the VFIO region mmap) at ``iova`` so
-    ``initiator`` can reach it.  Both must share one container (one IOMMU context).
+def open_context(backend: str):
+    """One IOMMU context for all the GPUs: a type1 container or an iommufd IOAS."""
+    if backend not in BACKENDS:
+        raise P2pError(f"unknown backend {backend!r}", f"use one of {', '.join(BACKENDS)}")
+    if backend == "type1":
+        return open_container()
+    if not os.path.exists("/dev/vfio/vfio"):
+        modprobe("vfio-pci")      # vfio-pci first: a GPU gets its cdev when it binds
+    return IommufdContext.open()
 
-    Clear errors, nothing left mapped: a peer in another container, a BAR that
-    is not mmappable, a size beyond the BAR."""
-    shared = initiator.device.container
-    if shared is None or shared is not peer.device.container:   # None: iommufd, one IOAS each
-        raise P2pError(f"{peer.device.bdf} is not in the same VFIO container as {initiator.device.bdf}: "
-                       "a mapping made in the peer's container is invisible to the initiator's IOMMU context",
-                       "open both GPUs with GpuDriver.open(bdf, container=shared_container)")
+
+def route(a: str, b: str, sys_pci: str = SYS_PCI) -> dict:
+    """How DMA from ``a`` reaches ``b`` in the PCI hierarchy (sysfs device paths):
+    through a bridge below the root complex (a PCIe switch) or through the root complex."""
+    paths = [os.path.realpath(os.path.join(sys_pci, bdf)).split(os.sep) for bdf in (a, b)]
+    common = os.sep.join(os.path.commonprefix(paths)).rstrip(os.sep)
+    last = os.path.basename(common)
+    if last.startswith("pci"):        # pci0000:00: the host bridge, i.e. the root complex
+        return {"kind": "root complex", "via": last,
+                "path": f"through the root complex ({last}): each GPU on its own root port"}
+    return {"kind": "switch", "via": last,
+            "path": f"behind the PCIe switch at {last}: not through the root complex"}
+
+
+def map_peer_bar(initiator: GpuDriver, peer: GpuDriver, iova: int, size: int | None = None,
+                 region: int = regs.BAR_VRAM, notes: dict | None = None) -> DmaMapping:
+    """DMA-map ``peer``'s BAR2 (its VRAM) at ``iova`` so ``initiator`` can reach it.  Both
+    must share one IOMMU context.  type1: ``VFIO_IOMMU_MAP_DMA`` of the BAR's VFIO mmap.
+    iommufd: ``IOMMU_IOAS_MAP`` of that mmap first; when the kernel refuses (it pins
+    pages; a BAR mmap is VM_PFNMAP), the BAR as a dma-buf (``VFIO_DEVICE_FEATURE_DMA_BUF``)
+    mapped with ``IOMMU_IOAS_MAP_FILE``.  What the kernel said goes into ``notes``.
+
+    Clear errors, nothing left mapped: a peer in another context, a BAR that is not
+    mmappable, a size beyond the BAR, a kernel that refuses every route."""
+    notes = {} if notes is None else notes
+    shared = initiator.device.iommu
+    if shared is None or shared is not peer.device.iommu:
+        raise P2pError(f"{peer.device.bdf} is not in the same VFIO container (or iommufd IOAS) as "
+                       f"{initiator.device.bdf}: a mapping made in the peer's context is invisible to the "
+                       "initiator's IOMMU context",
+                       "open both GPUs with GpuDriver.open(bdf, container=shared) (or ioas=shared)")
     bar = peer.device.region(region)   # VFIO region index: BARn is n
     size = bar.size if size is None else size
     if not 0 < size <= bar.size:
@@ -71,50 +111,102 @@ def map_peer_bar(initiator: GpuDriver, peer: GpuDriver, iova: int, size: int | N
                        f"map at most {bar.size:#x} bytes")
     mm = bar.mmap_object()   # RegionError if the BAR cannot be mmapped
     view = memoryview(mm)[:size]
+    what = f"map BAR{region} of {peer.device.bdf} at {iova:#x}"
+    ioctl = "VFIO_IOMMU_MAP_DMA" if isinstance(shared, Container) else "IOMMU_IOAS_MAP"
+    t0 = time.perf_counter()
     try:
-        return initiator.device.map_dma(view, iova)
+        mapping = initiator.device.map_dma(view, iova)
+        notes[what] = (f"{ioctl} of the BAR mmap accepted: {size >> 10} KiB in "
+                       f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
+        return mapping
+    except DmaMapError as err:
+        view.release()
+        if not isinstance(shared, IommufdContext) or err.errno is None:
+            raise
+        why = ": iommufd pins pages, and a BAR mmap (VM_PFNMAP) has none" if err.errno == errno.EFAULT else ""
+        refused = f"{ioctl} of the BAR mmap refused ({describe_errno(err.errno)}{why})"
+        notes[what] = refused
     except BaseException:
         view.release()
         raise
+    return _map_bar_dma_buf(shared, peer, region, iova, size, notes, what, refused)
+
+
+def _map_bar_dma_buf(ctx: IommufdContext, peer: GpuDriver, region: int, iova: int, size: int,
+                     notes: dict, what: str, refused: str) -> DmaMapping:
+    """The iommufd route for a BAR: export it as a dma-buf, map that with IOMMU_IOAS_MAP_FILE."""
+    fix = ("use the type1 backend (--backend type1: VFIO_IOMMU_MAP_DMA maps a BAR mmap), or a kernel "
+           "with CONFIG_VFIO_PCI_DMABUF=y")
+    t0 = time.perf_counter()
+    try:
+        fd = export_dma_buf(peer.device.device.fd, peer.device.bdf, region, 0, size)
+    except DmaBufError as err:
+        notes[what] = f"{refused}; VFIO_DEVICE_FEATURE_DMA_BUF refused ({err.what})"
+        error = P2pError(f"iommufd cannot map {peer.device.bdf}'s BAR{region}: {notes[what]}", fix)
+        error.kernel = dict(notes)
+        raise error from None
+    try:
+        mapping = ctx.map_file(fd, 0, size, iova)
+    except DmaMapError as err:
+        notes[what] = f"{refused}; dma-buf exported, IOMMU_IOAS_MAP_FILE refused ({err.what})"
+        error = P2pError(f"iommufd cannot map {peer.device.bdf}'s BAR{region}: {notes[what]}", fix)
+        error.kernel = dict(notes)
+        raise error from None
+    finally:
+        os.close(fd)     # the IOAS holds its own reference on the dma-buf
+    notes[what] = (f"{refused}; VFIO_DEVICE_FEATURE_DMA_BUF + IOMMU_IOAS_MAP_FILE accepted: "
+                   f"{size >> 10} KiB in {(time.perf_counter() - t0) * 1e3:.0f} ms")
+    return mapping
 
 
 class PeerPair:
-    """Two GPUs in one container, each BAR2 DMA-mapped for the other.  Context manager."""
+    """Two or more GPUs in one IOMMU context (``backend``: a type1 container or an iommufd
+    IOAS), each BAR2 DMA-mapped for all the others.  Context manager.
 
-    def __init__(self, bdfs: tuple[str, str]):
-        self.bdfs = bdfs
+    ``groups``: the IOMMU group of each GPU; ``kernel``: what the kernel accepted (or,
+    on a P2pError, refused: ``err.kernel``) for each BAR mapping."""
+
+    def __init__(self, bdfs: tuple[str, ...], backend: str = "type1"):
+        if not 2 <= len(bdfs) <= len(CONTROL_IOVAS):
+            raise P2pError(f"{len(bdfs)} GPUs given", f"give 2 to {len(CONTROL_IOVAS)}")
+        self.bdfs = tuple(bdfs)
+        self.backend = backend
         self.groups = {bdf: iommu_group(bdf) for bdf in bdfs}
         self.kernel: dict[str, str] = {}
         self._stack = contextlib.ExitStack()
         with self._stack as stack:
-            self.container = open_container()
-            stack.callback(self.container.close)
+            self.context = open_context(backend)
+            self.container = self.context if backend == "type1" else None
+            stack.callback(self.context.close)   # iommufd: unmaps, destroys the IOAS once the devices are gone
+            shared = {"container": self.context} if backend == "type1" else {"ioas": self.context}
             self.gpus = []
             for bdf, control in zip(bdfs, CONTROL_IOVAS):
-                gpu = GpuDriver.open(bdf, container=self.container, control_iova=control)
+                gpu = GpuDriver.open(bdf, control_iova=control, **shared)
                 stack.callback(gpu.close)
                 self.gpus.append(gpu)
-            # the container's mappings go before the devices leave it
-            stack.callback(self.container.unmap_all)
+            # type1: the container's mappings go before the devices leave it
+            stack.callback(self.context.unmap_all)
             self.bar_iovas = []
             for i, gpu in enumerate(self.gpus):
                 iova = PEER_BAR_IOVA + i * PEER_BAR_STRIDE
-                t0 = time.perf_counter()
-                map_peer_bar(self.gpus[1 - i], gpu, iova)
-                self.kernel[f"map BAR2 of {gpu.device.bdf}"] = (
-                    f"VFIO_IOMMU_MAP_DMA accepted: {gpu.vram_size >> 20} MiB at IOVA {iova:#x} "
-                    f"in {(time.perf_counter() - t0) * 1e3:.0f} ms")
+                try:
+                    map_peer_bar(self.gpus[i - 1], gpu, iova, notes=self.kernel)
+                except P2pError as err:
+                    err.groups = self.groups
+                    raise
                 self.bar_iovas.append(iova)
             self._stack = stack.pop_all()
 
-    def copy(self, src: int, length: int, *, seed: int, fast: bool = True,
+    def copy(self, src: int, dst: int, length: int, *, seed: int, fast: bool = True,
              pull: bool = False) -> dict:
-        """GPU ``src`` fills VRAM[0:length] with PRNG(seed), its engine copies it into the
-        other GPU's VRAM through the IOVA; every byte checked through both BAR mmaps.
-        ``pull``: the other way -- the peer's VRAM holds the bytes and GPU ``src``'s
+        """GPU ``src`` fills VRAM[0:length] with PRNG(seed), its engine copies it into GPU
+        ``dst``'s VRAM through the IOVA; every byte checked through both BAR mmaps.
+        ``pull``: the other way -- GPU ``dst``'s VRAM holds the bytes and GPU ``src``'s
         engine reads them through the IOVA into its own VRAM (HOST_TO_VRAM; on the
         message path these are DMA_READ messages that QEMU answers)."""
-        a, b = self.gpus[src], self.gpus[1 - src]
+        a, b = self.gpus[src], self.gpus[dst]
+        if src == dst:
+            raise P2pError(f"a copy from {a.device.bdf} to itself", "name two different GPUs")
         if not 0 < length <= min(a.vram_size, b.vram_size):
             raise P2pError(f"size {length} is beyond the VRAM/BAR2 ({min(a.vram_size, b.vram_size)} bytes)",
                            "use a smaller --size")
@@ -125,9 +217,9 @@ class PeerPair:
         kib0 = a.bar0.read32(regs.REG_P2P_PEER_KIB)
         t0 = time.perf_counter()
         if pull:
-            op = Transfer(Op.HOST_TO_VRAM, src=self.bar_iovas[1 - src], dst=0, length=length)
+            op = Transfer(Op.HOST_TO_VRAM, src=self.bar_iovas[dst], dst=0, length=length)
         else:
-            op = Transfer(Op.VRAM_TO_HOST, src=0, dst=self.bar_iovas[1 - src], length=length)
+            op = Transfer(Op.VRAM_TO_HOST, src=0, dst=self.bar_iovas[dst], length=length)
         (done,) = a.run([op], timeout=120)
         seconds = time.perf_counter() - t0
         peer_kib = (a.bar0.read32(regs.REG_P2P_PEER_KIB) - kib0) & 0xFFFFFFFF
@@ -138,6 +230,7 @@ class PeerPair:
         return {"from": holder.device.bdf, "to": receiver.device.bdf, "initiator": a.device.bdf,
                 "size": length, "bytes": done["bytes_done"],
                 "match": want == got_a == got_b, "sha256": got_b,
+                "route": route(a.device.bdf, b.device.bdf), "backend": self.backend,
                 "path": "peer fast path" if peer_kib * 1024 >= length - 4096 else "message path",
                 "peer_kib": peer_kib, "seconds": seconds, "mb_per_s": length / seconds / 1e6,
                 # the engine's own time for the descriptor (completion record), without the
@@ -155,43 +248,59 @@ class PeerPair:
         self.close()
 
 
-def pick_bdfs(from_bdf: str | None, to_bdf: str | None) -> tuple[str, str]:
+def pick_bdfs(from_bdf: str | None, to_bdf: str | None) -> tuple[str, ...]:
+    """(A, peers...): ``--from`` (default: the first GPU that shares a PCIe switch with
+    another, else the first) and ``--to``, or without it every other GPU, the one behind
+    A's switch first."""
     found = find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
-    from_bdf = from_bdf or (found[0] if found else None)
-    to_bdf = to_bdf or next((b for b in found if b != from_bdf), None)
-    if not from_bdf or not to_bdf:
+    if from_bdf is None:
+        from_bdf = next((a for a in found if any(route(a, b)["kind"] == "switch" for b in found if b != a)),
+                        found[0] if found else None)
+    peers = [to_bdf] if to_bdf else sorted((b for b in found if b != from_bdf),
+                                           key=lambda b: route(from_bdf, b)["kind"] != "switch")
+    if not from_bdf or not peers:
         raise P2pError(f"peer-to-peer DMA needs two GPUs; this VM has {len(found)} ({', '.join(found) or 'none'})",
                        "boot the p2p topology: vfio-cxl vm up p2p")
-    if from_bdf == to_bdf:
+    if from_bdf in peers:
         raise P2pError(f"--from and --to are both {from_bdf}", "name two different GPUs")
-    return from_bdf, to_bdf
+    return (from_bdf, *peers[:len(CONTROL_IOVAS) - 1])
 
 
 def run(from_bdf: str | None = None, to_bdf: str | None = None, size: int = 1 << 20,
-        both_ways: bool = True, fast: bool = True, pull: bool = False) -> dict:
-    """A -> B (and B -> A), every byte checked; the IOMMU groups and what the kernel did.
-    ``pull``: A's engine reads B's VRAM instead (and B's reads A's)."""
+        both_ways: bool = True, fast: bool = True, backend: str = "type1",
+        pull: bool = False) -> dict:
+    """A -> each peer (and back), every byte checked; the IOMMU groups, the route each copy
+    took, and what the kernel did.  ``pull``: A's engine reads the peer's VRAM instead
+    (and the peer's reads A's)."""
     bdfs = pick_bdfs(from_bdf, to_bdf)
-    with PeerPair(bdfs) as pair:
-        copies = [pair.copy(0, size, seed=SEEDS[0], fast=fast, pull=pull)]
-        if both_ways:
-            copies.append(pair.copy(1, size, seed=SEEDS[1], fast=fast, pull=pull))
-        return {"groups": pair.groups, "kernel": pair.kernel, "copies": copies,
+    with PeerPair(bdfs, backend) as pair:
+        copies = []
+        for peer in range(1, len(bdfs)):
+            copies.append(pair.copy(0, peer, size, seed=SEEDS[0] + peer, fast=fast, pull=pull))
+            if both_ways:
+                copies.append(pair.copy(peer, 0, size, seed=SEEDS[1] + peer, fast=fast, pull=pull))
+        return {"backend": backend, "groups": pair.groups, "kernel": pair.kernel, "copies": copies,
                 "match": all(c["match"] for c in copies)}
 
 
 def bench(from_bdf: str | None = None, to_bdf: str | None = None, size: int = 16 << 20,
-          runs: int = 3) -> dict:
-    """Every guest-side figure of `scripts/bench p2p`, in one session (best of ``runs``)."""
+          runs: int = 3, backend: str = "type1") -> dict:
+    """Every guest-side figure of `scripts/bench p2p`, in one session (best of ``runs``):
+    the fast path to each peer (``p2p_fast`` behind a switch when there is one,
+    ``p2p_fast_root_complex`` through the root complex), the message path, the bounce
+    through guest RAM and a CPU copy between the two BAR mmaps (to the first peer)."""
     import mmap
     bdfs = pick_bdfs(from_bdf, to_bdf)
     out = {}
-    with PeerPair(bdfs) as pair:
-        pair.copy(0, size, seed=1)                      # warm-up: proofs made here
-        best = lambda runs: max(runs, key=lambda r: r["mb_per_s"])   # noqa: E731
-        out["p2p_fast"] = best([pair.copy(0, size, seed=2 + i) for i in range(runs)])
-        out["p2p_message"] = best([pair.copy(0, size, seed=9 + i, fast=False) for i in range(runs)])
-        a, b = pair.gpus
+    best = lambda runs: max(runs, key=lambda r: r["mb_per_s"])   # noqa: E731
+    with PeerPair(bdfs, backend) as pair:
+        for peer in range(1, len(bdfs)):
+            pair.copy(0, peer, size, seed=1)              # warm-up: proofs made here
+            figure = best([pair.copy(0, peer, size, seed=2 + i) for i in range(runs)])
+            key = "p2p_fast" if peer == 1 else f"p2p_fast_{figure['route']['kind'].replace(' ', '_')}"
+            out[key if key not in out else f"{key}_{peer}"] = figure
+        out["p2p_message"] = best([pair.copy(0, 1, size, seed=9 + i, fast=False) for i in range(runs)])
+        a, b = pair.gpus[:2]
         bounce = mmap.mmap(-1, size)
         with a.map(bounce, BOUNCE_IOVA):
             a.run([Transfer(Op.FILL_PRNG, src=4, dst=0, length=size)])
@@ -206,6 +315,7 @@ def bench(from_bdf: str | None = None, to_bdf: str | None = None, size: int = 16
         ok = bytes(b.vram.view(0, size)) == regs.prng_bytes(4, size)
         out["bounce"] = {"seconds": seconds, "mb_per_s": size / seconds / 1e6, "match": ok,
                          "device_mb_per_s": size / max(device_ns, 1) * 1e3,
+                         "route": route(a.device.bdf, b.device.bdf),
                          "path": "two DMAs through guest RAM (direct fd path both ways)"}
         bounce.close()
         va, vb = a.vram.view(0, size), b.vram.view(0, size)
@@ -215,9 +325,11 @@ def bench(from_bdf: str | None = None, to_bdf: str | None = None, size: int = 16
             vb[:] = va
             seconds = min(seconds, time.perf_counter() - t0)
         out["cpu_copy"] = {"seconds": seconds, "mb_per_s": size / seconds / 1e6, "match": vb == va,
+                           "route": route(a.device.bdf, b.device.bdf),
                            "path": "guest CPU memcpy between the two BAR2 mmaps"}
         va.release(), vb.release()
-    out["size"] = size
+        out["groups"], out["kernel"] = pair.groups, pair.kernel
+    out["size"], out["backend"] = size, backend
     return out
 
 
@@ -226,7 +338,7 @@ def isolation(from_bdf: str | None = None, to_bdf: str | None = None) -> dict:
     guest has not mapped it -- before ever, and after an unmap that follows a
     proven fast-path copy -- and B's VRAM stays as it was."""
     from .gpu_driver import GpuDmaError
-    bdfs = pick_bdfs(from_bdf, to_bdf)
+    bdfs = pick_bdfs(from_bdf, to_bdf)[:2]
     canary = b"B's VRAM canary " * 256
     out = {}
     with open_container() as container:
@@ -263,7 +375,7 @@ def isolation(from_bdf: str | None = None, to_bdf: str | None = None) -> dict:
 
 def bad_inputs(from_bdf: str | None = None, to_bdf: str | None = None) -> dict:
     """Each bad request gives a clear error and leaves no mapping behind."""
-    bdfs = pick_bdfs(from_bdf, to_bdf)
+    bdfs = pick_bdfs(from_bdf, to_bdf)[:2]
     out = {}
 
     def expect(name, container, fn):
@@ -297,6 +409,37 @@ def bad_inputs(from_bdf: str | None = None, to_bdf: str | None = None) -> dict:
     return out
 
 
+def kernel_config(names: tuple[str, ...]) -> dict[str, str | None]:
+    """``CONFIG_X`` -> y/m/None from /proc/config.gz (the lab kernel) or /boot/config-<release>."""
+    import gzip
+    release = os.uname().release
+    text = ""
+    for path, opener in (("/proc/config.gz", gzip.open), (f"/boot/config-{release}", open)):
+        if os.path.exists(path):
+            with opener(path, "rt") as f:
+                text = f.read()
+            break
+    found = dict(line.split("=", 1) for line in text.splitlines() if line.startswith("CONFIG_") and "=" in line)
+    return {name: found.get(name) for name in names}
+
+
+def iommufd_report(from_bdf: str | None = None, to_bdf: str | None = None, size: int = 1 << 20) -> dict:
+    """P2P on iommufd: what the kernel allowed or refused for each GPU's BAR2, the copies
+    when it allowed them, and proof nothing was left open (type1 P2P works afterwards:
+    a device still open through its cdev could not be opened through its group)."""
+    config = kernel_config(("CONFIG_IOMMUFD", "CONFIG_VFIO_DEVICE_CDEV", "CONFIG_PCI_P2PDMA",
+                            "CONFIG_DMA_SHARED_BUFFER", "CONFIG_VFIO_PCI_DMABUF"))
+    out = {"release": os.uname().release, "config": config, "refused": None}
+    try:
+        out.update(run(from_bdf, to_bdf, size, both_ways=False, backend="iommufd"))
+    except P2pError as err:
+        out.update({"refused": str(err), "kernel": getattr(err, "kernel", {}),
+                    "groups": getattr(err, "groups", {}), "copies": [], "match": False})
+    after = run(from_bdf, to_bdf, 64 << 10, both_ways=False, backend="type1")
+    out["type1_after"] = {"match": after["match"], "copies": len(after["copies"])}
+    return out
+
+
 def _size(text: str) -> int:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     text = text.strip().lower().removesuffix("ib").removesuffix("b")
@@ -308,37 +451,45 @@ def _size(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.p2p", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--from", dest="from_bdf", metavar="BDF", help="initiating GPU (default: the first)")
-    parser.add_argument("--to", dest="to_bdf", metavar="BDF", help="peer GPU (default: the other)")
+    parser.add_argument("--from", dest="from_bdf", metavar="BDF",
+                        help="initiating GPU (default: the first that shares a PCIe switch with another)")
+    parser.add_argument("--to", dest="to_bdf", metavar="BDF", help="peer GPU (default: every other GPU)")
     parser.add_argument("--size", type=_size, default=1 << 20, help="bytes (4K, 1M, 16M ...; default 1M)")
+    parser.add_argument("--backend", choices=BACKENDS, default="type1",
+                        help="one type1 container (default) or one iommufd IOAS (needs the dma-buf route: "
+                             "CONFIG_VFIO_PCI_DMABUF)")
     parser.add_argument("--path", choices=("auto", "message"), default="auto",
                         help="auto: the proven peer fast path when the device holds a proof; "
                              "message: force DMA_WRITE messages (REG_P2P_CONTROL)")
-    parser.add_argument("--one-way", action="store_true", help="only --from -> --to")
+    parser.add_argument("--one-way", action="store_true", help="only --from -> its peers")
     parser.add_argument("--pull", action="store_true",
                         help="the initiating GPU reads the peer's VRAM into its own (HOST_TO_VRAM; "
                              "with --path message: DMA_READ messages answered by QEMU)")
     parser.add_argument("--bench", action="store_true", help="all guest-side bench figures (JSON)")
-    parser.add_argument("--check", choices=("isolation", "bad-input"),
-                        help="print (JSON) the isolation or the bad-input checks instead")
+    parser.add_argument("--check", choices=("isolation", "bad-input", "iommufd"),
+                        help="print (JSON) the isolation, the bad-input or the iommufd checks instead")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     try:
         if args.check:
-            fn = isolation if args.check == "isolation" else bad_inputs
-            print(json.dumps(fn(args.from_bdf, args.to_bdf)))
+            if args.check == "iommufd":
+                print(json.dumps(iommufd_report(args.from_bdf, args.to_bdf, args.size)))
+            else:
+                fn = isolation if args.check == "isolation" else bad_inputs
+                print(json.dumps(fn(args.from_bdf, args.to_bdf)))
             return 0
         if args.bench:
-            print(json.dumps(bench(args.from_bdf, args.to_bdf, args.size)))
+            print(json.dumps(bench(args.from_bdf, args.to_bdf, args.size, backend=args.backend)))
             return 0
         result = run(args.from_bdf, args.to_bdf, args.size, not args.one_way, args.path == "auto",
-                     args.pull)
+                     args.backend, pull=args.pull)
     except VfioError as err:
         print(f"p2p: error: {err}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result))
         return 0 if result["match"] else 1
+    print(f"backend: {result['backend']}")
     for bdf, group in result["groups"].items():
         print(f"{bdf}: IOMMU group {group}")
     for what, said in result["kernel"].items():
@@ -346,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in result["copies"]:
         print(f"{c['from']} -> {c['to']}: {c['size']} bytes, checksum "
               f"{'MATCH' if c['match'] else 'MISMATCH'} (sha256 {c['sha256'][:16]}…), "
-              f"{c['mb_per_s']:.0f} MB/s via the {c['path']}")
+              f"{c['mb_per_s']:.0f} MB/s via the {c['path']}; {c['route']['path']}")
     return 0 if result["match"] else 1
 
 

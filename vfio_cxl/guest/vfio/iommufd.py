@@ -19,7 +19,8 @@ from pathlib import Path
 
 from . import syscalls
 from . import uapi_iommufd as u
-from .errors import INTEL_IOMMU_HINT, IoctlError, VfioError
+from .dma import DmaMapping
+from .errors import INTEL_IOMMU_HINT, DmaMapError, IoctlError, VfioError, describe_errno
 from .iommu import IommuContext, IommuInfo
 
 IOMMUFD_PATH = "/dev/iommu"
@@ -29,6 +30,65 @@ ffi = u.ffi
 
 class IommufdError(VfioError):
     pass
+
+
+class DmaBufError(IommufdError):
+    """VFIO_DEVICE_FEATURE_DMA_BUF could not export a BAR as a dma-buf."""
+
+    def __init__(self, what: str, fix: str, err: int):
+        self.errno = err
+        super().__init__(what, fix)
+
+
+_DMABUF_ERRNO_HELP = {
+    errno.ENOTTY: ("this kernel has no VFIO dma-buf export (CONFIG_VFIO_PCI_DMABUF is off: it needs "
+                   "PCI_P2PDMA and DMA_SHARED_BUFFER)",
+                   "use the type1 container (it maps a BAR mmap directly), or a kernel with "
+                   "CONFIG_VFIO_PCI_DMABUF=y (DMA_SHARED_BUFFER has no prompt: CONFIG_SYNC_FILE=y selects it)"),
+    errno.ENODEV: ("the BAR is not claimed by vfio-pci, or the device's memory decoding is off "
+                   "(the dma-buf starts revoked)", "enable PCI_COMMAND_MEMORY before exporting"),
+    errno.EINVAL: ("the kernel refused the range (offset and length must be page-aligned and inside the BAR)",
+                   "export whole pages of the BAR"),
+    errno.EOPNOTSUPP: ("the device's driver has no dma-buf export", "use a vfio-pci device"),
+}
+
+
+def export_dma_buf(device_fd: int, name: str, region_index: int, offset: int, length: int, *,
+                   ioctl: syscalls.IoctlFn = syscalls.ioctl) -> int:
+    """VFIO_DEVICE_FEATURE(GET | DMA_BUF): a dma-buf fd for bytes [offset, offset+length) of BAR
+    ``region_index`` of the device ``device_fd``; the caller closes it.  Raises DmaBufError."""
+    head, body = ffi.sizeof("struct vfio_device_feature"), ffi.sizeof("struct vfio_device_feature_dma_buf")
+    size = head + body + ffi.sizeof("struct vfio_region_dma_range")
+    raw = ffi.new("char[]", size)
+    feature = ffi.cast("struct vfio_device_feature *", raw)
+    feature.argsz = size
+    feature.flags = u.VFIO_DEVICE_FEATURE_GET | u.VFIO_DEVICE_FEATURE_DMA_BUF
+    dma_buf = ffi.cast("struct vfio_device_feature_dma_buf *", raw + head)
+    dma_buf.region_index = region_index
+    dma_buf.open_flags = os.O_RDWR | os.O_CLOEXEC
+    dma_buf.nr_ranges = 1
+    dma_buf.dma_ranges[0].offset = offset
+    dma_buf.dma_ranges[0].length = length
+    try:
+        return ioctl(device_fd, u.VFIO_DEVICE_FEATURE, feature)
+    except OSError as error:
+        why, fix = _DMABUF_ERRNO_HELP.get(error.errno, ("the kernel refused", "see the kernel log (dmesg)"))
+        raise DmaBufError(f"VFIO_DEVICE_FEATURE_DMA_BUF({name}, BAR{region_index}, {length:#x} bytes) failed "
+                          f"({describe_errno(error.errno)}): {why}", fix, error.errno) from None
+
+
+_MAP_FILE_ERRNO_HELP = {
+    errno.EINVAL: ("the kernel refused the file: not a memfd, and not a dma-buf it can import "
+                   "(single-range VFIO PCI dma-bufs only), or the range is outside it",
+                   "map a VFIO BAR dma-buf (export_dma_buf) or a memfd, within its size"),
+    errno.EOPNOTSUPP: ("this iommufd cannot import the dma-buf (no CONFIG_DMA_SHARED_BUFFER, or the "
+                       "exporter is not vfio-pci, or it has more than one range)",
+                       "export one range of a vfio-pci BAR, on a kernel with CONFIG_VFIO_PCI_DMABUF=y"),
+    errno.ENODEV: ("the dma-buf was revoked (the device was reset or its memory decoding turned off)",
+                   "export it again after the device is back"),
+    errno.EEXIST: ("the IOVA range overlaps a mapping the kernel already has",
+                   "unmap that mapping first, or choose another IOVA"),
+}
 
 
 def cdev_name(bdf: str, sysfs_root: str | Path = "/sys") -> str | None:
@@ -159,6 +219,31 @@ class IommufdContext(IommuContext):
         request.ioas_id = self.ioas_id
         request.user_va, request.length, request.iova = vaddr, size, iova
         self._ioctl(self.fd, u.IOMMU_IOAS_MAP, request)
+
+    def map_file(self, fd: int, start: int, length: int, iova: int, *, readable: bool = True,
+                 writable: bool = True) -> DmaMapping:
+        """IOMMU_IOAS_MAP_FILE (FIXED_IOVA): bytes [start, start+length) of ``fd`` -- a memfd,
+        or a VFIO BAR dma-buf (``export_dma_buf``) -- at ``iova``.  The kernel holds its own
+        reference on the file: ``fd`` may be closed once this returns.  Same checks and
+        bookkeeping as ``map_dma``; the mapping has no buffer of this process."""
+        self._require_ready("map a file")
+        info = self._info or self.iommu_info()
+        self._check_request(info, start, iova, length)
+        request = ffi.new("struct iommu_ioas_map_file *")
+        request.size = ffi.sizeof(request[0])
+        request.flags = (u.IOMMU_IOAS_MAP_FIXED_IOVA
+                         | (u.IOMMU_IOAS_MAP_READABLE if readable else 0)
+                         | (u.IOMMU_IOAS_MAP_WRITEABLE if writable else 0))
+        request.ioas_id, request.fd = self.ioas_id, fd
+        request.start, request.length, request.iova = start, length, iova
+        try:
+            self._ioctl(self.fd, u.IOMMU_IOAS_MAP_FILE, request)
+        except OSError as error:
+            why, fix = _MAP_FILE_ERRNO_HELP.get(error.errno, ("IOMMU_IOAS_MAP_FILE failed", "see dmesg"))
+            raise DmaMapError(iova, length, f"IOMMU_IOAS_MAP_FILE: {why}", fix, error.errno) from None
+        mapping = DmaMapping(self, None, None, 0, iova, length, readable, writable)
+        self._mappings.append(mapping)
+        return mapping
 
     def _unmap_op(self, iova: int, size: int) -> int:
         request = ffi.new("struct iommu_ioas_unmap *")

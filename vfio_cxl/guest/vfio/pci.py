@@ -73,14 +73,20 @@ class VfioPciDevice:
              iommu_types: tuple[int, ...] | None = None,
              sysfs: Sysfs | None = None, dev_vfio: str = DEV_VFIO, iommufd_path: str = iommufd.IOMMUFD_PATH,
              ioctl: syscalls.IoctlFn = syscalls.ioctl,
-             container: Container | None = None) -> "VfioPciDevice":
+             container: Container | None = None,
+             ioas: "iommufd.IommufdContext | None" = None) -> "VfioPciDevice":
         """Bind (unless ``bind=False``), attach and open ``bdf``; see the module docstring.
 
         ``sysfs``, ``dev_vfio``, ``iommufd_path`` and ``ioctl`` exist so tests can stand in
         for the kernel.  ``container``: join this caller-owned type1 container instead of
         opening one, so several devices share one IOMMU context (peer-to-peer DMA); the
         backend is then type1, and the caller owns the container and its mappings.
+        ``ioas``: the same on iommufd -- bind to this caller-owned iommufd and attach to its
+        IOAS (one IO address space for several devices).
         """
+        if container is not None and ioas is not None:
+            raise VfioError(f"{bdf}: both a type1 container and an iommufd IOAS were given",
+                            "share one IOMMU context: a container or an IOAS, not both")
         sysfs = sysfs or Sysfs()
         self = cls(normalize_bdf(bdf))
         with self._stack as stack:
@@ -89,10 +95,10 @@ class VfioPciDevice:
                 stack.callback(self.binding.restore)
             else:
                 require_vfio_pci(self.bdf, sysfs)
-            self.backend = ("type1" if container is not None else
+            self.backend = ("type1" if container is not None else "iommufd" if ioas is not None else
                             choose_backend(self.bdf, backend, sysfs=sysfs, iommufd_path=iommufd_path))
             if self.backend == "iommufd":
-                self._open_iommufd(stack, sysfs, dev_vfio, iommufd_path, ioctl)
+                self._open_iommufd(stack, sysfs, dev_vfio, iommufd_path, ioctl, ioas)
             else:
                 self._open_type1(stack, sysfs, dev_vfio, iommu_types, ioctl, container)
             self.device.info  # fail now, inside the stack, if the fd is unusable
@@ -100,11 +106,14 @@ class VfioPciDevice:
         return self
 
     def _open_iommufd(self, stack: contextlib.ExitStack, sysfs: Sysfs, dev_vfio: str, iommufd_path: str,
-                      ioctl: syscalls.IoctlFn) -> None:
-        ctx = self.iommu = iommufd.IommufdContext.open(iommufd_path, ioctl=ioctl)
-        stack.callback(ctx.close)
-        # Mappings go after the device fd is closed (that unbinds it from the iommufd).
-        stack.callback(ctx.unmap_all)
+                      ioctl: syscalls.IoctlFn, shared: "iommufd.IommufdContext | None" = None) -> None:
+        if shared is not None:
+            ctx = self.iommu = shared      # the caller owns it and its mappings
+        else:
+            ctx = self.iommu = iommufd.IommufdContext.open(iommufd_path, ioctl=ioctl)
+            stack.callback(ctx.close)
+            # Mappings go after the device fd is closed (that unbinds it from the iommufd).
+            stack.callback(ctx.unmap_all)
         fd = iommufd.open_device_cdev(self.bdf, sysfs_root=sysfs.root,
                                       dev_dir=str(Path(dev_vfio) / "devices"))
         self.device = Device(fd, self.bdf, ioctl=ioctl)

@@ -79,8 +79,49 @@ ffi.cdef(
     """
 )
 
-#: Every struct declared above, for the layout test.
+#: Every struct declared above, for the layout test against the guest's (6.12) headers.
 STRUCTS = tuple(f"struct {name}" for name in ffi.list_types()[1])
+
+# Newer than the guest's 6.12 headers (the lab kernel, 7.3, has them): peer-to-peer
+# DMA on iommufd.  IOMMU_IOAS_MAP pins pages, which a BAR mmap (VM_PFNMAP) has none
+# of; the BAR goes in as a VFIO dma-buf instead (VFIO_DEVICE_FEATURE_DMA_BUF) and
+# that fd is mapped with IOMMU_IOAS_MAP_FILE.  ``tests/fast/test_vfio_uapi_newer.py``
+# checks these against the lab kernel's source headers.
+ffi.cdef(
+    """
+    struct iommu_ioas_map_file {
+        uint32_t size;
+        uint32_t flags;
+        uint32_t ioas_id;
+        int32_t fd;
+        uint64_t start;
+        uint64_t length;
+        uint64_t iova;
+    };
+
+    struct vfio_device_feature {
+        uint32_t argsz;
+        uint32_t flags;
+        uint8_t data[];
+    };
+
+    struct vfio_region_dma_range {
+        uint64_t offset;
+        uint64_t length;
+    };
+
+    struct vfio_device_feature_dma_buf {
+        uint32_t region_index;
+        uint32_t open_flags;
+        uint32_t flags;
+        uint32_t nr_ranges;
+        struct vfio_region_dma_range dma_ranges[];
+    };
+    """
+)
+
+#: The structs above that the guest's 6.12 headers do not have yet.
+NEWER_STRUCTS = tuple(f"struct {name}" for name in ffi.list_types()[1] if f"struct {name}" not in STRUCTS)
 
 
 def _IO(type_: int, nr: int) -> int:
@@ -111,3 +152,15 @@ VFIO_DEVICE_DETACH_IOMMUFD_PT = _IO(VFIO_TYPE, VFIO_BASE + 20)
 #: IOMMUFD_CMD_* values are compared through the ioctl numbers built from them).
 CONSTANTS = {name: value for name, value in globals().items()
              if name.startswith(("IOMMU_", "VFIO_DEVICE_")) or name == "IOMMUFD_TYPE"}
+
+# -- newer than 6.12 (see NEWER_STRUCTS) --
+IOMMU_IOAS_MAP_FILE = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 0xF)
+VFIO_DEVICE_FEATURE = _IO(VFIO_TYPE, VFIO_BASE + 17)
+VFIO_DEVICE_FEATURE_MASK = 0xFFFF
+VFIO_DEVICE_FEATURE_GET = 1 << 16
+VFIO_DEVICE_FEATURE_SET = 1 << 17
+VFIO_DEVICE_FEATURE_PROBE = 1 << 18
+VFIO_DEVICE_FEATURE_DMA_BUF = 11
+
+NEWER_CONSTANTS = {name: value for name, value in globals().items()
+                   if name.startswith(("IOMMU_", "VFIO_DEVICE_")) and name not in CONSTANTS}
