@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import logging
 import time
 
@@ -57,7 +58,6 @@ class GuestShell:
         """Run ``command`` in the guest; returns the fabric Result."""
         kwargs = {"hide": True, "warn": True, "timeout": timeout, "in_stream": False}
         if stdin is not None:
-            import io
             kwargs["in_stream"] = io.StringIO(stdin)
         try:
             result = self.connection.run(command, **kwargs)
@@ -68,10 +68,10 @@ class GuestShell:
             raise GuestCommandError(self.vm_name, command, result.exited, result.stdout, result.stderr)
         return result
 
-    def start(self, command: str, *, timeout: float = 300) -> "RunningCommand":
+    def start(self, command: str, *, timeout: float = 300, stdin: str | None = None) -> "RunningCommand":
         """Start ``command`` and return at once; ``.join()`` waits for its result."""
         promise = self.connection.run(command, asynchronous=True, hide=True, warn=True, timeout=timeout,
-                                      in_stream=False)
+                                      in_stream=io.StringIO(stdin) if stdin is not None else False)
         return RunningCommand(self, command, promise)
 
     def put(self, local: str, remote: str) -> None:
