@@ -19,10 +19,10 @@ from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
-                  "lab_kernel_lab": 5}
+                  "lab_kernel_lab": 5, "fabric_lab": 6}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4, "fabric": 6}
 
 
 class LabPool:
@@ -37,6 +37,13 @@ class LabPool:
         self.close()
         lab = Lab(topology.load(name), runtime=self.runtime, image=self.image, kernel=kernel)
         self.current = lab.start()
+        return lab
+
+    def hand_over(self, lab: Lab) -> Lab:
+        """The pool's current lab becomes the caller's, who stops it: a test that ends a lab
+        asks for its topology's fixture and ``labs`` (so it runs last of that topology)."""
+        assert lab is self.current, "hand_over() takes the pool's current lab"
+        self.current = None
         return lab
 
     def close(self) -> None:
@@ -65,6 +72,12 @@ def shared_lab(labs) -> Lab:
 @pytest.fixture
 def p2p_lab(labs) -> Lab:
     return labs.get("p2p")
+
+
+@pytest.fixture
+def fabric_lab(labs) -> Lab:
+    """``fabric`` in the pool (no fabric manager): two VMs, each GPU with MSI (irq = "msi")."""
+    return labs.get("fabric")
 
 
 @pytest.fixture
