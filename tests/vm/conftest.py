@@ -14,6 +14,7 @@ import pytest
 
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.image import find_image
+from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
@@ -118,3 +119,15 @@ def smc_lab(labs) -> Lab:
 @pytest.fixture
 def smc3_lab(labs) -> Lab:
     return labs.get("smc3")
+
+
+@pytest.fixture(scope="session")
+def kept_detached():
+    """Detached (`vm up --detach`) labs that tests hand on to the next test, by topology name:
+    see ``detached(TOPOLOGY, shared=True)`` in test_lab_fm.py.  Each boot costs tens of seconds
+    under TCG.  Whatever is still up at the end is brought down."""
+    kept: dict = {}
+    yield kept
+    for lab in kept.values():
+        if any(r.name == lab.name for r in registry.records()):
+            lab.down()
