@@ -62,6 +62,13 @@ class Detached:
                 "records": sum(1 for r in registry.records() if r.name == self.name)}
 
 
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def describe(pid: int) -> str:
     proc = Path(f"/proc/{pid}")
     try:
@@ -268,7 +275,9 @@ def test_ctrl_c_during_a_detached_start_stops_everything(labs):
         deadline = time.monotonic() + 120
         record = None
         while time.monotonic() < deadline:
-            record = next((r for r in registry.records() if r.name not in before), None)
+            # The new lab whose fabric manager our CLI started (other labs may start meanwhile).
+            record = next((r for r in registry.records() if r.name not in before and parent_of(r.fm["pid"]) == cli.pid),
+                          None)
             if record and any(Path(f"/proc/{pid}/comm").read_text().startswith("qemu-system")
                               for pid in processes_mentioning(record.rundir)):
                 break
