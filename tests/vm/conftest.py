@@ -3,6 +3,17 @@
 One lab runs at a time (two cores under TCG): the ``labs`` pool keeps the lab
 of the topology the current test needs and stops the previous one.  Tests are
 ordered by topology so each boots once per session.
+
+A boot costs tens of seconds, so a new VM test reuses a lab that is booted anyway:
+- ask for a topology's fixture (``single_lab``, ``shared_lab``, ``p2p_lab``, ``smc_lab``,
+  ``smc3_lab``, ``fabric_lab``, ``lab_kernel_lab``; a new one goes in TOPOLOGY_ORDER and,
+  for the agreement test, NAME_ORDER), never ``Lab(...).start()`` for one check;
+- a test that kills part of its lab or stops it asks for that fixture *and* ``labs``: it then
+  runs last of its topology; it ends with ``labs.close()``, or takes the lab over with
+  ``labs.hand_over(lab)`` and stops it itself;
+- detached labs (`vm up --detach`, test_lab_fm.py's ``detached`` fixture): ``detached(T,
+  shared=True)`` hands a healthy lab of topology T on to the next test that asks for it
+  (``kept_detached`` below); the test that breaks or brings it down runs last (file order).
 """
 
 from __future__ import annotations
