@@ -43,8 +43,16 @@ class GuestShell:
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
 
     def connect(self, deadline: float) -> None:
-        """Connect, retrying while sshd is still coming up, until ``deadline`` (monotonic)."""
+        """Connect, retrying while sshd is still coming up, until ``deadline`` (monotonic).
+
+        Each attempt may take until the deadline (at least 5 s): paramiko bounds the key
+        exchange by the connect timeout, and on a loaded host a TCG guest's sshd can need more
+        than a few seconds for it; an attempt given up mid-exchange leaves the guest an sshd
+        process to finish for nothing, and the retries then pile up and starve the guest."""
         while True:
+            budget = max(5.0, deadline - time.monotonic())
+            self.connection.connect_timeout = budget
+            self.connection.connect_kwargs.update(banner_timeout=budget, auth_timeout=budget)
             try:
                 self.connection.open()
                 return
