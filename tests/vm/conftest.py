@@ -3,6 +3,17 @@
 One lab runs at a time (two cores under TCG): the ``labs`` pool keeps the lab
 of the topology the current test needs and stops the previous one.  Tests are
 ordered by topology so each boots once per session.
+
+A boot costs tens of seconds, so a new VM test reuses a lab that is booted anyway:
+- ask for a topology's fixture (``single_lab``, ``shared_lab``, ``p2p_lab``, ``smc_lab``,
+  ``smc3_lab``, ``fabric_lab``, ``lab_kernel_lab``; a new one goes in TOPOLOGY_ORDER and,
+  for the agreement test, NAME_ORDER), never ``Lab(...).start()`` for one check;
+- a test that kills part of its lab or stops it asks for that fixture *and* ``labs``: it then
+  runs last of its topology; it ends with ``labs.close()``, or takes the lab over with
+  ``labs.hand_over(lab)`` and stops it itself;
+- detached labs (`vm up --detach`, test_lab_fm.py's ``detached`` fixture): ``detached(T,
+  shared=True)`` hands a healthy lab of topology T on to the next test that asks for it
+  (``kept_detached`` below); the test that breaks or brings it down runs last (file order).
 """
 
 from __future__ import annotations
@@ -14,15 +25,16 @@ import pytest
 
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.image import find_image
+from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
-                  "lab_kernel_lab": 5}
+                  "lab_kernel_lab": 5, "fabric_lab": 6}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4, "fabric": 6}
 
 
 class LabPool:
@@ -37,6 +49,13 @@ class LabPool:
         self.close()
         lab = Lab(topology.load(name), runtime=self.runtime, image=self.image, kernel=kernel)
         self.current = lab.start()
+        return lab
+
+    def hand_over(self, lab: Lab) -> Lab:
+        """The pool's current lab becomes the caller's, who stops it: a test that ends a lab
+        asks for its topology's fixture and ``labs`` (so it runs last of that topology)."""
+        assert lab is self.current, "hand_over() takes the pool's current lab"
+        self.current = None
         return lab
 
     def close(self) -> None:
@@ -65,6 +84,12 @@ def shared_lab(labs) -> Lab:
 @pytest.fixture
 def p2p_lab(labs) -> Lab:
     return labs.get("p2p")
+
+
+@pytest.fixture
+def fabric_lab(labs) -> Lab:
+    """``fabric`` in the pool (no fabric manager): two VMs, each GPU with MSI (irq = "msi")."""
+    return labs.get("fabric")
 
 
 @pytest.fixture
@@ -108,3 +133,15 @@ def smc_lab(labs) -> Lab:
 @pytest.fixture
 def smc3_lab(labs) -> Lab:
     return labs.get("smc3")
+
+
+@pytest.fixture(scope="session")
+def kept_detached():
+    """Detached (`vm up --detach`) labs that tests hand on to the next test, by topology name:
+    see ``detached(TOPOLOGY, shared=True)`` in test_lab_fm.py.  Each boot costs tens of seconds
+    under TCG.  Whatever is still up at the end is brought down."""
+    kept: dict = {}
+    yield kept
+    for lab in kept.values():
+        if any(r.name == lab.name for r in registry.records()):
+            lab.down()

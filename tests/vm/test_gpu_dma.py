@@ -47,22 +47,15 @@ def test_100_random_transfers_verify_and_leave_nothing_mapped(single_lab):
     assert result["fds_leaked"] == []
 
 
-def test_msi_mode_runs_the_demo(labs):
+def test_msi_mode_runs_the_demo(fabric_lab):
     """Stretch: the GPU with --irq-mode msi (needed for hot-remove with QEMU 11.1.3):
-    the guest sees MSI, no MSI-X, and the DMA demo completes on MSI vectors."""
-    from vfio_cxl.lab import topology
-    from vfio_cxl.lab.lab import Lab
-
-    labs.close()  # one lab at a time on this machine
-    lab = Lab(topology.load("single"), runtime=labs.runtime, image=labs.image,
-              gpu_args=["--irq-mode", "msi"])
-    lab.start()
-    try:
-        lspci = lab["host0"].run("lspci -vv -d 0601:1991").stdout
-        assert re.search(r"MSI: Enable[+-] Count=\d+/4 .*64bit\+", lspci) and "MSI-X" not in lspci, lspci
-        sizes = dict(re.findall(r"Region (\d): Memory at \S+ \([^)]*\) \[size=(\w+)\]", lspci))
-        assert sizes == {"0": "4K", "2": "64M"}, sizes
-        result = run_in_lab(lab, 1 << 20, 0)
-        assert result["match"] and result["host_file_match"], result
-    finally:
-        lab.stop()
+    the guest sees MSI, no MSI-X, and the DMA demo completes on MSI vectors.  The fabric
+    topology's GPUs run so (irq = "msi"): gpu0 in VM a, whose RAM region is on "shared"
+    (the pool boots fabric once, for this and the topology agreement test)."""
+    vm = fabric_lab["a"]
+    lspci = vm.run("lspci -vv -d 0601:1991").stdout
+    assert re.search(r"MSI: Enable[+-] Count=\d+/4 .*64bit\+", lspci) and "MSI-X" not in lspci, lspci
+    sizes = dict(re.findall(r"Region (\d): Memory at \S+ \([^)]*\) \[size=(\w+)\]", lspci))
+    assert sizes == {"0": "4K", "2": "64M"}, sizes
+    result = run_in_lab(fabric_lab, 1 << 20, 0, vm="a", backend="shared")
+    assert result["match"] and result["host_file_match"], result

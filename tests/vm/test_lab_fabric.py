@@ -57,7 +57,7 @@ def open_fds(pid: int) -> int:
 
 def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
     """gpu0 starts in a, gpu1 in b (fabric); gpu0 moves to b's hot-plug port and back."""
-    lab = detached("fabric")
+    lab = detached("fabric", shared=True)   # one fabric boot for the tests of this file
     status = lab.status()
     assert {n: (g["owner"], g["state"]) for n, g in status["gpus"].items()} == {
         "gpu0": ("a", "attached"), "gpu1": ("b", "attached")}
@@ -108,47 +108,7 @@ def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
               "files": len(set(files_after) ^ set(files_before))}
     print(f"after {2 * ROUND_TRIPS} moves: {leaked}")
     assert leaked == {"fds": 0, "processes": 0, "files": 0}, (files_before, files_after)
-
-    result = lab.down()
-    assert result.returncode == 0, result.stderr
-    assert lab.leftovers() == {"processes": 0, "sockets": 0, "rundir_files": 0, "records": 0}
-
-
-def test_msix_gpu_release_is_refused_with_the_reason(detached):
-    lab = detached("single")
-    result = vfio_cxl("fm", "release", "gpu0", "--lab", lab.name)
-    assert result.returncode == 1
-    assert "MSI-X" in result.stderr and 'irq = "msi"' in result.stderr and "Traceback" not in result.stderr
-    assert lab.status()["gpus"]["gpu0"]["state"] == "attached"
-    (gpu,) = gpu_ls(lab, "host0")
-    gpu_dma(lab, "host0", gpu["bdf"])
-    assert lab.down().returncode == 0
-
-
-def test_dead_vm_frees_its_gpu_for_the_other(detached):
-    lab = detached("fabric")
-    events = EventFollower(lab.name)
-    try:
-        qemu_pid = lab.status()["vms"]["a"]["qemu_pid"]
-        t_kill = time.time()
-        os.kill(qemu_pid, signal.SIGKILL)
-        died = events.until("vm-died")
-        freed = events.until("gpu-freed")
-        print(f"\nVM a killed: reported after {died['time'] - t_kill:.3f} s, gpu0 free after "
-              f"{freed['time'] - t_kill:.3f} s")
-        assert died["time"] - t_kill < 1.0
-        status = lab.status()
-        assert status["vms"]["a"]["state"] == "dead"
-        gpu = status["gpus"]["gpu0"]
-        assert (gpu["owner"], gpu["state"], gpu["scrubbed"]) == (None, "free", True)
-        assert ProcessId.of(gpu["server_pid"]) is not None
-        moved = fm(lab, "assign", "gpu0", "b")
-        gpu_dma(lab, "b", moved["bdf"])
-        assert lab.status()["gpus"]["gpu0"]["owner"] == "b"
-    finally:
-        events.close()
-    assert lab.down().returncode == 0
-    assert not any(r.name == lab.name for r in registry.records())
+    # `vm down` leaving nothing is checked by the last test of the lab (the dead VM's).
 
 
 WAITER = r"""
@@ -165,7 +125,7 @@ except GpuError as err:
 
 
 def test_killed_gpu_server_is_reported_and_the_guest_errs_promptly(detached):
-    lab = detached("fabric")
+    lab = detached("fabric", shared=True)
     (gpu,) = gpu_ls(lab, "a")
     gpu_dma(lab, "a", gpu["bdf"])
     events = EventFollower(lab.name)
@@ -194,4 +154,42 @@ def test_killed_gpu_server_is_reported_and_the_guest_errs_promptly(detached):
     restarted = fm(lab, "restart", "gpu0")
     gpu_dma(lab, "a", restarted["bdf"])
     assert lab.status()["gpus"]["gpu0"]["state"] == "attached"
-    assert lab.down().returncode == 0
+
+
+def test_dead_vm_frees_its_gpu_for_the_other(detached):
+    lab = detached("fabric", shared=True)   # last of the file: it kills VM a and ends the lab
+    events = EventFollower(lab.name)
+    try:
+        qemu_pid = lab.status()["vms"]["a"]["qemu_pid"]
+        t_kill = time.time()
+        os.kill(qemu_pid, signal.SIGKILL)
+        died = events.until("vm-died")
+        freed = events.until("gpu-freed")
+        print(f"\nVM a killed: reported after {died['time'] - t_kill:.3f} s, gpu0 free after "
+              f"{freed['time'] - t_kill:.3f} s")
+        assert died["time"] - t_kill < 1.0
+        status = lab.status()
+        assert status["vms"]["a"]["state"] == "dead"
+        gpu = status["gpus"]["gpu0"]
+        assert (gpu["owner"], gpu["state"], gpu["scrubbed"]) == (None, "free", True)
+        assert ProcessId.of(gpu["server_pid"]) is not None
+        moved = fm(lab, "assign", "gpu0", "b")
+        gpu_dma(lab, "b", moved["bdf"])
+        assert lab.status()["gpus"]["gpu0"]["owner"] == "b"
+    finally:
+        events.close()
+    result = lab.down()
+    assert result.returncode == 0, result.stderr
+    assert not any(r.name == lab.name for r in registry.records())
+    assert lab.leftovers() == {"processes": 0, "sockets": 0, "rundir_files": 0, "records": 0}
+
+
+def test_msix_gpu_release_is_refused_with_the_reason(detached):
+    # Last of the file: the single lab it leaves up is test_lab_fm's second-process test's.
+    lab = detached("single", shared=True)
+    result = vfio_cxl("fm", "release", "gpu0", "--lab", lab.name)
+    assert result.returncode == 1
+    assert "MSI-X" in result.stderr and 'irq = "msi"' in result.stderr and "Traceback" not in result.stderr
+    assert lab.status()["gpus"]["gpu0"]["state"] == "attached"
+    (gpu,) = gpu_ls(lab, "host0")
+    gpu_dma(lab, "host0", gpu["bdf"])

@@ -62,6 +62,13 @@ class Detached:
                 "records": sum(1 for r in registry.records() if r.name == self.name)}
 
 
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def describe(pid: int) -> str:
     proc = Path(f"/proc/{pid}")
     try:
@@ -104,23 +111,57 @@ class EventFollower:
         self.proc.stderr.close()
 
 
+def running(lab: Detached) -> bool:
+    return any(r.name == lab.name for r in registry.records())
+
+
+def healthy(lab: Detached) -> bool:
+    """Up, with every VM running and every GPU attached: as `vm up --detach` left it."""
+    if not running(lab):
+        return False
+    result = vfio_cxl("fm", "status", "--lab", lab.name, "--json")
+    if result.returncode != 0:
+        return False
+    status = json.loads(result.stdout)
+    return (all(vm["state"] == "running" for vm in status["vms"].values())
+            and all(gpu["state"] == "attached" for gpu in status["gpus"].values()))
+
+
 @pytest.fixture
-def detached(labs):
+def detached(labs, kept_detached, request):
+    """``detached(TOPOLOGY)``: a fresh `vm up --detach` lab, brought down after the test.
+    ``detached(TOPOLOGY, shared=True)``: the lab of that topology an earlier test left up and
+    healthy (every VM running, every GPU attached), else a fresh one; it stays up for the next
+    test that shares it, unless this test brings it down, breaks it or fails."""
     labs.close()   # one lab at a time on two cores
     started: list[Detached] = []
+    failed_before = request.session.testsfailed
 
-    def start(topology: str) -> Detached:
+    def start(topology: str, shared: bool = False) -> Detached:
+        kept = kept_detached.get(topology)
+        if shared and kept is not None and healthy(kept):
+            return kept
+        for name, other in list(kept_detached.items()):   # one lab at a time
+            if running(other):
+                other.down()
+            del kept_detached[name]
         lab = Detached(topology)
-        started.append(lab)
+        if shared:
+            kept_detached[topology] = lab
+        else:
+            started.append(lab)
         return lab
     yield start
+    if request.session.testsfailed > failed_before:   # a failed test's lab is nobody's to reuse
+        started.extend(kept_detached.values())
+        kept_detached.clear()
     for lab in started:   # whatever a test left running
-        if any(r.name == lab.name for r in registry.records()):
+        if running(lab):
             lab.down()
 
 
 def test_detached_lab_from_a_second_process(detached):
-    lab = detached("single")
+    lab = detached("single", shared=True)   # the one test_lab_fabric's MSI-X release test used
     listing = json.loads(vfio_cxl("vm", "ls", "--json").stdout)
     mine = next(entry for entry in listing if entry["name"] == lab.name)
     assert mine["state"] == "running" and mine["topology"] == "single"
@@ -234,7 +275,9 @@ def test_ctrl_c_during_a_detached_start_stops_everything(labs):
         deadline = time.monotonic() + 120
         record = None
         while time.monotonic() < deadline:
-            record = next((r for r in registry.records() if r.name not in before), None)
+            # The new lab whose fabric manager our CLI started (other labs may start meanwhile).
+            record = next((r for r in registry.records() if r.name not in before and parent_of(r.fm["pid"]) == cli.pid),
+                          None)
             if record and any(Path(f"/proc/{pid}/comm").read_text().startswith("qemu-system")
                               for pid in processes_mentioning(record.rundir)):
                 break

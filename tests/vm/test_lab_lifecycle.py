@@ -8,8 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from vfio_cxl.lab import topology
-from vfio_cxl.lab.lab import Lab, remove_stale_rundirs
+from vfio_cxl.lab.lab import remove_stale_rundirs
 from vfio_cxl.paths import REPO_ROOT
 
 
@@ -44,9 +43,9 @@ def start_vm_up() -> tuple[subprocess.Popen, Path]:
     return cli, Path(console).parent.parent   # .../vfio-cxl-XXXX/host0/console.log
 
 
-def test_stop_leaves_nothing_behind(labs):
-    labs.close()   # one lab at a time
-    lab = Lab(topology.load("single"), runtime=labs.runtime, image=labs.image).start()
+def test_stop_leaves_nothing_behind(single_lab, labs):
+    # The pool's single lab, handed over after every other test of single: one boot fewer.
+    lab = labs.hand_over(single_lab)
     rundir = lab.rundir
     vm = lab["host0"]
     pids = [vm.process.pid, lab.gpu_servers["gpu0"].process.pid]

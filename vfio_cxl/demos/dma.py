@@ -42,14 +42,16 @@ def check_request(topo: Topology, vm_name: str, size: int, offset: int) -> None:
                        f"{format_size(dax_size)} devdax region", f"keep offset + size <= {dax_size}")
 
 
-def run_in_lab(lab: Lab, size: int, offset: int, vfio_backend: str | None = None) -> dict:
-    """``vfio_backend``: type1, iommufd or auto (None: the guest's default, auto)."""
-    vm = lab["host0"]
+def run_in_lab(lab: Lab, size: int, offset: int, vfio_backend: str | None = None, *,
+               vm: str = "host0", backend: str = "cxl0") -> dict:
+    """``vfio_backend``: type1, iommufd or auto (None: the guest's default, auto).  ``vm``: the
+    VM with the GPU (single's host0); ``backend``: the memory backend of its RAM region."""
+    machine = lab[vm]
     env = f"VFIO_CXL_VFIO_BACKEND={vfio_backend} " if vfio_backend else ""
-    result = json.loads(vm.run(f"{env}python3 -m vfio_cxl.guest.demo_dma --json --size {size} --offset {offset}",
+    result = json.loads(machine.run(f"{env}python3 -m vfio_cxl.guest.demo_dma --json --size {size} --offset {offset}",
                                timeout=300).stdout)
     # The RAM region maps the memdev from DPA 0: devdax offset == backend file offset.
-    host_bytes = lab.read_backend("cxl0", offset, size)
+    host_bytes = lab.read_backend(backend, offset, size)
     result["host_file_match"] = hashlib.sha256(host_bytes).hexdigest() == hashlib.sha256(
         expected_payload(size)).hexdigest()
     return result

@@ -81,6 +81,20 @@ def remove_stale_rundirs() -> None:
             shutil.rmtree(rundir, ignore_errors=True)
 
 
+def join_all(running: dict) -> dict:
+    """Wait for every command started in the guests (name -> RunningCommand); their results.
+    All are waited for before the first failure is raised, so none is left running."""
+    results, failure = {}, None
+    for name, command in running.items():
+        try:
+            results[name] = command.join()
+        except LabError as err:
+            failure = failure or err
+    if failure is not None:
+        raise failure
+    return results
+
+
 def gpu_server_args(gpu) -> list[str]:
     """The GPU server's options for a topology's ``[gpus.NAME]``: VRAM size, interrupt mode."""
     return ["--vram-mib", str(gpu.vram >> 20), "--irq-mode", gpu.irq]
@@ -215,21 +229,26 @@ class Lab:
                     server.start()
                 self.vms[vm.name] = vm
                 vm.start()
+            # Regions (cxl-cli/daxctl/ndctl) in each guest as soon as it answers, while the others
+            # still boot; then the private VM-to-VM link (pyroute2) in every linked guest at once.
+            running = {}
             for vm in self.vms.values():
                 seconds = vm.wait_ready(timeout)
                 self.log(f"[{vm.name}] ready in {seconds:.1f} s (ssh 127.0.0.1:{vm.res.ssh_port}, "
                          f"console {vm.res.console_log})")
-            for vm in self.vms.values():   # regions, with cxl-cli/daxctl/ndctl in the guest
                 plan = region_plan(self.topology, vm.spec)
                 if plan["regions"] or plan["pmem"]:
-                    out = vm.run("python3 -m vfio_cxl.guest.cxltool regions", stdin=json.dumps(plan), timeout=300)
-                    vm.regions = {r["name"]: r for r in json.loads(out.stdout)}
-                    self.log(f"[{vm.name}] regions: " + ", ".join(
-                        f"{r['name']}={r['region']}" + (f" {r['dax']}" if r.get("dax") else "")
-                        + (f" {r['blockdev']}" if r.get("blockdev") else "") for r in vm.regions.values()))
-            for vm in self.vms.values():
-                if vm.res.link_sockets:   # the private VM-to-VM link: pyroute2 in the guest
-                    vm.run("python3 -m vfio_cxl.guest.netconfig up")
+                    running[vm.name] = vm.start_command("python3 -m vfio_cxl.guest.cxltool regions",
+                                                        stdin=json.dumps(plan), timeout=300)
+            results = join_all(running)
+            for name, out in results.items():
+                vm = self.vms[name]
+                vm.regions = {r["name"]: r for r in json.loads(out.stdout)}
+                self.log(f"[{vm.name}] regions: " + ", ".join(
+                    f"{r['name']}={r['region']}" + (f" {r['dax']}" if r.get("dax") else "")
+                    + (f" {r['blockdev']}" if r.get("blockdev") else "") for r in vm.regions.values()))
+            join_all({vm.name: vm.start_command("python3 -m vfio_cxl.guest.netconfig up", timeout=120)
+                      for vm in self.vms.values() if vm.res.link_sockets})
         except BaseException:
             self.stop()
             raise

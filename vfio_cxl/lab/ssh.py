@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import logging
 import time
 
@@ -42,8 +43,16 @@ class GuestShell:
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
 
     def connect(self, deadline: float) -> None:
-        """Connect, retrying while sshd is still coming up, until ``deadline`` (monotonic)."""
+        """Connect, retrying while sshd is still coming up, until ``deadline`` (monotonic).
+
+        Each attempt may take until the deadline (at least 5 s): paramiko bounds the key
+        exchange by the connect timeout, and on a loaded host a TCG guest's sshd can need more
+        than a few seconds for it; an attempt given up mid-exchange leaves the guest an sshd
+        process to finish for nothing, and the retries then pile up and starve the guest."""
         while True:
+            budget = max(5.0, deadline - time.monotonic())
+            self.connection.connect_timeout = budget
+            self.connection.connect_kwargs.update(banner_timeout=budget, auth_timeout=budget)
             try:
                 self.connection.open()
                 return
@@ -57,7 +66,6 @@ class GuestShell:
         """Run ``command`` in the guest; returns the fabric Result."""
         kwargs = {"hide": True, "warn": True, "timeout": timeout, "in_stream": False}
         if stdin is not None:
-            import io
             kwargs["in_stream"] = io.StringIO(stdin)
         try:
             result = self.connection.run(command, **kwargs)
@@ -68,10 +76,10 @@ class GuestShell:
             raise GuestCommandError(self.vm_name, command, result.exited, result.stdout, result.stderr)
         return result
 
-    def start(self, command: str, *, timeout: float = 300) -> "RunningCommand":
+    def start(self, command: str, *, timeout: float = 300, stdin: str | None = None) -> "RunningCommand":
         """Start ``command`` and return at once; ``.join()`` waits for its result."""
         promise = self.connection.run(command, asynchronous=True, hide=True, warn=True, timeout=timeout,
-                                      in_stream=False)
+                                      in_stream=io.StringIO(stdin) if stdin is not None else False)
         return RunningCommand(self, command, promise)
 
     def put(self, local: str, remote: str) -> None:
