@@ -24,6 +24,8 @@ from ..errors import LabError
 from .cxl import CxlError
 from .vfio import bind_vfio_pci, find_pci_devices, normalize_bdf
 from .vfio.bind import Sysfs
+from .vfio.iommufd import IOMMUFD_PATH
+from .vfio.pci import choose_backend
 from .vfio.errors import VfioError
 
 
@@ -31,18 +33,19 @@ def _gpus() -> list[str]:
     return find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
 
 
-def describe(bdf: str, sysfs: Sysfs | None = None) -> dict:
+def describe(bdf: str, sysfs: Sysfs | None = None, iommufd_path: str = IOMMUFD_PATH) -> dict:
     sysfs = sysfs or Sysfs()
     group = sysfs.iommu_group(bdf)
     driver = sysfs.driver(bdf)
-    backend = None
+    backend, paths = None, []
     if driver == "vfio-pci" and group is not None:
-        backend = f"group /dev/vfio/{group}"
-        cdevs = list((sysfs.device_dir(bdf) / "vfio-dev").glob("vfio*"))
-        if cdevs:
-            backend += f", cdev /dev/vfio/devices/{cdevs[0].name}"
+        # The backend the stack would take for this device (iommufd when the kernel has
+        # it, $VFIO_CXL_VFIO_BACKEND overriding), and the ways in the kernel offers.
+        backend = choose_backend(bdf, sysfs=sysfs, iommufd_path=iommufd_path)
+        cdevs = sorted((sysfs.device_dir(bdf) / "vfio-dev").glob("vfio*"))
+        paths = [f"/dev/vfio/devices/{c.name}" for c in cdevs[:1]] + [f"/dev/vfio/{group}"]
     return {"bdf": bdf, "ids": f"{regs.PCI_VENDOR_ID:04x}:{regs.PCI_DEVICE_ID:04x}", "iommu_group": group,
-            "driver": driver, "vfio_backend": backend}
+            "driver": driver, "vfio_backend": backend, "vfio_paths": paths}
 
 
 def cmd_ls(args) -> int:
@@ -54,7 +57,8 @@ def cmd_ls(args) -> int:
         print("no GPU in this VM")
     for g in found:
         print(f"{g['bdf']}  [{g['ids']}]  iommu group {g['iommu_group']}  driver {g['driver'] or '-'}  "
-              f"vfio {g['vfio_backend'] or '-'}")
+              f"vfio backend {g['vfio_backend'] or '-'}"
+              + (f" ({', '.join(g['vfio_paths'])})" if g["vfio_paths"] else ""))
     return 0
 
 
