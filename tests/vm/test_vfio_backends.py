@@ -20,6 +20,8 @@ def isolation(vm, backend):
 
 
 def gpu_ls(vm):
+    """`vfio-cxl gpu ls` once the GPU is bound to vfio-pci (the demo hands it back unbound)."""
+    vm.run("vfio-cxl gpu bind")
     return json.loads(vm.run("vfio-cxl gpu ls --json").stdout)["gpus"]
 
 
