@@ -219,3 +219,14 @@ def test_every_demo_takes_kernel_and_refuses_a_missing_one_before_booting(tmp_pa
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "--kernel /no/such/file: no such file" in result.stderr
     assert list(rundir.iterdir()) == []
+
+
+def test_guest_gpu_dma_takes_sizes_with_units():
+    from vfio_cxl.guest.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["gpu", "dma", "--size", "16M"]).size == 16 << 20
+    assert parse(["gpu", "dma", "--size", "512KiB"]).size == 512 << 10
+    assert parse(["gpu", "dma", "--size", "0x100000"]).size == 1 << 20
+    with pytest.raises(SystemExit):
+        parse(["gpu", "dma", "--size", "lots"])

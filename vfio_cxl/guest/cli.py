@@ -156,6 +156,19 @@ def cmd_holders(args) -> int:
     return 0
 
 
+def parse_size(text: str) -> int:
+    """``16M``, ``512K``, ``1G``, ``1MiB``, ``0x100000`` or ``4096`` -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        value = int(t[:-1] if scale > 1 else t, 0) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 16M, 512K, 0x100000)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ls)
     p = gpu.add_parser("dma", help="VRAM -> devdax via VFIO, checksum verified")
-    p.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20)
+    p.add_argument("--size", type=parse_size, default=1 << 20, help="bytes: 16M, 512K, 0x100000 ...")
     p.add_argument("--gpu", metavar="BDF")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_dma)
