@@ -230,3 +230,15 @@ def test_guest_gpu_dma_takes_sizes_with_units():
     assert parse(["gpu", "dma", "--size", "0x100000"]).size == 1 << 20
     with pytest.raises(SystemExit):
         parse(["gpu", "dma", "--size", "lots"])
+
+
+def test_markers_outside_any_stream_do_not_hide_the_real_config(tmp_path):
+    """An LZ4-compressed image carries IKCFG_ST..IKCFG_ED as literals with LZ4 tokens between:
+    not a gzip stream.  The search goes on into the compressed streams (synthetic image)."""
+    config = good_config()
+    blob = gzip.compress(config_text(config).encode())
+    literal_copy = kconfig.IKCFG_START + blob[:40] + b"\xf0\x13" + blob[40:] + kconfig.IKCFG_END
+    real = gzip.compress(b"\x7fELF" + kconfig.IKCFG_START + blob + kconfig.IKCFG_END)
+    image = tmp_path / "bzImage"
+    image.write_bytes(b"MZ" + os.urandom(256) + literal_copy + os.urandom(64) + real)
+    assert kconfig.read_kernel_config(image) == config

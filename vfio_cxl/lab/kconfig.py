@@ -110,7 +110,13 @@ def _ikconfig_in(blob: bytes) -> str | None:
     try:
         return gzip.decompress(payload).decode(errors="replace")
     except (OSError, EOFError, zlib.error):
+        pass
+    try:
         return zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(payload).decode(errors="replace")
+    except zlib.error:
+        # Not the real thing: an LZ4 image stores the (incompressible) config.gz mostly as
+        # literals, markers included, with LZ4 tokens in between.  Look inside the streams.
+        return None
 
 
 def extract_ikconfig(image: bytes) -> str | None:
