@@ -107,7 +107,7 @@ def cmd_dma(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{bdf}: {result['bytes']} bytes VRAM -> {result['dax']} via VFIO; checksum "
+        print(f"{bdf}: {result['bytes']} bytes VRAM -> {result['dax']} via VFIO ({result['vfio_backend']}); checksum "
               f"{'MATCH' if result['match'] else 'MISMATCH'} (sha256 {result['sha256_read'][:16]}…)")
     return 0 if result["match"] else 1
 
