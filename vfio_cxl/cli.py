@@ -101,8 +101,15 @@ def _vm_up(args) -> int:
             print(f"{vm.name}: ssh -p {vm.res.ssh_port} -i {lab.image.ssh_key} "
                   f"-o StrictHostKeyChecking=no root@127.0.0.1")
         if args.run:
+            failed = []
             for vm in lab.vms.values():
-                print(vm.run(args.run, check=False).stdout, end="")
+                result = vm.run(args.run, check=False, timeout=args.timeout)
+                print(result.stdout, end="")
+                print(result.stderr, end="", file=sys.stderr)
+                if result.exited != 0:
+                    failed.append(f"{vm.name} (exit {result.exited})")
+            if failed:
+                raise LabError(f"--run {args.run!r} failed in {', '.join(failed)}", "see its output above")
             return 0
         print("lab running; Ctrl-C stops it", flush=True)
         while True:
@@ -145,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--run", metavar="CMD", help="run CMD in every VM over SSH, print it, then stop")
     up.add_argument("--detach", action="store_true",
                     help="return once every VM answers SSH and print the lab's name; the lab stays up")
-    up.add_argument("--timeout", type=float, default=300, help="seconds to wait for the VMs (--detach)")
+    up.add_argument("--timeout", type=float, default=300, help="seconds to wait for the VMs (--detach), or for CMD (--run)")
     add_kernel_options(up)
     up.set_defaults(func=_vm_up)
     fm_cli.add_vm_commands(vm)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import shutil
 import subprocess
 import sys
 import zlib
@@ -162,6 +163,15 @@ def test_dry_run_shows_the_kernel_modules_share_and_append(tmp_path):
     assert f"-kernel {image}" in line
     assert f"mount_tag={MODULES_MOUNT_TAG}" in line and f"path={modules}" in line
     assert "vfio_cxl.modules=1 dyndbg=+p" in line
+    # A kernel not the image's mounts the root disk itself: no initramfs.
+    assert "-initrd" not in line and "root=/dev/vda rootfstype=ext4 rootwait rw init=/sbin/vfio-cxl-init" in line
+
+
+def test_the_image_kernel_keeps_its_initramfs():
+    result = vfio_cxl("vm", "up", "single", "--append", "dyndbg=+p", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    line = next(l for l in result.stdout.splitlines() if l.startswith("qemu-system"))
+    assert "-initrd " in line and "root=" not in line and "vfio_cxl.name=host0 dyndbg=+p" in line
 
 
 def test_the_built_lab_kernel_carries_its_config_and_passes_the_check():
@@ -173,3 +183,62 @@ def test_the_built_lab_kernel_carries_its_config_and_passes_the_check():
     config = kconfig.parse_config(embedded)
     assert config == kconfig.parse_config((found / "config").read_text())
     assert kconfig.problems(config, lab_kernel=True) == []
+
+
+def test_a_real_kernel_without_cxl_region_is_refused_before_anything_starts(tmp_path):
+    """The lab kernel's own bzImage, with a config beside it that lacks CONFIG_CXL_REGION
+    (a kernel "made by config": the config beside an image is what the lab reads first).
+    ``vm up`` (not a dry run) must refuse it before creating a run directory or a QEMU."""
+    found = kernel.cached_lab_kernel()
+    if found is None:
+        pytest.skip("the lab kernel is not built (vfio-cxl provision --kernel lab)")
+    image = tmp_path / "kernel" / "bzImage"
+    image.parent.mkdir()
+    shutil.copyfile(found / "bzImage", image)
+    config = (found / "config").read_text().replace("CONFIG_CXL_REGION=y", "# CONFIG_CXL_REGION is not set")
+    (image.parent / ".config").write_text(config)
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    result = subprocess.run([sys.executable, "-m", "vfio_cxl", "vm", "up", "single", "--kernel", str(image)],
+                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
+                            env={**os.environ, "VFIO_CXL_RUNDIR": str(rundir)})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"vfio-cxl: error: kernel {image} lacks what the lab needs:"
+    assert len(lines) == 2 and "CONFIG_CXL_REGION=y: needed for CXL enumeration and region creation" in lines[1]
+    assert list(rundir.iterdir()) == []
+
+
+@pytest.mark.parametrize("demo", ["tour", "dma", "share", "p2p"])
+def test_every_demo_takes_kernel_and_refuses_a_missing_one_before_booting(tmp_path, demo):
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    result = subprocess.run([sys.executable, "-m", "vfio_cxl", "demo", demo, "--kernel", "/no/such/file"],
+                            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60,
+                            env={**os.environ, "VFIO_CXL_RUNDIR": str(rundir)})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "--kernel /no/such/file: no such file" in result.stderr
+    assert list(rundir.iterdir()) == []
+
+
+def test_guest_gpu_dma_takes_sizes_with_units():
+    from vfio_cxl.guest.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["gpu", "dma", "--size", "16M"]).size == 16 << 20
+    assert parse(["gpu", "dma", "--size", "512KiB"]).size == 512 << 10
+    assert parse(["gpu", "dma", "--size", "0x100000"]).size == 1 << 20
+    with pytest.raises(SystemExit):
+        parse(["gpu", "dma", "--size", "lots"])
+
+
+def test_markers_outside_any_stream_do_not_hide_the_real_config(tmp_path):
+    """An LZ4-compressed image carries IKCFG_ST..IKCFG_ED as literals with LZ4 tokens between:
+    not a gzip stream.  The search goes on into the compressed streams (synthetic image)."""
+    config = good_config()
+    blob = gzip.compress(config_text(config).encode())
+    literal_copy = kconfig.IKCFG_START + blob[:40] + b"\xf0\x13" + blob[40:] + kconfig.IKCFG_END
+    real = gzip.compress(b"\x7fELF" + kconfig.IKCFG_START + blob + kconfig.IKCFG_END)
+    image = tmp_path / "bzImage"
+    image.write_bytes(b"MZ" + os.urandom(256) + literal_copy + os.urandom(64) + real)
+    assert kconfig.read_kernel_config(image) == config

@@ -198,3 +198,25 @@ def test_cdev_found_through_sysfs_and_its_absence_explained(tmp_path):
     assert cdev_name("0000:01:00.0", sysfs.root) == "vfio0"
     with pytest.raises(IommufdError, match="no VFIO device cdev"):
         open_device_cdev("0000:02:00.0", sysfs_root=sysfs.root)
+
+
+@pytest.mark.parametrize("iommu,expected", [(True, "iommufd"), (False, "type1")])
+def test_gpu_ls_says_which_backend_the_stack_takes(tmp_path, monkeypatch, iommu, expected):
+    """`vfio-cxl gpu ls` (guest): the backend a bound GPU gets, beside the device nodes (fake sysfs)."""
+    from vfio_cxl.guest.cli import describe
+
+    monkeypatch.delenv("VFIO_CXL_VFIO_BACKEND", raising=False)
+    sysfs = fake_sysfs(tmp_path, cdev=True)
+    dev = sysfs.device_dir("0000:01:00.0")
+    (sysfs.root / "bus/pci/drivers/vfio-pci").mkdir(parents=True)
+    (dev / "driver").symlink_to(sysfs.root / "bus/pci/drivers/vfio-pci")
+    (sysfs.root / "kernel/iommu_groups/7").mkdir(parents=True)
+    (dev / "iommu_group").symlink_to(sysfs.root / "kernel/iommu_groups/7")
+    dev_iommu = tmp_path / "iommu"
+    if iommu:
+        dev_iommu.write_bytes(b"")
+    found = describe("0000:01:00.0", sysfs, iommufd_path=str(dev_iommu))
+    assert found["vfio_backend"] == expected and found["iommu_group"] == 7
+    assert found["vfio_paths"] == ["/dev/vfio/devices/vfio0", "/dev/vfio/7"]
+    monkeypatch.setenv("VFIO_CXL_VFIO_BACKEND", "type1")
+    assert describe("0000:01:00.0", sysfs, iommufd_path=str(dev_iommu))["vfio_backend"] == "type1"

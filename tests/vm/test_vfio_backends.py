@@ -19,6 +19,12 @@ def isolation(vm, backend):
                              timeout=300).stdout)
 
 
+def gpu_ls(vm):
+    """`vfio-cxl gpu ls` once the GPU is bound to vfio-pci (the demo hands it back unbound)."""
+    vm.run("vfio-cxl gpu bind")
+    return json.loads(vm.run("vfio-cxl gpu ls --json").stdout)["gpus"]
+
+
 def check_isolation(result):
     fault = result["fault"]
     assert fault is not None, "a DMA to an unmapped IOVA succeeded"
@@ -31,6 +37,7 @@ def test_debian_kernel_has_no_iommufd_and_auto_means_type1(single_lab):
     assert vm.run("test -e /dev/iommu", check=False).exited != 0
     result = run_in_lab(single_lab, 1 << 20, 0)
     assert result["vfio_backend"] == "type1" and result["match"] and result["host_file_match"]
+    assert [g["vfio_backend"] for g in gpu_ls(vm)] == ["type1"]
 
 
 def test_lab_kernel_boots_with_iommufd_and_the_vfio_cdev(lab_kernel_lab):
@@ -53,6 +60,10 @@ def test_dma_demo_on_the_lab_kernel(lab_kernel_lab, backend):
 def test_auto_picks_iommufd_on_the_lab_kernel(lab_kernel_lab):
     result = run_in_lab(lab_kernel_lab, 1 << 20, 0, "auto")
     assert result["vfio_backend"] == "iommufd" and result["match"] and result["host_file_match"]
+    gpus = gpu_ls(lab_kernel_lab["host0"])
+    assert gpus, "vfio-cxl gpu ls found no GPU"
+    for gpu in gpus:
+        assert gpu["vfio_backend"] == "iommufd" and gpu["vfio_paths"][0].startswith("/dev/vfio/devices/vfio"), gpu
 
 
 @pytest.mark.parametrize("backend", ["iommufd", "type1"])

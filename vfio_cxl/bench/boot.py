@@ -7,7 +7,11 @@ up), median of N boots.
 Default: the single topology, on Debian's kernel (the image's) and, if it is built, the
 lab kernel, alternating so every kernel sees the same machine load.  Each figure is the
 slowest VM of the lab from QEMU start to SSH; the time to bring the declared regions up
-with cxl-cli, daxctl and ndctl is reported beside it.
+with cxl-cli, daxctl and ndctl is reported beside it.  Then where the time went:
+firmware and kernel loading (host clock until the guest kernel's clock starts), the
+kernel until init runs, init until sshd is up (the guest init stamps its console
+lines with /proc/uptime), the SSH session, and QEMU's CPU seconds for the whole boot
+(load-independent: on an idle machine the boot takes about that long).
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ from ..lab.lab import Lab
 from ..lab.qemu_runtime import find_runtime
 
 TARGETS = {"debian": "<= 15 s", "lab": "<= 4 s"}
+
+
+def _stages_line(stages) -> str:
+    if stages is None or stages.before_kernel is None:
+        return f"QEMU {stages.cpu:.2f} CPU-s" if stages else ""
+    return (f"firmware+load {stages.before_kernel:.2f} + kernel {stages.kernel_to_init:.2f} + init "
+            f"{stages.init_to_ready:.2f} + ssh {stages.ssh:.2f} s; QEMU {stages.cpu:.2f} CPU-s")
 
 
 def main(argv: list[str]) -> int:
@@ -46,22 +57,37 @@ def main(argv: list[str]) -> int:
         topo = topology.load(name)
         boots = {k: [] for k in kernels}
         totals = {k: [] for k in kernels}
+        stages = {k: [] for k in kernels}
         for run in range(1, args.runs + 1):
             for k, kernel in chosen.items():   # alternating kernels: the same machine load for each
                 t0 = time.monotonic()
                 with Lab(topo, runtime=runtime, image=image, gpu=not args.no_gpu, kernel=kernel,
                          log=lambda *_: None) as lab:
                     totals[k].append(time.monotonic() - t0)
-                    boots[k].append(max(vm.boot_seconds for vm in lab.vms.values()))
+                    slowest = max(lab.vms.values(), key=lambda vm: vm.boot_seconds)
+                    boots[k].append(slowest.boot_seconds)
+                    stages[k].append(slowest.boot_stages)
                 print(f"{name} [{k}] boot {run}: {boots[k][-1]:.2f} s to SSH (slowest of "
-                      f"{len(topo.vms)} VMs), {totals[k][-1]:.2f} s with regions up")
+                      f"{len(topo.vms)} VMs), {totals[k][-1]:.2f} s with regions up; "
+                      f"{_stages_line(stages[k][-1])}")
         for k in kernels:
-            rows.append((name, k, len(topo.vms), boots[k], statistics.median(totals[k])))
+            rows.append((name, k, len(topo.vms), boots[k], statistics.median(totals[k]), stages[k]))
     print(f"\n{'topology':12} {'kernel':8} {'VMs':>3} {'boot-to-SSH':>12} {'min':>6} {'max':>6} "
           f"{'+ regions':>10}  target (median of {args.runs})")
-    for name, k, count, b, total in rows:
+    for name, k, count, b, total, _ in rows:
         print(f"{name:12} {k:8} {count:3d} {statistics.median(b):11.2f}s {min(b):5.2f}s {max(b):5.2f}s "
               f"{total:9.2f}s  {TARGETS.get(k, '') if name == 'single' else ''}")
+    print("\nwhere the slowest VM's boot went (median; wall seconds, and QEMU's CPU seconds, which do not "
+          "depend on the machine's load)")
+    print(f"{'topology':12} {'kernel':8} {'firmware+load':>13} {'kernel':>7} {'init':>6} {'ssh':>6} "
+          f"{'= to SSH':>8} {'QEMU CPU-s':>10}")
+    for name, k, _, b, _, st in rows:
+        def med(get):
+            values = [v for v in (get(s) for s in st) if v is not None]
+            return f"{statistics.median(values):.2f}" if values else "-"
+        print(f"{name:12} {k:8} {med(lambda s: s.before_kernel):>13} {med(lambda s: s.kernel_to_init):>7} "
+              f"{med(lambda s: s.init_to_ready):>6} {med(lambda s: s.ssh):>6} {statistics.median(b):8.2f} "
+              f"{med(lambda s: s.cpu):>10}")
     if not args.kernel and "lab" not in kernels:
         print("lab kernel not built (vfio-cxl provision --kernel lab): Debian's kernel only")
     return 0

@@ -7,7 +7,7 @@ port of its own).  In the guest the GPUs join one VFIO container, each BAR2
 byte is checked through both BAR mmaps.  Then the figures of `scripts/bench p2p`
 for one size.
 
-    vfio-cxl demo p2p [--size 16M]
+    vfio-cxl demo p2p [--size 16M] [--kernel PATH|lab]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 
 from ..bench.p2p import _size, host_memcpy
 from ..lab import topology
+from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
 
 
@@ -24,9 +25,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vfio-cxl demo p2p", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=_size, default=16 << 20)
+    add_kernel_options(parser)
     args = parser.parse_args(argv)
+    kernel = resolve(args.kernel, args.modules, args.append or "")
     print("booting p2p (two GPUs behind one PCIe switch, a third on its own root port) ...")
-    with Lab(topology.load("p2p")) as lab:
+    with Lab(topology.load("p2p"), kernel=kernel) as lab:
         vm = lab["host0"]
         print(vm.run(f"python3 -m vfio_cxl.guest.p2p --size {args.size}", timeout=600).stdout, end="")
         figures = json.loads(vm.run(f"python3 -m vfio_cxl.guest.p2p --bench --size {args.size}",

@@ -18,6 +18,7 @@ import json
 from ..guest.demo_dma import expected_payload
 from .dma import check_request
 from ..lab import topology
+from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
 
 
@@ -75,10 +76,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20)
     parser.add_argument("--offset", type=lambda s: int(s, 0), default=0)
     parser.add_argument("--records", type=int, default=200, help="records to stream A -> B (0: none)")
+    add_kernel_options(parser)
     args = parser.parse_args(argv)
     topo = topology.load("shared")
     check_request(topo, "a", args.size, args.offset)
-    with Lab(topo) as lab:
+    kernel = resolve(args.kernel, args.modules, args.append or "")
+    with Lab(topo, kernel=kernel) as lab:
         r = seed_flow(lab, args.size, args.offset)
         print(f"[a] GPU DMA'd {r['a']['message']!r} + {args.size - len(r['a']['message'])} bytes into shared "
               f"CXL at {args.offset:#x} (doorbell→MSI-X {r['a']['dma_ms']:.2f} ms); checksum "

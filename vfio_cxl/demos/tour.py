@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+
 from ..lab import topology
+from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
 
 SECTIONS = [
@@ -15,7 +18,11 @@ SECTIONS = [
 
 
 def main(argv: list[str]) -> int:
-    with Lab(topology.load("single")) as lab:
+    parser = argparse.ArgumentParser(prog="vfio-cxl demo tour", description=__doc__)
+    add_kernel_options(parser)
+    args = parser.parse_args(argv)
+    kernel = resolve(args.kernel, args.modules, args.append or "")
+    with Lab(topology.load("single"), kernel=kernel) as lab:
         vm = lab["host0"]
         for title, command in SECTIONS:
             print(f"\n== {title}\n{vm.run(command).stdout.rstrip()}")

@@ -24,6 +24,8 @@ from ..errors import LabError
 from .cxl import CxlError
 from .vfio import bind_vfio_pci, find_pci_devices, normalize_bdf
 from .vfio.bind import Sysfs
+from .vfio.iommufd import IOMMUFD_PATH
+from .vfio.pci import choose_backend
 from .vfio.errors import VfioError
 
 
@@ -31,18 +33,19 @@ def _gpus() -> list[str]:
     return find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
 
 
-def describe(bdf: str, sysfs: Sysfs | None = None) -> dict:
+def describe(bdf: str, sysfs: Sysfs | None = None, iommufd_path: str = IOMMUFD_PATH) -> dict:
     sysfs = sysfs or Sysfs()
     group = sysfs.iommu_group(bdf)
     driver = sysfs.driver(bdf)
-    backend = None
+    backend, paths = None, []
     if driver == "vfio-pci" and group is not None:
-        backend = f"group /dev/vfio/{group}"
-        cdevs = list((sysfs.device_dir(bdf) / "vfio-dev").glob("vfio*"))
-        if cdevs:
-            backend += f", cdev /dev/vfio/devices/{cdevs[0].name}"
+        # The backend the stack would take for this device (iommufd when the kernel has
+        # it, $VFIO_CXL_VFIO_BACKEND overriding), and the ways in the kernel offers.
+        backend = choose_backend(bdf, sysfs=sysfs, iommufd_path=iommufd_path)
+        cdevs = sorted((sysfs.device_dir(bdf) / "vfio-dev").glob("vfio*"))
+        paths = [f"/dev/vfio/devices/{c.name}" for c in cdevs[:1]] + [f"/dev/vfio/{group}"]
     return {"bdf": bdf, "ids": f"{regs.PCI_VENDOR_ID:04x}:{regs.PCI_DEVICE_ID:04x}", "iommu_group": group,
-            "driver": driver, "vfio_backend": backend}
+            "driver": driver, "vfio_backend": backend, "vfio_paths": paths}
 
 
 def cmd_ls(args) -> int:
@@ -54,7 +57,8 @@ def cmd_ls(args) -> int:
         print("no GPU in this VM")
     for g in found:
         print(f"{g['bdf']}  [{g['ids']}]  iommu group {g['iommu_group']}  driver {g['driver'] or '-'}  "
-              f"vfio {g['vfio_backend'] or '-'}")
+              f"vfio backend {g['vfio_backend'] or '-'}"
+              + (f" ({', '.join(g['vfio_paths'])})" if g["vfio_paths"] else ""))
     return 0
 
 
@@ -103,7 +107,7 @@ def cmd_dma(args) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{bdf}: {result['bytes']} bytes VRAM -> {result['dax']} via VFIO; checksum "
+        print(f"{bdf}: {result['bytes']} bytes VRAM -> {result['dax']} via VFIO ({result['vfio_backend']}); checksum "
               f"{'MATCH' if result['match'] else 'MISMATCH'} (sha256 {result['sha256_read'][:16]}…)")
     return 0 if result["match"] else 1
 
@@ -152,6 +156,19 @@ def cmd_holders(args) -> int:
     return 0
 
 
+def parse_size(text: str) -> int:
+    """``16M``, ``512K``, ``1G``, ``1MiB``, ``0x100000`` or ``4096`` -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        value = int(t[:-1] if scale > 1 else t, 0) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 16M, 512K, 0x100000)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -161,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ls)
     p = gpu.add_parser("dma", help="VRAM -> devdax via VFIO, checksum verified")
-    p.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20)
+    p.add_argument("--size", type=parse_size, default=1 << 20, help="bytes: 16M, 512K, 0x100000 ...")
     p.add_argument("--gpu", metavar="BDF")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_dma)

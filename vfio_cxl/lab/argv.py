@@ -16,6 +16,7 @@ SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
 LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
 MODULES_MOUNT_TAG = "vfio_cxl_modules"   # --modules DIR: the guest mounts it at /lib/modules/$(uname -r)
+GUEST_INIT = "/sbin/vfio-cxl-init"   # PID 1 of a lab VM (images/rootfs/sbin/vfio-cxl-init)
 SMC_ROOT_PORT = "smc_port"   # not a topology name ('_' is not allowed there)
 
 
@@ -26,7 +27,7 @@ class VmResources:
     index: int                  # the VM's position in its topology (1-based)
     rundir: Path
     kernel: Path
-    initrd: Path
+    initrd: Path | None         # None: the kernel mounts the root disk itself (see _boot)
     rootfs: Path
     source: Path                # the checkout, shared read-only
     backend_files: dict[str, Path]
@@ -203,11 +204,17 @@ def _boot(vm: Vm, res: VmResources) -> list[str]:
     # at boot ("IO-APIC + timer doesn't work!"; seen with three VMs booting).
     cmdline = (f"console=ttyS0 intel_iommu=on mitigations=off no_timer_check panic=-1 quiet loglevel=4 "
                f"vfio_cxl.name={vm.name}")
+    if res.initrd is None:
+        # A kernel with the root disk's drivers built in (every kernel but the
+        # image's own passes that check) mounts the root itself: no initramfs
+        # to decompress, no busybox, no modules of another kernel to refuse.
+        cmdline += f" root=/dev/vda rootfstype=ext4 rootwait rw init={GUEST_INIT}"
     if res.modules:
         cmdline += " vfio_cxl.modules=1"
     if res.append:
         cmdline += " " + res.append
-    return ["-kernel", str(res.kernel), "-initrd", str(res.initrd), "-append", cmdline]
+    initrd = ["-initrd", str(res.initrd)] if res.initrd is not None else []
+    return ["-kernel", str(res.kernel), *initrd, "-append", cmdline]
 
 
 def _control(vm: Vm, res: VmResources) -> list[str]:

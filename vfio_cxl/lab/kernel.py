@@ -42,7 +42,7 @@ LAB_RECIPE = {
     "target": "bzImage",
 }
 # The host's tools for a kernel build (installed with the host's own apt).
-BUILD_PACKAGES = ["gcc", "make", "bc", "flex", "bison", "libelf-dev", "libssl-dev", "xz-utils",
+BUILD_PACKAGES = ["gcc", "make", "bc", "flex", "bison", "libelf-dev", "libssl-dev", "xz-utils", "lz4",
                   "debian-archive-keyring"]
 
 

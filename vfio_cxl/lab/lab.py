@@ -160,7 +160,9 @@ class Lab:
             vmdir = rundir / spec.name
             custom = self.kernel is not None and self.kernel.image != Path()
             res = VmResources(
-                index=index, rundir=vmdir, kernel=self.kernel.image if custom else image.kernel, initrd=image.initrd, rootfs=image.rootfs,
+                index=index, rundir=vmdir, kernel=self.kernel.image if custom else image.kernel,
+                # The image's initramfs loads the image kernel's modules: only its kernel needs it.
+                initrd=None if custom else image.initrd, rootfs=image.rootfs,
                 source=REPO_ROOT, backend_files={b: _backend_path(rundir, b) for b in self.topology.backends},
                 ssh_port=port, accel=self.accel,
                 gpu_sockets={g.name: vmdir / f"{g.name}.sock" for g in self.topology.gpus_of(spec.name)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from qemu.qmp.legacy import QEMUMonitorProtocol
@@ -25,6 +27,48 @@ from .ssh import GuestShell
 from .topology import Topology, Vm
 
 READY_LINE = b"vfio-cxl-init: ready"
+# The guest init stamps its lines with the seconds since the kernel started.
+INIT_STAMP = re.compile(rb"vfio-cxl-init: (started|ready) \[([0-9.]+)\]")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its descendants (all threads):
+    for a TCG guest, the work its boot took, whatever else the machine runs."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS   # utime, stime
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue   # gone in between: what it used is lost with it
+    return total
+
+
+@dataclass(frozen=True)
+class BootStages:
+    """Where a boot's seconds went (host clock from QEMU start, guest clock from kernel start)."""
+
+    to_ssh: float           # QEMU start -> SSH session open (host)
+    ready_seen: float       # QEMU start -> the ready line in the console log (host)
+    kernel_to_init: float | None   # kernel start -> init's first line (guest uptime)
+    init_to_ready: float | None    # init's first line -> sshd up (guest uptime)
+    cpu: float              # CPU seconds of QEMU (all its threads) until SSH was open
+
+    @property
+    def before_kernel(self) -> float | None:
+        """Firmware, loading and decompressing the kernel (QEMU start -> the kernel's clock starts)."""
+        if self.kernel_to_init is None or self.init_to_ready is None:
+            return None
+        return self.ready_seen - self.kernel_to_init - self.init_to_ready
+
+    @property
+    def ssh(self) -> float:
+        return self.to_ssh - self.ready_seen
 _PR_SET_PDEATHSIG = 1
 
 
@@ -54,6 +98,7 @@ class VirtualMachine:
         self.qmp: QEMUMonitorProtocol | None = None
         self.shell: GuestShell | None = None
         self.boot_seconds: float | None = None
+        self.boot_stages: BootStages | None = None
         self.regions: dict[str, dict] = {}   # topology region name -> what the guest made of it
         self._started_at = 0.0
 
@@ -100,10 +145,12 @@ class VirtualMachine:
         while True:
             self._check_alive()
             try:
-                if READY_LINE in self.res.console_log.read_bytes():
-                    break
+                console = self.res.console_log.read_bytes()
             except FileNotFoundError:
-                pass
+                console = b""
+            if READY_LINE in console:
+                ready_seen = time.monotonic() - self._started_at
+                break
             if time.monotonic() >= deadline:
                 raise LabError(f"[{self.name}] not ready after {timeout:.0f} s; console:\n"
                                f"{tail(self.res.console_log)}", "see the console log; is the image intact?")
@@ -111,6 +158,11 @@ class VirtualMachine:
         self.shell = GuestShell(self.name, self.res.ssh_port, str(self.image.ssh_key), self.image.host_key)
         self.shell.connect(deadline)
         self.boot_seconds = time.monotonic() - self._started_at
+        stamps = {name.decode(): float(up) for name, up in INIT_STAMP.findall(console)}
+        self.boot_stages = BootStages(
+            self.boot_seconds, ready_seen, stamps.get("started"),
+            stamps["ready"] - stamps["started"] if {"started", "ready"} <= stamps.keys() else None,
+            process_tree_cpu(self.process.pid))
         return self.boot_seconds
 
     def connect_qmp(self, timeout: float = 10) -> QEMUMonitorProtocol:
