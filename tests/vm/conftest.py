@@ -19,10 +19,10 @@ from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
-                  "lab_kernel_lab": 5}
+                  "lab_kernel_lab": 5, "selftest_lab": 6, "selftest_lab_kernel_lab": 7}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4, "selftest": 6}
 
 
 class LabPool:
@@ -105,3 +105,18 @@ def smc_lab(labs) -> Lab:
 @pytest.fixture
 def smc3_lab(labs) -> Lab:
     return labs.get("smc3")
+
+
+@pytest.fixture
+def selftest_lab(labs) -> Lab:
+    """The VFIO selftests' topology (the GPU and an igb) on the image's Debian kernel."""
+    return labs.get("selftest")
+
+
+@pytest.fixture
+def selftest_lab_kernel_lab(labs) -> Lab:
+    """The VFIO selftests' topology on the lab kernel (IOMMUFD); skips, saying so, when it is not built."""
+    found = cached_lab_kernel()
+    if found is None:
+        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
+    return labs.get("selftest", GuestKernel(found / "bzImage", label="lab"))
