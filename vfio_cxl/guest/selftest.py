@@ -70,6 +70,9 @@ def prepare(devices: list[dict]) -> dict:
     if any(d["sriov_totalvfs"] for d in found.values()):
         _write(ENABLE_SRIOV, "Y")
     thp = _write(THP_SHMEM, "always") and "[always]" in _read(THP_SHMEM)
+    # A 1 GiB page needs 1 GiB of contiguous free memory: free the page cache and compact first.
+    _write(Path("/proc/sys/vm/drop_caches"), "3")
+    _write(Path("/proc/sys/vm/compact_memory"), "1")
     pages = {}
     for size, path in HUGEPAGES.items():
         if path.exists():

@@ -12,7 +12,7 @@ drivers include headers of drivers/dma and drivers/net through symlinks),
 then ``selftests/vfio-gpu/Makefile``: the selftests' own Makefile with the
 GPU driver linked in, static binaries (the guest has no toolchain), and each
 test's case list (``<test>.cases``, from ``lister.c``).  The hash covers the
-recipe below and every file of ``selftests/vfio-gpu``.
+recipe below and the sources of ``selftests/vfio-gpu`` (C files, headers, Makefile).
 
 **Run.**  The static binaries are copied into the guest over SSH, the devices
 bound to vfio-pci (``vfio_cxl.guest.selftest``), and every test runs on every
@@ -191,7 +191,7 @@ def selftests_root() -> Path:
 
 
 def _key(version: str) -> str:
-    files = sorted(p for p in DRIVER_DIR.iterdir() if p.is_file())
+    files = sorted(p for p in DRIVER_DIR.iterdir() if p.suffix in (".c", ".h") or p.name == "Makefile")
     return f"vfio-{version}-{recipe_hash(RECIPE, *files)}"
 
 
@@ -441,6 +441,8 @@ def _run_binary(vm, test: str, device: Device, env_mode: str, chosen: list[tuple
     for case, backend in chosen:
         result, note = classify(test, case, backend, tap.get(case.harness_name), iommufd=guest["iommufd"],
                                 kernel=guest["kernel"], main_output=out)
+        if result == SKIP and "hugetlb_1gb" in case.harness_name and not guest["hugepages"].get("1G"):
+            note += " (the guest could not reserve a 1 GiB huge page at run time)"
         results.append(Result(test, case.label, device.label, backend, result, note))
     counts = {r: sum(1 for x in results if x.result == r) for r in (PASS, FAIL, SKIP, NEEDS_IOMMUFD,
                                                                      KERNEL_DIFFERENCE)}
