@@ -7,7 +7,7 @@
 **Build.**  ``tools/testing/selftests/vfio`` of the lab kernel's source (the tree
 ``vfio-cxl provision --kernel lab`` unpacks) is built into
 ``<cache>/selftests/vfio-<source version>-<hash>/``: ``make headers`` out of
-tree, the few parts of the tree the selftests read copied beside them (the
+tree (once per source version, ``headers-<version>/``), the few parts of the tree the selftests read copied beside them (the
 drivers include headers of drivers/dma and drivers/net through symlinks),
 then ``selftests/vfio-gpu/Makefile``: the selftests' own Makefile with the
 GPU driver linked in, static binaries (the guest has no toolchain), and each
@@ -218,13 +218,19 @@ def build_selftests(provision: bool = True, log=print) -> Build:
                        "the VFIO selftests need a kernel source of 6.18 or newer (linux-source-7.x)")
     progress = Progress("selftests", log)
     started = time.monotonic()
+    headers = selftests_root() / f"headers-{version}"   # 'make headers': per source version only
+    if not (headers / "include" / "linux" / "vfio.h").is_file():
+        with building(headers) as out:
+            progress.step(f"make headers of {src.name} (log: {headers}/build.log)")
+            _run(["make", "-s", "-C", str(src), f"O={out / 'obj'}", "ARCH=x86", "headers"], out / "build.log",
+                 "make headers")
+            (out / "obj" / "usr" / "include").rename(out / "include")
+            shutil.rmtree(out / "obj")
     with building(dest) as out:
         logfile = out / "build.log"
-        progress.step(f"make headers of {src.name} (log: {dest}/build.log)")
-        _run(["make", "-s", "-C", str(src), f"O={out / 'hdr'}", "ARCH=x86", "headers"], logfile, "make headers")
         tree = out / "tree"
         _copy_tree(src, tree)
-        shutil.copytree(out / "hdr" / "usr" / "include", tree / "usr" / "include")
+        shutil.copytree(headers / "include", tree / "usr" / "include")
         progress.step("building tools/testing/selftests/vfio with the GPU driver (static)")
         bins = out / "bin"
         _run(["make", "-j2", "-C", str(DRIVER_DIR), f"SELFTESTS={tree / 'tools/testing/selftests'}",
@@ -232,7 +238,7 @@ def build_selftests(provision: bool = True, log=print) -> Build:
         for test in sorted(p.stem for p in bins.glob("*.cases")):
             shutil.copy2(bins / test, out / test)
             shutil.copy2(bins / f"{test}.cases", out / f"{test}.cases")
-        for scratch in ("hdr", "tree", "bin"):
+        for scratch in ("tree", "bin"):
             shutil.rmtree(out / scratch)
         seconds = time.monotonic() - started
         (out / "manifest.json").write_text(json.dumps(
