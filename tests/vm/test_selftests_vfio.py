@@ -40,9 +40,10 @@ def rows(results, test, device=None, result=None):
             and (result is None or r.result == result)]
 
 
-DEBIAN_FILTERS = ["vfio_pci_driver_test.*memcpy_success", "vfio_pci_driver_test.*send_msi",
-                  "vfio_pci_driver_test.*memcpy_from_unmapped_iova", "vfio_pci_device_test.*",
-                  "*dma_map_limit_test*", "vfio_iommufd_setup_test.bind"]
+# mix_and_match is vfio_pci_driver_test in one case: ten rounds of memcpy (checked), memcpy from an
+# unmapped IOVA (the device's error path) and an MSI, after one 1 GiB setup (the slow part under TCG).
+DEBIAN_FILTERS = ["vfio_pci_driver_test.*mix_and_match", "vfio_pci_device_test.*", "*dma_map_limit_test*",
+                  "vfio_iommufd_setup_test.bind"]
 
 
 def test_debian_kernel_type1_passes_and_iommufd_needs_iommufd(selftest_lab, build, tmp_path):
@@ -61,9 +62,8 @@ def test_debian_kernel_type1_passes_and_iommufd_needs_iommufd(selftest_lab, buil
             assert r.result == NEEDS_IOMMUFD, r
     # the DMA engines: the GPU's (our driver, HOST_TO_HOST descriptors) and igb's
     for device in (GPU, IGB):
-        passed = {(r.case, r.backend) for r in rows(results, "vfio_pci_driver_test", device, PASS)}
-        assert passed == {(c, b) for c in ("memcpy_success", "send_msi", "memcpy_from_unmapped_iova")
-                          for b in TYPE1}, device
+        passed = {r.backend for r in rows(results, "vfio_pci_driver_test", device, PASS)}
+        assert passed == TYPE1, device
     assert rows(results, "vfio_iommufd_setup_test") and \
         all(r.result == NEEDS_IOMMUFD for r in rows(results, "vfio_iommufd_setup_test"))
     # TAP logs are kept, one per run
@@ -72,10 +72,11 @@ def test_debian_kernel_type1_passes_and_iommufd_needs_iommufd(selftest_lab, buil
 
 LAB_TESTS = ["vfio_pci_device_test", "vfio_dma_mapping_test", "vfio_dma_mapping_mmio_test",
              "vfio_iommufd_setup_test", "vfio_pci_driver_test"]
+LAB_FILTERS = [f"{t}.*" for t in LAB_TESTS[:4]] + ["vfio_pci_driver_test.*mix_and_match"]
 
 
 def test_lab_kernel_every_backend(selftest_lab_kernel_lab, build, tmp_path):
-    results, guest = run(selftest_lab_kernel_lab, build, "all", [f"{t}.*" for t in LAB_TESTS], tmp_path)
+    results, guest = run(selftest_lab_kernel_lab, build, "all", LAB_FILTERS, tmp_path)
     assert guest["iommufd"] and guest["kernel"].startswith("7.")
     assert not [r for r in results if r.result in (FAIL, NEEDS_IOMMUFD, KERNEL_DIFFERENCE)], \
         selftests.table(results)

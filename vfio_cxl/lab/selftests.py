@@ -367,6 +367,10 @@ def classify(test: str, case: Case, backend: str, tap: tuple[str, str, str] | No
         if (known.test, known.case) == (test, case.label) and _kernel_version(kernel) < known.below \
                 and re.search(known.evidence, detail):
             return KERNEL_DIFFERENCE, known.why
+    if "Device or resource busy" in detail and "open(/dev/vfio" in detail:
+        return FAIL, "EBUSY opening the device: an earlier case's process still held it (see the TAP log)"
+    if "Test terminated by timeout" in detail:
+        return FAIL, f"timed out after {case.timeout * RECIPE['timeout_scale']} s"
     return FAIL, _failure_line(detail)
 
 
