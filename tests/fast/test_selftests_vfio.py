@@ -115,7 +115,25 @@ def test_summary_counts_only_passes_and_fails():
     s = selftests.summary(r)
     assert (s["passed"], s["failed"]) == (1, 1) and len(s["results"]) == 5
     assert set(s["results"][0]) >= {"test", "case", "device", "backend", "result"}
-    assert "1 pass, 1 fail, 1 skip, 1 needs IOMMUFD, 1 kernel difference" in selftests.table(r)
+    assert "1 pass, 1 fail, 1 skip, 1 needs IOMMUFD, 1 kernel difference, 0 lab limit" in selftests.table(r)
+
+
+class FakeVm:
+    def __init__(self):
+        self.commands = []
+
+    def run(self, command, **kwargs):
+        self.commands.append(command)
+        raise AssertionError("a limited case must not run")
+
+
+def test_lab_limit_cases_are_reported_not_run(tmp_path):
+    gpu = selftests.Device("gpu0", selftests.GPU_PCI_ID, "0000:01:00.0")
+    case = Case("vfio_pci_driver_test", "vfio_pci_driver_test", "iommufd_compat_type1", "memcpy_success", 30)
+    vm = FakeVm()
+    (result,) = selftests.run_test_binary(vm, "vfio_pci_driver_test", gpu, "iommufd",
+                                      [(case, "iommufd_compat_type1")], {}, tmp_path, print)
+    assert result.result == selftests.LAB_LIMIT and "262144" in result.note and vm.commands == []
 
 
 def test_c_register_header_agrees_with_regs_py():
