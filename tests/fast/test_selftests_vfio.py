@@ -134,6 +134,10 @@ def test_lab_limit_cases_are_reported_not_run(tmp_path):
     (result,) = selftests.run_test_binary(vm, "vfio_pci_driver_test", gpu, "iommufd",
                                       [(case, "iommufd_compat_type1")], {}, tmp_path, print)
     assert result.result == selftests.LAB_LIMIT and "262144" in result.note and vm.commands == []
+    # on a kernel without IOMMUFD the case needs IOMMUFD first of all
+    (result,) = selftests.run_test_binary(vm, "vfio_pci_driver_test", gpu, "vfio_type1v2_iommu",
+                                          [(case, "iommufd_compat_type1")], {"iommufd": False}, tmp_path, print)
+    assert result.result == selftests.NEEDS_IOMMUFD and vm.commands == []
 
 
 def test_c_register_header_agrees_with_regs_py():

@@ -482,7 +482,11 @@ def run_test_binary(vm, test: str, device: Device, env_mode: str, chosen: list[t
     for case, backend in chosen:
         for limit in LAB_LIMITS:
             if (limit.test, limit.mode, limit.device) == (test, backend, device.pci_id):
-                limited.append(Result(test, case.label, device.label, backend, LAB_LIMIT, limit.why))
+                if backend in IOMMUFD_MODES and not guest.get("iommufd", True):   # that comes first
+                    limited.append(Result(test, case.label, device.label, backend, NEEDS_IOMMUFD,
+                                          "the guest kernel has no IOMMUFD (/dev/iommu)"))
+                else:
+                    limited.append(Result(test, case.label, device.label, backend, LAB_LIMIT, limit.why))
     chosen = [(c, b) for c, b in chosen
               if not any((r.case, r.backend) == (c.label, b) for r in limited)]
     if not chosen:
