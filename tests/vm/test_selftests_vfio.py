@@ -43,7 +43,7 @@ def rows(results, test, device=None, result=None):
 # mix_and_match is vfio_pci_driver_test in one case: ten rounds of memcpy (checked), memcpy from an
 # unmapped IOVA (the device's error path) and an MSI, after one 1 GiB setup (the slow part under TCG).
 DEBIAN_FILTERS = ["vfio_pci_driver_test.*mix_and_match", "vfio_pci_device_test.*", "*dma_map_limit_test*",
-                  "vfio_iommufd_setup_test.bind"]
+                  "vfio_iommufd_setup_test.vfio_cdev.bind"]
 
 
 def test_debian_kernel_type1_passes_and_iommufd_needs_iommufd(selftest_lab, build, tmp_path):
