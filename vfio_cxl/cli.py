@@ -8,6 +8,7 @@
     vfio-cxl vm topologies                   list topologies
     vfio-cxl vm topology TOPOLOGY [--svg F]  the topology as a tree (text), or drawn (--svg/--png)
     vfio-cxl demo tour|dma|share|p2p         the demos
+    vfio-cxl selftest vfio [--kernel lab]    the kernel's VFIO selftests on the GPU and an igb
     vfio-cxl gpu serve --socket PATH         the vfio-user GPU device server
     vfio-cxl smc serve --sockets DIR --hosts N   the shared-memory controller (one socket per host)
     vfio-cxl bench NAME                      benchmarks (python -m vfio_cxl.bench)
@@ -116,6 +117,47 @@ def _vm_up(args) -> int:
             signal.pause()   # Ctrl-C/SIGTERM raise KeyboardInterrupt; leaving `with` stops the lab
 
 
+def _selftest(args) -> int:
+    import json
+    import time
+
+    from .lab import selftests, topology
+    from .lab.fm.registry import reserve_name
+    from .lab.kernel import resolve
+    from .lab.lab import Lab
+
+    started = time.monotonic()
+    out = sys.stderr if args.json else sys.stdout
+
+    def log(message: str) -> None:
+        print(message, file=out, flush=True)
+
+    # Everything that can be wrong with the input fails here, before anything boots.
+    if args.backend not in selftests.BACKENDS:
+        raise LabError(f"--backend {args.backend}: unknown backend",
+                       f"use one of: {', '.join(selftests.BACKENDS)}")
+    kernel = resolve(args.kernel, log=log)          # a file with VFIO in its config, or 'lab'
+    topo = topology.load("selftest")
+    build = selftests.build_selftests(log=log)
+    plan = selftests.Plan.make(build, args.backend, args.k)
+    log(f"VFIO selftests of {build.version} ({'cached' if build.cached else f'built in {build.seconds:.0f} s'}): "
+        f"{plan.count()} cases, modes {', '.join(plan.modes)}; kernel {kernel.label if kernel else 'debian'}")
+    name, logdir = reserve_name(topo.name)
+    lab = Lab(topo, kernel=kernel, logdir=logdir, log=log)
+    with lab:
+        results, guest = selftests.run(lab, "host0", build, plan, logdir / "selftests", log)
+    report = selftests.summary(results)
+    seconds = time.monotonic() - started
+    if args.json:
+        print(json.dumps({**report, "kernel": guest["kernel"], "seconds": round(seconds, 1),
+                          "logs": str(logdir)}, indent=1))
+    else:
+        print(selftests.table(results))
+        print(f"guest kernel {guest['kernel']}; {seconds:.0f} s in all "
+              f"(build {'cached' if build.cached else f'{build.seconds:.0f} s'}); TAP logs in {logdir}/selftests")
+    return 0 if report["failed"] == 0 else 1
+
+
 def _demo(args) -> int:
     from .demos import run_demo
 
@@ -164,6 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     pic.set_defaults(func=_topology_picture)
 
     fm_cli.add_fm_parser(sub)
+
+    st = sub.add_parser("selftest", help="the kernel's own selftests, run in the lab")
+    st.add_argument("suite", choices=["vfio"], help="vfio: tools/testing/selftests/vfio on the GPU and an igb")
+    st.add_argument("--kernel", metavar="lab|PATH",
+                    help="boot this kernel (default: the image's Debian kernel; 'lab': the lab kernel, IOMMUFD)")
+    st.add_argument("--backend", default="all", metavar="type1|iommufd|all",
+                    help="IOMMU modes: type1 (vfio_type1_iommu, vfio_type1v2_iommu), iommufd "
+                         "(iommufd_compat_type1, iommufd_compat_type1v2, iommufd) or all (default)")
+    st.add_argument("-k", action="append", metavar="FILTER",
+                    help="only cases whose TEST.CASE contains FILTER (or matches it as a glob); repeatable")
+    st.add_argument("--json", action="store_true", help="print the results as JSON")
+    st.set_defaults(func=_selftest)
 
     demo = sub.add_parser("demo", help="run a demo (tour, dma, share, p2p)")
     demo.add_argument("name")

@@ -269,3 +269,39 @@ def test_message_path_pipelines_and_uses_the_largest_transfer_allowed(gpu_server
             f"more than two 64 KiB DMA_READs outstanding: {max(queued)} bytes of requests queued"
     finally:
         rig.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "messages"])
+def test_host_to_host_copies_through_the_device_and_leaves_vram_alone(gpu_server, direct):
+    rig = Rig(gpu_server, direct=direct, data_size=16 * regs.MIB)
+    try:
+        n = 2 * regs.HOST_COPY_CHUNK + 12_345   # three bounce pieces
+        payload = random.Random(5).randbytes(n)
+        rig.memory.view(DATA_IOVA + 1, n)[:] = payload
+        dst = DATA_IOVA + 4 * regs.MIB + 3
+        rig.submit([pack_descriptor(Op.FILL_PATTERN, 0x77, 0, 4096),
+                    pack_descriptor(Op.HOST_TO_HOST, DATA_IOVA + 1, dst, n, cookie=55),
+                    pack_descriptor(Op.VRAM_TO_HOST, 0, DATA_IOVA + 8 * regs.MIB, 4096, IRQ)])
+        rig.wait_vector(regs.VEC_DMA_DONE)
+        assert rig.completion(1)["status"] == Status.OK and rig.completion(1)["bytes_done"] == n
+        assert rig.host(dst, n) == payload
+        assert rig.host(DATA_IOVA + 8 * regs.MIB, 4096) == regs.pattern_bytes(0x77, 4096)   # VRAM untouched
+    finally:
+        rig.close()
+
+
+def test_host_to_host_faults_before_a_byte_moves(gpu_server):
+    rig = Rig(gpu_server, direct=True)
+    try:
+        end = DATA_IOVA + rig.data.size
+        rig.memory.view(DATA_IOVA, 8192)[:] = b"\x11" * 8192
+        # the source runs off the end of the mapping: nothing reaches the destination
+        rig.submit([pack_descriptor(Op.HOST_TO_HOST, end - 4096, DATA_IOVA, 8192, cookie=9)])
+        rig.wait_vector(regs.VEC_ERROR)
+        c = rig.client
+        assert c.reg_read(regs.REG_ERR_STATUS) == Status.DMA_UNMAPPED
+        assert c.reg_read(regs.REG_ERR_ADDR_LO) | c.reg_read(regs.REG_ERR_ADDR_HI) << 32 == end
+        assert rig.completion(0)["bytes_done"] == 0
+        assert rig.host(DATA_IOVA, 8192) == b"\x11" * 8192
+    finally:
+        rig.close()

@@ -151,3 +151,15 @@ def test_every_shipped_topology_builds(name):
         argv = qemu_argv(topo, vm, resources(topo, i))
         ids = re.findall(r"[,{\"]id[=\":]+([\w.-]+)", " ".join(argv))
         assert len(ids) == len(set(ids)), f"{name}/{vm.name}: repeated QEMU ids {ids}"
+
+
+def test_nic_sits_on_a_root_port_of_its_own_with_a_network_that_reaches_nothing():
+    argv = argv_of("selftest")
+    devs = devices(argv)
+    port = next(d for d in devs if d.startswith("pcie-root-port,id=igb-port"))
+    assert "bus=pcie.0" in port
+    assert "igb,netdev=nic-igb,id=igb,bus=igb-port,mac=52:54:00:1e:01:00" in devs
+    assert "user,id=nic-igb,restrict=on" in argv   # no hostfwd: nothing reaches in or out
+    # the NIC's port comes after the GPU's, so adding a NIC moves no other device
+    assert devs.index(port) > devs.index("pcie-root-port,id=gpu0-port,bus=pcie.0,chassis=1,slot=1")
+

@@ -9,7 +9,8 @@ from vfio_cxl.lab import topology
 
 from test_lab_topology_cases import BASE, CASES, variant
 
-SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "shared", "single", "smc", "smc3"]
+SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc",
+           "smc3"]
 
 EXPECTED = dict([
     ('malformed TOML',
@@ -122,8 +123,14 @@ EXPECTED = dict([
      "t.toml: smc.s0.hosts[1]: VM 'h' is named twice in smc.s0.hosts -- name each host VM once"),
     ('SMC host of one controller',
      "t.toml: smc.s1.hosts[1]: VM 'h' is already a host of smc.s0 -- a VM can be a host of one shared-memory controller: remove it from one of them"),
+    ('NIC owner exists',
+     "t.toml: nics.n0.owner: 'zz' is not a VM of this topology -- use one of: h, g"),
+    ('NIC model',
+     "t.toml: nics.n0.model: Input should be 'igb' -- see docs/topologies.md for every key"),
+    ('NIC name unique in its VM',
+     "t.toml: nics.gpu0: name 'gpu0' is already used by gpus.gpu0 in VM 'h' -- give every host bridge, port, switch, Type3 device and region of a VM its own name"),
     ('top-level keys',
-     't.toml: smcx: unknown key -- allowed here: backends, description, gpus, link, smc, vm -- see docs/topologies.md for every key'),
+     't.toml: smcx: unknown key -- allowed here: backends, description, gpus, link, nics, smc, vm -- see docs/topologies.md for every key'),
 ])
 
 
@@ -151,7 +158,8 @@ def test_shipped_topologies_load_with_descriptions():
     for name in SHIPPED:
         topo = topology.load(name)
         assert len(topo.description) > 40, name
-        assert sum(len(vm.regions) for vm in topo.vms) >= 1, name
+        # every topology brings CXL memory up, but the VFIO selftests' (a GPU and a NIC, no CXL)
+        assert sum(len(vm.regions) for vm in topo.vms) >= (0 if name == "selftest" else 1), name
 
 
 def test_single_and_shared_keep_their_shape():
@@ -168,6 +176,15 @@ def test_single_and_shared_keep_their_shape():
     assert shared.links[0].vms == ("a", "b") and shared.smcs == {} and shared.smc_of("a") is None
     smc3 = topology.load("smc3")
     assert list(smc3.smcs) == ["smc0"] and smc3.smc_of("c") == (smc3.smcs["smc0"], 2)
+
+
+def test_selftest_has_the_gpu_and_an_igb_on_root_ports_and_ram_for_the_tests():
+    topo = topology.load("selftest")
+    (host0,) = topo.vms
+    assert [g.name for g in topo.gpus_of("host0")] == ["gpu0"] and topo.gpus["gpu0"].at is None
+    (igb,) = topo.nics_of("host0")
+    assert (igb.model, igb.pci_id, igb.root_port) == ("igb", "8086:10c9", "igb-port")
+    assert host0.memory >= 3 << 30   # vfio_pci_driver_test maps a 1 GiB region
 
 
 def test_fabric_has_a_gpu_per_host_and_free_hotplug_ports():

@@ -131,6 +131,9 @@ CASES = [
     ("SMC host exists", [('hosts = ["h", "g"]', 'hosts = ["h", "zz"]')]),
     ("SMC host named once", [('hosts = ["h", "g"]', 'hosts = ["h", "h"]')]),
     ("SMC host of one controller", [('hosts = ["h", "g"]', 'hosts = ["h"]\n[smc.s1]\nhosts = ["g", "h"]')]),
+    ("NIC owner exists", [('[smc.s0]', '[nics.n0]\nowner = "zz"\n[smc.s0]')]),
+    ("NIC model", [('[smc.s0]', '[nics.n0]\nowner = "h"\nmodel = "e1000"\n[smc.s0]')]),
+    ("NIC name unique in its VM", [('[smc.s0]', '[nics.gpu0]\nowner = "h"\n[smc.s0]')]),
     ("top-level keys", [('[smc.s0]', '[smcx.s0]')]),
 ]
 

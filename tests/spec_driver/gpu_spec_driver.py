@@ -68,7 +68,7 @@ ERR_STATUS, ERR_DESC_INDEX, ERR_ADDR_LO, ERR_ADDR_HI, ERR_ERRNO = 0x080, 0x084, 
 
 ID_VALUE = 0x31555047          # b"GPU1"
 VERSION_VALUE = 0x00010000
-CAPS_VALUE = 0x1F
+CAPS_VALUE = 0x3F
 RING_MAX_VALUE = 65536
 
 REGISTERS = {  # offset: (name, access)
@@ -95,7 +95,7 @@ VEC_DMA_DONE, VEC_ERROR = 0, 1
 DESC = struct.Struct("<QQIBBHQ")     # src, dst, length, op, flags, reserved, cookie
 COMPL = struct.Struct("<QIIIIQ")     # cookie, status, bytes_done, index, seq, duration_ns
 DESC_SIZE = COMPL_SIZE = 32
-OP_NOP, OP_VRAM_TO_HOST, OP_HOST_TO_VRAM, OP_FILL_PATTERN, OP_FILL_PRNG = range(5)
+OP_NOP, OP_VRAM_TO_HOST, OP_HOST_TO_VRAM, OP_FILL_PATTERN, OP_FILL_PRNG, OP_HOST_TO_HOST = range(6)
 FLAG_INTERRUPT = 1 << 0
 PRNG_BLOCK = 1 << 20
 
@@ -679,6 +679,17 @@ def descriptor_ops(rep: Report, gpu: Gpu) -> None:
     rep.check("VRAM_TO_HOST: host buffer equals VRAM", gpu.host[0x80_0003:0x80_0003 + length] == data)
     rep.check("VRAM_TO_HOST: bytes around the range untouched",
               gpu.host[0x80_0000:0x80_0003] == b"\xCC" * 3 and gpu.host[0x80_0003 + length:0x80_0003 + length + 13] == b"\xCC" * 13)
+    # HOST_TO_HOST: host memory to host memory through the device, VRAM untouched
+    vram_before = gpu.vram(vram_off, 64)
+    gpu.host[0x40_0000:0x40_0000 + length + 16] = b"\x5A" * (length + 16)
+    slots = gpu.submit([desc(OP_HOST_TO_HOST, src=HOST_IOVA + 0x80_0003, dst=HOST_IOVA + 0x40_0001, length=length,
+                             flags=FLAG_INTERRUPT, cookie=8)])
+    rep.check("HOST_TO_HOST: vector 0", gpu.wait_vector(VEC_DMA_DONE))
+    check_record(rep, gpu, slots[0], "HOST_TO_HOST", cookie=8, status=OK, bytes_done=length, seq=completed + 6)
+    rep.check("HOST_TO_HOST: destination equals the source", gpu.host[0x40_0001:0x40_0001 + length] == data)
+    rep.check("HOST_TO_HOST: bytes around the range untouched, VRAM unchanged",
+              gpu.host[0x40_0000:0x40_0001] == b"\x5A" and gpu.host[0x40_0001 + length:0x40_0001 + length + 15] == b"\x5A" * 15
+              and gpu.vram(vram_off, 64) == vram_before)
     # the last byte of VRAM is reachable
     gpu.submit([desc(OP_FILL_PATTERN, src=0xAB, dst=vsize - 1, length=1, flags=FLAG_INTERRUPT, cookie=7)])
     rep.check("FILL_PATTERN of the last VRAM byte", gpu.wait_vector(VEC_DMA_DONE) and gpu.vram(vsize - 1, 1) == b"\xAB")
@@ -770,7 +781,7 @@ def errors(rep: Report, gpu: Gpu) -> None:
         if check_after:
             check_after()
 
-    case("BAD_OPCODE (op 5)", desc(5, cookie=0xB1), BAD_OPCODE, 0)
+    case("BAD_OPCODE (op 6)", desc(6, cookie=0xB1), BAD_OPCODE, 0)
     case("BAD_OPCODE (op 255)", desc(255, length=16, cookie=0xB2), BAD_OPCODE, 0)
     case("BAD_FLAGS (flags bit 1)", desc(OP_NOP, flags=2, cookie=0xB3), BAD_FLAGS, 0)
     case("BAD_FLAGS (flags bit 7)", desc(OP_FILL_PATTERN, dst=0, length=8, flags=0x81, cookie=0xB4), BAD_FLAGS, 0)
@@ -796,6 +807,16 @@ def errors(rep: Report, gpu: Gpu) -> None:
                                        gpu.vram(0x500000, 8192) == b"\x55" * 8192))
     tail_off = HOST_SIZE - 4096
     gpu.host[tail_off:HOST_SIZE] = b"\x66" * 4096
+    case("DMA_UNMAPPED (HOST_TO_HOST from a never-mapped IOVA)",
+         desc(OP_HOST_TO_HOST, src=UNMAPPED_IOVA, dst=HOST_IOVA + tail_off, length=4096, cookie=0xC1),
+         DMA_UNMAPPED, UNMAPPED_IOVA,
+         check_after=lambda: rep.check("HOST_TO_HOST from unmapped: destination untouched",
+                                       gpu.host[tail_off:HOST_SIZE] == b"\x66" * 4096))
+    case("DMA_UNMAPPED (HOST_TO_HOST running off the end of a mapping)",
+         desc(OP_HOST_TO_HOST, src=HOST_IOVA, dst=HOST_IOVA + tail_off, length=8192, cookie=0xC2),
+         DMA_UNMAPPED, HOST_IOVA + HOST_SIZE,
+         check_after=lambda: rep.check("partly-mapped HOST_TO_HOST: not a byte written (faults before moving)",
+                                       gpu.host[tail_off:HOST_SIZE] == b"\x66" * 4096))
     case("DMA_UNMAPPED (VRAM_TO_HOST running off the end of a mapping)",
          desc(OP_VRAM_TO_HOST, src=0, dst=HOST_IOVA + tail_off, length=8192, cookie=0xBC),
          DMA_UNMAPPED, HOST_IOVA + HOST_SIZE,

@@ -31,10 +31,10 @@ from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
-                  "lab_kernel_lab": 5, "fabric_lab": 6}
+                  "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4, "fabric": 6}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4, "fabric": 6, "selftest": 7}
 
 
 class LabPool:
@@ -145,3 +145,18 @@ def kept_detached():
     for lab in kept.values():
         if any(r.name == lab.name for r in registry.records()):
             lab.down()
+
+
+@pytest.fixture
+def selftest_lab(labs) -> Lab:
+    """The VFIO selftests' topology (the GPU and an igb) on the image's Debian kernel."""
+    return labs.get("selftest")
+
+
+@pytest.fixture
+def selftest_lab_kernel_lab(labs) -> Lab:
+    """The VFIO selftests' topology on the lab kernel (IOMMUFD); skips, saying so, when it is not built."""
+    found = cached_lab_kernel()
+    if found is None:
+        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
+    return labs.get("selftest", GuestKernel(found / "bzImage", label="lab"))

@@ -5,7 +5,7 @@ with the other VM tests, and run before the tests that kill one of their VMs).  
 switches, memdevs by serial, root decoders = windows with their ways,
 granularity and size, regions with ways, granularity, size and memdevs in
 position order), ``daxctl list`` (enabled devdax devices), ``ndctl list``
-(namespaces) and ``lspci`` (GPUs, shared-memory controllers, PCIe switch, root ports) with the topology; in an
+(namespaces) and ``lspci`` (GPUs, shared-memory controllers, NICs, PCIe switch, root ports) with the topology; in an
 interleaved region it writes one chunk per position and finds each in the backend file
 of the memdev the topology puts at that position.
 """
@@ -147,8 +147,11 @@ def check_pci(topo, spec, vm, out) -> None:
     assert ids.count(XIO3130_DOWN) == sum(len(p.downstream_ports) for p in spec.pcie_switches)
     smc = topo.smc_of(spec.name)
     assert ids.count(SMC_ID) == (1 if smc else 0)   # a host's function of its shared-memory controller
+    nics = topo.nics_of(spec.name)
+    for model_id in {n.pci_id for n in nics}:   # emulated NICs, each on a root port of its own
+        assert ids.count(model_id) == len([n for n in nics if n.pci_id == model_id]), model_id
     pcie_ports = (len([g for g in gpus if g.at is None]) + spec.hotplug_ports + len(spec.pcie_switches)
-                  + (1 if smc else 0))
+                  + (1 if smc else 0) + len(nics))
     assert ids.count(PCIE_ROOT_PORT) == pcie_ports
     if len(gpus) > 1:   # each GPU in an IOMMU group of its own
         groups = vm.run(f"for d in $(lspci -D -n -d {GPU_ID} | cut -d' ' -f1); do "

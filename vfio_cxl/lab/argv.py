@@ -14,6 +14,7 @@ from .topology import Topology, Vm, format_size
 
 SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
 LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
+NIC_MAC = "52:54:00:1e:{:02x}:{:02x}"        # VM index, NIC number: topology [nics.NAME]
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
 MODULES_MOUNT_TAG = "vfio_cxl_modules"   # --modules DIR: the guest mounts it at /lib/modules/$(uname -r)
 GUEST_INIT = "/sbin/vfio-cxl-init"   # PID 1 of a lab VM (images/rootfs/sbin/vfio-cxl-init)
@@ -163,6 +164,14 @@ def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
         # The shared-memory controller: one vfio-user-pci per host VM, on a root port of its own.
         args += ["-device", f"pcie-root-port,id={SMC_ROOT_PORT},bus=pcie.0,chassis=1,slot={slot}",
                  "-device", _vfio_user_device("smc0", SMC_ROOT_PORT, res.smc_socket)]
+        slot += 1
+    for n, nic in enumerate(topo.nics_of(vm.name)):
+        # Emulated NICs on root ports of their own (igb's SR-IOV VFs do not fit on pcie.0);
+        # behind each a user-mode network that reaches nothing.
+        args += ["-device", f"pcie-root-port,id={nic.root_port},bus=pcie.0,chassis=1,slot={slot}",
+                 "-netdev", f"user,id=nic-{nic.name},restrict=on",
+                 "-device", f"{nic.model},netdev=nic-{nic.name},id={nic.name},bus={nic.root_port},"
+                            f"mac={NIC_MAC.format(res.index, n)}"]
         slot += 1
     return args
 

@@ -193,6 +193,30 @@ def _check_fragment(config_path: Path) -> None:
     check_config(got, "the lab kernel", lab_kernel=True)
 
 
+def lab_source(provision: bool = True, log=print) -> tuple[str, Path]:
+    """The lab kernel's source tree as (source version, path): the one the cached lab kernel
+    was built from, else the newest one unpacked, else (``provision``) downloaded and
+    unpacked now (``linux-source-*`` through the private apt)."""
+    found = cached_lab_kernel()
+    if found is not None:
+        version = json.loads((found / "manifest.json").read_text())["source_version"]
+        if (kernels_root() / f"src-{version}" / "Makefile").is_file():
+            return version, kernels_root() / f"src-{version}"
+    trees = [p for p in kernels_root().glob("src-*") if (p / "Makefile").is_file()]
+    if trees:
+        newest = max(trees, key=lambda p: p.stat().st_mtime)
+        return newest.name[len("src-"):], newest
+    if not provision:
+        raise LabError(f"the lab kernel's source ({LAB_RECIPE['source_package']}) is not unpacked",
+                       "run: vfio-cxl provision --kernel lab")
+    apt.ensure_host_packages(BUILD_PACKAGES, log)
+    private = apt.PrivateApt(kernels_root() / "apt", [LAB_RECIPE["suite"]])
+    version = _source_version(private)
+    with open(kernels_root() / f".lock-{version}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return version, _unpack_source(private, version, Progress("kernel source", log))
+
+
 def lab_kernel(provision: bool = True, log=print) -> GuestKernel:
     """The lab kernel: the cached one, else built now (``provision``) or an error."""
     found = cached_lab_kernel()

@@ -82,6 +82,9 @@ def tree(topo: Topology) -> list[Node]:
             smc, host = found
             pcie.children.append(Node(f"{vm.name}/smc_port", "smc_port: root port", "port", [
                 Node(f"{vm.name}/smc/{smc.name}", f"{smc.name}: shared-memory controller (host {host})", "smc")]))
+        for nic in topo.nics_of(vm.name):   # after the controller, as in the lab's argv
+            pcie.children.append(Node(f"{vm.name}/{nic.root_port}", f"{nic.root_port}: root port", "port", [
+                Node(f"{vm.name}/{nic.name}", f"{nic.name}: NIC ({nic.model}, {nic.pci_id})", "port")]))
         root.children.append(pcie)
         buses = vm.bus_numbers()
         for hb in vm.host_bridges:

@@ -6,7 +6,7 @@
     topo.gpus["gpu1"].owner                   # -> None (free for hot-plug)
 
 The public API is this module's models (pydantic v2, immutable once loaded):
-:class:`Topology` (``backends``, ``gpus``, ``vms``, ``links``, ``smcs``), :class:`Vm`
+:class:`Topology` (``backends``, ``gpus``, ``vms``, ``links``, ``smcs``, ``nics``), :class:`Vm`
 (``host_bridges``, ``switches``, ``type3``, ``windows``, ``regions``,
 ``pcie_switches``, ``hotplug_ports``), :class:`Gpu` (``owner`` or None,
 ``at``, ``vram``, ``irq``) and the derived facts the lab needs:
@@ -240,6 +240,29 @@ class Gpu(_Table):
         return f"{self.name}-port"
 
 
+NIC_MODELS = {"igb": "8086:10c9"}   # QEMU's emulated NICs the lab offers, and their PCI IDs
+
+
+class Nic(_Table):
+    """An emulated PCIe NIC (``[nics.NAME] owner = VM, model = "igb"``) on a root port of its
+    own in its owner, with a user-mode network behind it that reaches nothing (restrict=on).
+    The lab does not configure it: it is a PCI function to bind to vfio-pci (the kernel's
+    VFIO selftests drive igb's DMA engine).  igb is SR-IOV capable, and QEMU refuses it on
+    pcie.0 ("VF addr overflows"): on a root port it works."""
+
+    name: Name = ""
+    owner: Name
+    model: Literal["igb"] = "igb"
+
+    @property
+    def root_port(self) -> str:
+        return f"{self.name}-port"
+
+    @property
+    def pci_id(self) -> str:
+        return NIC_MODELS[self.model]
+
+
 SMC_MAX_HOSTS = 16   # docs/smc-device.md (the lab does not import the device's register map)
 
 
@@ -393,13 +416,14 @@ class Topology(_Table):
     vms: list[Vm] = Field(alias="vm", min_length=1)
     links: list[Link] = Field([], alias="link")
     smcs: dict[Name, Smc] = Field({}, alias="smc")
+    nics: dict[Name, Nic] = {}
     source: str = Field("", exclude=True)
 
     @model_validator(mode="before")
     @classmethod
     def _names_from_keys(cls, data):
         if isinstance(data, dict):
-            for key in ("backends", "gpus", "smc"):
+            for key in ("backends", "gpus", "smc", "nics"):
                 table = data.get(key)
                 if isinstance(table, dict):
                     data[key] = {k: ({**v, "name": k} if isinstance(v, dict) else v) for k, v in table.items()}
@@ -415,6 +439,10 @@ class Topology(_Table):
     def gpus_of(self, vm: str) -> list[Gpu]:
         """The GPUs a VM owns at boot, in declaration order."""
         return [g for g in self.gpus.values() if g.owner == vm]
+
+    def nics_of(self, vm: str) -> list[Nic]:
+        """The emulated NICs of a VM, in declaration order."""
+        return [n for n in self.nics.values() if n.owner == vm]
 
     def smc_of(self, vm: str) -> tuple[Smc, int] | None:
         """The shared-memory controller ``vm`` is a host of, and its host ID there (or None)."""
@@ -471,7 +499,7 @@ def _model_at(loc: tuple):
 
 def _allowed_keys(model) -> str:
     return ", ".join(sorted((f.alias or n) for n, f in model.model_fields.items()
-                            if n not in ("name", "source") or model not in (Backend, Gpu, Smc, Topology)))
+                            if n not in ("name", "source") or model not in (Backend, Gpu, Smc, Nic, Topology)))
 
 
 def _from_pydantic(err: ValidationError, source: str) -> LabError:
@@ -551,6 +579,9 @@ def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
         claim(gpu.name, f"gpus.{gpu.name}")
         if gpu.at is None:
             claim(gpu.root_port, f"gpus.{gpu.name}")
+    for nic in topo.nics_of(vm.name):
+        claim(nic.name, f"nics.{nic.name}")
+        claim(nic.root_port, f"nics.{nic.name}")
 
     root_ports = [rp for hb in vm.host_bridges for rp in hb.root_ports]
     cxl_ds = [ds for sw in vm.switches for ds in sw.downstream_ports]
@@ -719,6 +750,10 @@ def check(topo: Topology) -> None:
         if gpu.owner is None and gpu.at is not None:
             _fail(f"gpus.{gname}.at", "an unowned GPU has no placement yet",
                   "drop 'at' (the fabric manager hot-plugs it into a VM's hot-plug port), or set owner")
+    for nname, nic in topo.nics.items():
+        if nic.owner not in names:
+            _fail(f"nics.{nname}.owner", f"{nic.owner!r} is not a VM of this topology",
+                  f"use one of: {', '.join(names)}")
     for i, vm in enumerate(topo.vms):
         _check_vm(topo, i, vm)
     for bname in topo.backends:

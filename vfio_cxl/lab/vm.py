@@ -183,6 +183,12 @@ class VirtualMachine:
             raise LabError(f"[{self.name}] is not ready", "call wait_ready() first")
         return self.shell.run(command, **kwargs)
 
+    def put(self, local: str, remote: str) -> None:
+        """Copy a file into the guest (SFTP over the VM's SSH connection)."""
+        if self.shell is None:
+            raise LabError(f"[{self.name}] is not ready", "call wait_ready() first")
+        self.shell.put(local, remote)
+
     def start_command(self, command: str, **kwargs):
         if self.shell is None:
             raise LabError(f"[{self.name}] is not ready", "call wait_ready() first")

@@ -29,6 +29,7 @@ import time
 from enum import Enum
 from typing import Callable
 
+from ..vfio_user import wire
 from ..vfio_user.dma import DmaAborted, DmaFault, DmaPort, FaultKind
 from . import regs
 from .registers import RING_CONFIG, RegisterFile
@@ -323,8 +324,10 @@ class Engine:
             return Status.BAD_FLAGS, 0, 0, 0
         if op == Op.NOP:
             return Status.OK, 0, 0, 0
-        if op not in (Op.VRAM_TO_HOST, Op.HOST_TO_VRAM, Op.FILL_PATTERN, Op.FILL_PRNG):
+        if op not in (Op.VRAM_TO_HOST, Op.HOST_TO_VRAM, Op.FILL_PATTERN, Op.FILL_PRNG, Op.HOST_TO_HOST):
             return Status.BAD_OPCODE, 0, 0, 0
+        if op == Op.HOST_TO_HOST:
+            return self._host_copy(src, dst, length, port, stale)
         vram_off = src if op == Op.VRAM_TO_HOST else dst
         if vram_off + length > self.vram_size:
             return Status.VRAM_RANGE, 0, vram_off, 0
@@ -344,6 +347,34 @@ class Engine:
             return FAULT_STATUS[fault.kind], fault.done, fault.addr, fault.errno
         finally:
             window.release()
+        return Status.OK, length, 0, 0
+
+    def _host_copy(self, src: int, dst: int, length: int, port: DmaPort, stale):
+        """HOST_TO_HOST: both ranges are checked before a byte moves (like an IOMMU), then
+        copied front to back through a bounce buffer, HOST_COPY_CHUNK at a time."""
+        try:
+            port.table.check(src, length, wire.DMA_MAP_FLAG_READ)
+            port.table.check(dst, length, wire.DMA_MAP_FLAG_WRITE)
+        except DmaFault as fault:
+            return FAULT_STATUS[fault.kind], 0, fault.addr, fault.errno
+        bounce = bytearray(min(length, regs.HOST_COPY_CHUNK))
+        done = 0
+        while done < length:
+            n = min(len(bounce), length - done)
+            piece = memoryview(bounce)[:n]
+            writing = False
+            try:
+                port.read(src + done, piece, stale)
+                writing = True
+                port.write(dst + done, piece, stale)
+            except DmaFault as fault:
+                if fault.kind == FaultKind.CLOSED:
+                    raise DmaAborted() from None
+                # bytes_done counts what reached the destination
+                return FAULT_STATUS[fault.kind], done + (fault.done if writing else 0), fault.addr, fault.errno
+            finally:
+                piece.release()
+            done += n
         return Status.OK, length, 0, 0
 
     def _fill(self, window: memoryview, stale, *, pattern: int | None = None,

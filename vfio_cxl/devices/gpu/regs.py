@@ -138,9 +138,11 @@ class Op(IntEnum):
     HOST_TO_VRAM = 2  # src = IOVA, dst = VRAM offset
     FILL_PATTERN = 3  # src = u64 pattern (its 8 LE bytes repeated), dst = VRAM offset
     FILL_PRNG = 4  # src = u64 seed (prng_bytes stream from 0), dst = VRAM offset
+    HOST_TO_HOST = 5  # src = IOVA, dst = IOVA: a copy in host memory through the device (no VRAM)
 
 
 CAPS_OPS = sum(1 << op for op in Op)
+HOST_COPY_CHUNK = 1 * MIB  # HOST_TO_HOST moves its bytes front to back in pieces of this size
 
 # --------------------------------------------------------------------------
 # Completion records (in guest memory, COMPL_BASE + index * COMPL_SIZE)
