@@ -18,11 +18,11 @@ from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "pool_lab": 4,
                   "lab_kernel_lab": 5}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4}
 
 
 class LabPool:
@@ -103,5 +103,5 @@ def smc_lab(labs) -> Lab:
 
 
 @pytest.fixture
-def smc3_lab(labs) -> Lab:
-    return labs.get("smc3")
+def pool_lab(labs) -> Lab:
+    return labs.get("pool")

@@ -19,7 +19,7 @@ The channel on the controller (``vfio_cxl.guest.smc_channel``; the channel lives
         takes S, publishes a stamped record, tells H the epoch (doorbell), holds S until killed
     ... chan-survive --dax P --base B --peer H --consumer C --sem S --nonce K
         after H is lost: a write stamped with H's stale epoch (a zombie's), then a fresh fenced one
-    ... chan-watch   --dax P --base B --sem S --nonce K --count N
+    ... chan-watch   --dax P --base B --sem S --nonce K --count N [--create]
         after a peer is lost: the fenced consumer takes N records and reports which it rejected
 
 Opening the controller through VFIO resets this host's view of it (the
@@ -202,12 +202,19 @@ class _Counting:
         consumer._committed = committed
 
 
-def chan_consume(smc, sh, a) -> dict:
-    view = _channel(sh, a)
-    view[:64] = bytes(64)                   # no header left from an earlier run: open() waits for the new one
+def _fresh_channel(smc, sh, a, view) -> None:
+    """Before this host's ready word: no header left from an earlier run (open() waits for the new one),
+    or with ``--create`` an empty channel for producers to attach to."""
     if a.create:
         Producer.create(view, coherence=COHERENT, ring_entries=64).close()
+    else:
+        view[:64] = bytes(64)
     sh.put(OFF_READY + 8 * smc.host_id, a.nonce)   # only now may the producers start
+
+
+def chan_consume(smc, sh, a) -> dict:
+    view = _channel(sh, a)
+    _fresh_channel(smc, sh, a, view)
     peers = [int(h) for h in a.peers.split(",")]
     wake = SmcWakeup(smc, peers)
     fence = semaphore_fence(smc, a.sem) if a.sem is not None else None
@@ -323,9 +330,13 @@ def chan_survive(smc, sh, a) -> dict:
 
 
 def chan_watch(smc, sh, a) -> dict:
+    view = _channel(sh, a)
+    if a.create:
+        _fresh_channel(smc, sh, a, view)
+    else:
+        sh.put(OFF_READY + 8 * smc.host_id, a.nonce)
     lost = smc.wait_peer_lost(timeout=300)
     owner, epoch = smc.state(a.sem)
-    view = _channel(sh, a)
     peers = [h for h in range(smc.num_hosts) if h != smc.host_id]
     c = Consumer.open(view, coherence=COHERENT, wakeup=SmcWakeup(smc, peers), fence_check=semaphore_fence(smc, a.sem))
     seen = []
@@ -345,6 +356,7 @@ def chan_watch(smc, sh, a) -> dict:
             "alive": sorted(smc.alive())}
 
 
+SELF_READY = ("chan-consume", "chan-watch")
 COMMANDS = {"contend": contend, "pingpong": pingpong, "hold": hold, "survive": survive, "watch": watch,
             "chan-consume": chan_consume, "chan-produce": chan_produce, "chan-fenced": chan_fenced,
             "chan-hold": chan_hold, "chan-survive": chan_survive, "chan-watch": chan_watch}
@@ -376,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open_dax(a.dax) as dax, SmcDriver.open() as smc:
             sh = Shared(dax, a.base)
-            if a.command != "chan-consume":         # it publishes its ready word once the channel is reset
+            if a.command not in SELF_READY:         # these publish it once the channel is ready
                 sh.put(OFF_READY + 8 * smc.host_id, a.nonce)
             result = COMMANDS[a.command](smc, sh, a)
     except (SmcError, ChannelError) as err:
