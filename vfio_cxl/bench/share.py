@@ -25,7 +25,7 @@ channel), ``poll_mb_s``, ``link_mb_s``, ``tcp_mb_s`` (1 MiB), ``guest_crc32_mb_s
 with ``_rtt_`` (round trip, 64 B), ``goal`` (CXL >= 5x TCP at 1 MiB, lower
 latency at every size), ``load`` (the host's load average before and after),
 ``sizes`` (every size and transport), ``consumer_cpu_s``, ``gpu`` (part 2),
-``guest_cache_operations``.
+``guest_cache_operations``; the table then goes to stderr.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 from .. import cacheline
 from ..demos.share import B_LINK_ADDRESS, STREAM, latencies_ms, stream
@@ -157,47 +158,47 @@ def main(argv: list[str]) -> int:
                    "sizes": [{"size": s, **{col: table[col][s] for col in TRANSPORTS}} for s in sizes],
                    "gpu": gpu_rows, "guest_cache_operations": guest_cache_ops})
     if args.json:
-        print(json.dumps(result))
-        return 0
+        print(json.dumps(result), flush=True)
+    out = sys.stderr if args.json else sys.stdout      # with --json the table goes to stderr
 
     def cell(row: dict, key: str, fmt: str) -> str:
         return format(row[key], fmt) if key in row else "-"
 
     cols = list(TRANSPORTS)
     print("VM a -> VM b (TCG, smc topology): the CXL channel woken by the SMC doorbell / polling / a link "
-          "message, vs TCP over the private link; same payloads, CRC32-checked at b")
+          "message, vs TCP over the private link; same payloads, CRC32-checked at b", file=out)
     print(f"{'':>8} | {'one-way latency, ms (median)':^35} | {'round trip, ms (median)':^35} | "
-          f"{'throughput, MB/s':^35}")
+          f"{'throughput, MB/s':^35}", file=out)
     heads = " ".join(f"{c:>8}" for c in cols)
-    print(f"{'size':>8} | {heads} | {heads} | {heads}")
+    print(f"{'size':>8} | {heads} | {heads} | {heads}", file=out)
     for s in sizes:
         rows = [table[c][s] for c in cols]
         print(f"{s:>8} | " + " ".join(cell(r, "latency_ms_median", ">8.2f") for r in rows) + " | "
               + " ".join(cell(r, "rtt_ms_median", ">8.2f") for r in rows) + " | "
-              + " ".join(cell(r, "mb_s", ">8.1f") for r in rows))
+              + " ".join(cell(r, "mb_s", ">8.1f") for r in rows), file=out)
     g = result["goal"]
     print(f"goal: CXL (doorbell) >= 5x TCP throughput at 1 MiB: {g['throughput_ratio_1mib']:.1f}x "
           f"({'met' if g['throughput_5x'] else 'NOT met'}); CXL (doorbell) one-way latency below TCP at every "
-          f"size: {'yes' if g['doorbell_latency_lower_everywhere'] else 'no: ' + str(g['doorbell_latency_not_lower_at'])}")
+          f"size: {'yes' if g['doorbell_latency_lower_everywhere'] else 'no: ' + str(g['doorbell_latency_not_lower_at'])}", file=out)
     print(f"guest zlib.crc32: {crc_rate:.0f} MB/s.  b's CPU seconds over each run: "
           + ", ".join(f"{c} {cpu[c]:.1f}" for c in cols)
-          + f".  Host load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores).")
+          + f".  Host load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (2 cores).", file=out)
     print(f"Medians, one record in flight.  Round trip: hand-over in a -> checked in b -> b's ack seen in a "
           f"(doorbell: b rings a; poll: a polls; link/TCP: one byte back), on a's clock.  One-way: b's clock "
-          f"mapped onto a's, error <= half the clock rtt ({clock_rtt:.2f} ms)")
+          f"mapped onto a's, error <= half the clock rtt ({clock_rtt:.2f} ms)", file=out)
     if isinstance(guest_cache_ops, dict):
         per_mib, line = guest_cache_ops["per_size_us"], guest_cache_ops["per_line_ns_single_call"]
         print(f"\ncache operations in VM b ({guest_cache_ops['coherence']}; TCG, so no real caches behind them): "
               f"write back a dirty MiB {per_mib['flush_dirty']:.0f} us, invalidate a MiB {per_mib['invalidate']:.0f} us, "
               f"one line per call + MFENCE {line['flush+fence']:.0f} ns (cffi call alone "
-              f"{line['cffi_call_overhead(nop, no fence)']:.0f} ns)")
+              f"{line['cffi_call_overhead(nop, no fence)']:.0f} ns)", file=out)
     else:
-        print(f"\ncache operations in the guest: {guest_cache_ops}")
+        print(f"\ncache operations in the guest: {guest_cache_ops}", file=out)
     if gpu_rows:
-        print(f"\n{args.records} GPU-placed records of 1..{args.max_size} bytes, GPU in VM a -> shared CXL -> VM b")
-        print(f"{'mode':18} {'latency median':>15} {'p95':>9} {'records/s':>10} {'MB/s':>7} {'clock rtt':>10}")
+        print(f"\n{args.records} GPU-placed records of 1..{args.max_size} bytes, GPU in VM a -> shared CXL -> VM b", file=out)
+        print(f"{'mode':18} {'latency median':>15} {'p95':>9} {'records/s':>10} {'MB/s':>7} {'clock rtt':>10}", file=out)
         for r in gpu_rows:
             print(f"{r['mode']:18} {r['latency_ms_median']:>12.2f} ms {r['latency_ms_p95']:>6.2f} ms "
-                  f"{r['records_s']:>10.0f} {r['mb_s']:>7.1f} {r['clock_rtt_ms']:>7.2f} ms")
-        print("(latency: GPU MSI-X in a -> record visible in b, one record in flight)")
+                  f"{r['records_s']:>10.0f} {r['mb_s']:>7.1f} {r['clock_rtt_ms']:>7.2f} ms", file=out)
+        print("(latency: GPU MSI-X in a -> record visible in b, one record in flight)", file=out)
     return 0
