@@ -179,10 +179,10 @@ the lock's current holder and token (StaleRecord; ``skip()`` moves past it).
 Because a producer keeps the lock until its records are acked, a record whose
 token is no longer current at the consumer's check was written by a holder
 that lost the lock (died, or was forcibly released) before its critical
-section ended: it is refused, not delivered.  A write the consumer checked
-before the lock changed hands counts (as with any fencing token, a write is
-refused from the moment the new holder is known, not from the moment the old
-one died).  ``vfio_cxl.guest.smc_channel`` does this with an SMC semaphore:
+section ended: it is refused, not delivered.  A record the consumer checked
+before the lock was released counts; from the release on (the holder's death
+included, once the lock's owner learns of it) a record stamped with the old
+token never does.  ``vfio_cxl.guest.smc_channel`` does this with an SMC semaphore:
 token = epoch, tag = writer host and semaphore.
 """
 
