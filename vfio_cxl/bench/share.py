@@ -43,6 +43,7 @@ from ..lab import topology
 from ..lab.lab import Lab
 
 SHARE_BENCH = "python3 -m vfio_cxl.guest.share_bench"
+BOOT_TIMEOUT = 600          # s per VM to SSH: a loaded 2-core host took over 180 s
 
 
 def _p95(values: list[float]) -> float:
@@ -122,7 +123,7 @@ def main(argv: list[str]) -> int:
     except cacheline.CachelineError as e:
         guest_cache_ops = f"not measured: {e}"
     load_before = os.getloadavg()
-    with Lab(topology.load("smc"), log=lambda *_: None) as lab:
+    with Lab(topology.load("smc"), log=lambda *_: None).start(timeout=BOOT_TIMEOUT) as lab:
         if isinstance(guest_cache_ops, dict):
             guest_cache_ops = json.loads(lab["b"].run("python3 -m vfio_cxl.cacheline bench --json",
                                                       timeout=300).stdout)
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
     clock_rtt = runs["poll"][0]["clock"]["rtt"] * 1e3
     cpu = {col: runs[col][1]["cpu_seconds"] for col in runs}
     if args.records:
-        with Lab(topology.load("shared"), log=lambda *_: None) as lab:
+        with Lab(topology.load("shared"), log=lambda *_: None).start(timeout=BOOT_TIMEOUT) as lab:
             for notify in (False, True):
                 paced = stream(lab, args.records, notify=notify, paced=True, max_size=args.max_size)
                 streamed = stream(lab, args.records, notify=notify, max_size=args.max_size)
