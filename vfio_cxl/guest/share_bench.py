@@ -91,6 +91,33 @@ def _wait(cond, timeout: float, what: str) -> None:
 
 
 # -- sending side (VM a) ---------------------------------------------------------------------------
+def _send_plan(p: Producer, plan, payloads, timeout: float, wake, link, sent_at: list, acked_at: list) -> None:
+    """The channel transports: every record of the plan, paced ones waiting for b's ack."""
+    for size, count, mode in plan:
+        data, crc = payloads[size]
+        for _ in range(count):
+            r = p.reserve(size, timeout=timeout)
+            r.view[:] = data
+            sent_at.append(time.monotonic())
+            seq = p.publish(r.offset, size, crc)
+            if mode != "paced":
+                acked_at.append(None)
+                continue
+            if wake is not None:
+                p.wait_acked(seq, timeout)          # asleep on a's doorbell, rung by b's ack
+            elif link is not None:
+                if link.recv(1) != b"k":
+                    raise cxl.CxlError("the link receiver closed the connection", "see its output")
+            else:
+                _wait(lambda: p.acked > seq, timeout, f"no ack of record {seq}")
+            acked_at.append(time.monotonic())
+    # the receiver's last ack: it has checked everything before we unmap
+    if wake is not None:
+        p.wait_acked(p.next_seq - 1, timeout)
+    else:
+        _wait(lambda: p.acked == p.next_seq, timeout, "not all records acked")
+
+
 def send(transport: str, plan, peer: str, timeout: float, coherence_name: str, smc_peer: int = 1) -> dict:
     payloads = _payloads(plan)
     clock = measure_clock_offset(peer, CLOCK_PORT, timeout)
@@ -99,6 +126,8 @@ def send(transport: str, plan, peer: str, timeout: float, coherence_name: str, s
     if transport in CHANNELS:
         smc = SmcDriver.open() if transport == "doorbell" else None
         link = connect_with_retry(peer, LINK_PORT, timeout) if transport == "link" else None
+        if link is not None:
+            link.settimeout(timeout)            # connect_with_retry's socket waits 1 s per call
         try:
             wake = SmcWakeup(smc, [smc_peer]) if smc is not None else None
             on_publish = (lambda seq, _offset, _length: link.sendall(SEQ.pack(seq))) if link is not None else None
@@ -107,31 +136,11 @@ def send(transport: str, plan, peer: str, timeout: float, coherence_name: str, s
                 prefault(view, write=True)
                 p = Producer.create(view, coherence=coherence(coherence_name), ring_entries=256, wakeup=wake,
                                     on_publish=on_publish)
-                for size, count, mode in plan:
-                    data, crc = payloads[size]
-                    for _ in range(count):
-                        r = p.reserve(size, timeout=timeout)
-                        r.view[:] = data
-                        sent_at.append(time.monotonic())
-                        seq = p.publish(r.offset, size, crc)
-                        if mode != "paced":
-                            acked_at.append(None)
-                            continue
-                        if wake is not None:
-                            p.wait_acked(seq, timeout)          # asleep on a's doorbell, rung by b's ack
-                        elif link is not None:
-                            if link.recv(1) != b"k":
-                                raise cxl.CxlError("the link receiver closed the connection", "see its output")
-                        else:
-                            _wait(lambda: p.acked > seq, timeout, f"no ack of record {seq}")
-                        acked_at.append(time.monotonic())
-                # the receiver's last ack: it has checked everything before we unmap
-                if wake is not None:
-                    p.wait_acked(p.next_seq - 1, timeout)
-                else:
-                    _wait(lambda: p.acked == p.next_seq, timeout, "not all records acked")
-                p.close()
-                view.release()
+                try:
+                    _send_plan(p, plan, payloads, timeout, wake, link, sent_at, acked_at)
+                finally:                            # released before the mapping closes, even on an error
+                    p.close()
+                    view.release()
         finally:
             if smc is not None:
                 smc.close()
