@@ -47,7 +47,7 @@ import time
 from ..channel import COHERENT, ChannelError, Consumer, Producer, StaleRecord
 from ..devices.smc.regs import Error
 from .dax import open_dax
-from .smc_channel import FencedProducer, SmcWakeup, fence_tag, semaphore_fence
+from .smc_channel import DOORBELL_PAYLOAD, FencedProducer, SmcWakeup, fence_tag, semaphore_fence
 from .smc_driver import SmcDriver, SmcError
 
 U64 = struct.Struct("<Q")
@@ -300,7 +300,10 @@ def chan_hold(smc, sh, a) -> dict:
 def chan_survive(smc, sh, a) -> dict:
     view = _channel(sh, a)
     sh.wait_ready([a.peer], a.nonce)
-    src, told = smc.wait_doorbell(timeout=120)
+    while True:                             # the holder's ring with its epoch, not a channel's wake-up ring
+        src, told = smc.wait_doorbell(timeout=120)
+        if src == a.peer and told != DOORBELL_PAYLOAD:
+            break
     lost = smc.wait_peer_lost(timeout=300)
     owner_after, epoch_after = smc.state(a.sem)
     # A zombie's write: stamped with the lost holder's epoch and ID, published without the semaphore.
