@@ -21,21 +21,26 @@ Offsets are relative to the start of the buffer handed to ``create``/``open``
 
 API
 ---
-* ``Producer.create(buf, coherence=, ring_entries=256, on_publish=None)``
-  writes a fresh header; ``Producer.attach(buf, coherence=)`` resumes on an
-  existing channel (after a crash too: see "Restart").
+* ``Producer.create(buf, coherence=, ring_entries=256, on_publish=None,
+  wakeup=None)`` writes a fresh header; ``Producer.attach(buf, coherence=,
+  wakeup=None)`` resumes on an existing channel (after a crash too: see
+  "Restart"); ``resume()`` does it again on a live producer (producers taking
+  turns); ``set_fence(token, tag)`` stamps the next records;
+  ``wait_acked(seq, timeout)``.
   ``reserve(length, align=64, timeout=None) -> Reservation`` (``.offset``,
   ``.length``, ``.view``), ``publish(offset, length, checksum=None) -> seq``,
   ``send(data, timeout=None) -> seq``.  Several reservations may be
   outstanding; they are published in reserve order.
-* ``Consumer.open(buf, coherence=, wait=0)`` (resumes after the last ack),
+* ``Consumer.open(buf, coherence=, wait=0, wakeup=None, fence_check=None)``
+  (resumes after the last ack),
   ``receive(timeout=None, expect=None) -> Record`` (``.seq``, ``.offset``,
   ``.length``, ``.checksum``, ``.view``, ``.tobytes()``), ``ack(record=None)``
   (cumulative), ``skip()`` after a CorruptRecord, ``wait_for(seq, timeout)``,
   ``published``.
 * Timeouts: None waits forever, 0 looks once.  Errors are ChannelError
   subclasses: NoChannel (BadMagic), VersionMismatch, BadHeader, ChannelFull,
-  ChannelTimeout (also a TimeoutError), CorruptRecord (``.seq``, ``.reason``).
+  ChannelTimeout (also a TimeoutError), CorruptRecord (``.seq``, ``.reason``)
+  and its subclass StaleRecord (refused by ``fence_check``).
 * A ``Record.view`` stays valid, and unchanged, until it is acked (the space is
   not reused before); ack() releases it.  ``close()`` releases the buffer.
 
@@ -44,7 +49,7 @@ Memory layout (little endian; every line is 64 bytes, one cache line)
 ::
 
     0    header, written once by Producer.create (magic last)
-         0 magic b"VCXLCHAN" | 8 u32 version (2) | 12 u32 ring entries N
+         0 magic b"VCXLCHAN" | 8 u32 version (3) | 12 u32 ring entries N
          16 u32 record size (64) | 20 u32 flags (0) | 24 u64 ring offset (192)
          32 u64 data offset | 40 u64 data size | 48 u64 epoch (random, per create)
          56 u32 reserved | 60 u32 CRC32 of bytes 8..60
@@ -54,8 +59,9 @@ Memory layout (little endian; every line is 64 bytes, one cache line)
          128 u64 records acked (= oldest unreleased seq) | 136 u64 data tail (bytes freed)
     192  record ring: N records of 64 bytes (one line each), record ``seq`` in slot ``seq % N``
          +0 u64 seq | +8 u64 payload offset | +16 u64 length | +24 u64 end
-         +32 u32 payload CRC32 | +36 u32 CRC32 of +0..+36 (seeded with the epoch)
-         +40..+56 reserved | +56 u64 commit word = (epoch & 0xffffffff) << 32 | (seq + 1) & 0xffffffff
+         +32 u32 payload CRC32 | +36 u32 fence token | +40 u32 fence tag (both 0: unfenced)
+         +44 u32 CRC32 of +0..+44 (seeded with the epoch)
+         +48..+56 reserved | +56 u64 commit word = (epoch & 0xffffffff) << 32 | (seq + 1) & 0xffffffff
     data offset (4 KiB aligned, after the ring) .. end: the data area
 
 The data area is a circular byte buffer addressed by monotonic positions:
@@ -141,11 +147,43 @@ also writes back a commit word the dead producer stored but did not flush (a
 restart on the same host); a restart on another host sees exactly what the
 consumer can see.
 
-Notification: ``Producer.create(buf, coherence=..., on_publish=callback)``
-calls ``callback(seq, offset, length)`` after the commit is visible (e.g. to
-send "record N ready" over a socket); the consumer can ``wait_for(seq)`` by
-polling, or be told a seq and call ``receive(expect=seq)`` which validates it
-is the next one.
+Wake-ups
+--------
+Three ways for the consumer to learn of a record, all measured by
+``scripts/bench share``:
+
+* polling (no ``wakeup``): ``receive`` spins on the commit word, then backs off;
+* a link message: ``on_publish=callback`` is called with ``(seq, offset,
+  length)`` after the commit is visible (e.g. to send "record N ready" over a
+  socket); the consumer, told a seq, calls ``receive(expect=seq)``, which
+  validates it is the next one;
+* a ``Wakeup`` on both sides (see the class): the producer notifies after each
+  publish, the consumer sleeps in ``receive`` until notified and looks again;
+  the consumer notifies after each ack, and a producer waiting for space or
+  for an ack (``wait_acked``) sleeps the same way.  With the shared-memory
+  controller the notification is a doorbell and the sleep is a wait on the
+  doorbell's MSI-X eventfd (``vfio_cxl.guest.smc_channel``).  The sleeper
+  looks at shared memory before each sleep and the notification queues (a
+  doorbell FIFO), so a notification given between the look and the sleep is
+  not lost.
+
+Several producers (taking turns)
+--------------------------------
+Producers on several hosts may share one channel if they take turns under a
+lock: each one, holding the lock, calls ``resume()`` (the others may have
+published), ``set_fence(token, tag)`` with the lock's fencing token, publishes,
+and -- before it releases the lock -- waits for the consumer's ack
+(``wait_acked``).  The consumer's ``fence_check(token, tag)`` is asked about
+every record before its payload is checked and rejects one whose stamp is not
+the lock's current holder and token (StaleRecord; ``skip()`` moves past it).
+Because a producer keeps the lock until its records are acked, a record whose
+token is no longer current at the consumer's check was written by a holder
+that lost the lock (died, or was forcibly released) before its critical
+section ended: it is refused, not delivered.  A record the consumer checked
+before the lock was released counts; from the release on (the holder's death
+included, once the lock's owner learns of it) a record stamped with the old
+token never does.  ``vfio_cxl.guest.smc_channel`` does this with an SMC semaphore:
+token = epoch, tag = writer host and semaphore.
 """
 
 from __future__ import annotations
@@ -157,7 +195,7 @@ import zlib
 from collections import deque
 
 MAGIC = b"VCXLCHAN"
-VERSION = 2
+VERSION = 3
 LINE = 64
 RECORD_SIZE = 64
 PRODUCER_LINE = 64
@@ -166,7 +204,8 @@ RING_OFFSET = 192
 DATA_ALIGN = 4096
 
 HEADER = struct.Struct("<8sIIIIQQQQII")     # 64 bytes
-RECORD = struct.Struct("<QQQQII")           # 40 bytes of fields; commit word at +56
+RECORD = struct.Struct("<QQQQIIII")         # 48 bytes of fields; commit word at +56
+FIELDS_CRC_AT = 44
 COMMIT_AT = 56
 # indices of the 8-byte words in the control area (memoryview.cast("Q"))
 W_PUBLISHED = PRODUCER_LINE // 8
@@ -216,6 +255,38 @@ class Coherence:
 COHERENT = Coherence()
 
 
+# --- wake-ups: how a side sleeps until the other has done something ------------------
+
+class Wakeup:
+    """How one side of the channel sleeps until the other side did something, and how it tells the other.
+
+    Without one, a side that waits polls shared memory.  With one:
+
+    * ``notify()`` tells the other side: the producer calls it after each
+      publish (once the record is visible) and after ``create``; the consumer
+      after each ack (once the freed space is visible).
+    * ``wait(timeout) -> bool`` sleeps until a notification arrives (True) or
+      ``timeout`` seconds pass (False; None waits forever).  A notification
+      given before ``wait`` is called must still end it -- a queue, not an
+      edge (the SMC's doorbell FIFO is one) -- so no wake-up is lost between a
+      look at shared memory and the sleep.  Spurious wake-ups are fine: the
+      channel looks at shared memory again after every ``wait``.
+    * ``describe()``: what the side sleeps on, for timeout messages.
+
+    ``vfio_cxl.guest.smc_channel.SmcWakeup`` rings the other host's doorbell on
+    the shared-memory controller and sleeps on this host's doorbell vector.
+    """
+
+    def notify(self) -> None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None) -> bool:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
 # --- errors --------------------------------------------------------------------
 
 class ChannelError(Exception):
@@ -259,6 +330,11 @@ class CorruptRecord(ChannelError):
                          "it was not delivered; call skip() to move past it, or reopen the channel")
 
 
+class StaleRecord(CorruptRecord):
+    """A committed record's fence (token, tag) was refused by the consumer's ``fence_check``: its writer
+    no longer held the lock it stamped the record with.  Not delivered; skip() moves past it."""
+
+
 # --- shared helpers --------------------------------------------------------------
 
 def _poll(ready, timeout: float | None) -> bool:
@@ -279,6 +355,19 @@ def _poll(ready, timeout: float | None) -> bool:
             return True
 
 
+def _until(ready, timeout: float | None, wakeup: "Wakeup | None") -> bool:
+    """``ready()`` true within ``timeout`` seconds: polled, or with a wakeup, looked at after each wake-up."""
+    if wakeup is None:
+        return _poll(ready, timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not ready():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        wakeup.wait(left)
+    return True
+
+
 def _release(view: memoryview) -> None:
     try:
         view.release()
@@ -290,9 +379,10 @@ def _marker(epoch: int, seq: int) -> int:
     return (epoch & 0xFFFF_FFFF) << 32 | (seq + 1) & 0xFFFF_FFFF
 
 
-def _record_bytes(epoch: int, seq: int, offset: int, length: int, end: int, crc: int) -> bytes:
-    """The 40 field bytes of a record, with their own CRC (seeded with the epoch)."""
-    head = RECORD.pack(seq, offset, length, end, crc, 0)[:36]
+def _record_bytes(epoch: int, seq: int, offset: int, length: int, end: int, crc: int,
+                  fence: tuple[int, int] = (0, 0)) -> bytes:
+    """The 48 field bytes of a record, with their own CRC (seeded with the epoch)."""
+    head = RECORD.pack(seq, offset, length, end, crc, fence[0], fence[1], 0)[:FIELDS_CRC_AT]
     return head + struct.pack("<I", zlib.crc32(head, epoch & 0xFFFF_FFFF))
 
 
@@ -352,8 +442,8 @@ def read_header(view: memoryview, coherence: Coherence) -> Geometry:
 class _Side:
     """What producer and consumer share: the buffer views, the geometry, the cache operations."""
 
-    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence):
-        self._view, self.geometry, self.coherence = view, geo, coherence
+    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence, wakeup: Wakeup | None = None):
+        self._view, self.geometry, self.coherence, self.wakeup = view, geo, coherence, wakeup
         self._words = view[:geo.data_offset].cast("Q")
 
     def _slot(self, seq: int) -> int:
@@ -372,6 +462,14 @@ class _Side:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_wakeup(wakeup) -> Wakeup | None:
+    if wakeup is not None and not all(callable(getattr(wakeup, op, None)) for op in ("notify", "wait", "describe")):
+        raise ChannelError(f"wakeup={wakeup!r} has no notify/wait/describe",
+                           "pass None (poll shared memory) or a channel.Wakeup such as "
+                           "vfio_cxl.guest.smc_channel.SmcWakeup")
+    return wakeup
 
 
 def _check_coherence(coherence) -> Coherence:
@@ -398,11 +496,36 @@ class Producer(_Side):
     """The writing side.  Create the channel with ``Producer.create(buf, coherence=...)``."""
 
     def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence, on_publish=None, *,
-                 fresh: bool = False):
-        super().__init__(view, geo, coherence)
+                 fresh: bool = False, wakeup: Wakeup | None = None):
+        super().__init__(view, geo, coherence, wakeup)
         self.on_publish = on_publish
+        self.fence: tuple[int, int] | None = None
         self._pending: deque[Reservation] = deque()
         self._seq, self._head = (0, 0) if fresh else self._recover()
+
+    def set_fence(self, token: int | None, tag: int = 0) -> None:
+        """Stamp the records published from now on with ``(token, tag)`` (u32 each; None: unfenced).
+
+        For producers that take turns under a lock with a fencing token (the
+        SMC semaphore's epoch): the consumer's ``fence_check`` refuses a record
+        whose stamp is no longer current (StaleRecord)."""
+        if token is None:
+            self.fence = None
+            return
+        if not (0 < token <= 0xFFFF_FFFF and 0 <= tag <= 0xFFFF_FFFF):
+            raise ValueError(f"fence token {token} / tag {tag}: the token is 1..2**32-1, the tag 0..2**32-1")
+        self.fence = (token, tag)
+
+    def resume(self) -> None:
+        """Rebuild the next seq and the data head from shared memory, as ``attach`` does.
+
+        For producers that take turns (on several hosts, under a lock): call it
+        after taking the lock, since the others may have published since this
+        one last did."""
+        if self._pending:
+            raise ChannelError(f"resume() with {len(self._pending)} reservations outstanding",
+                               "publish them first (or close this producer)")
+        self._seq, self._head = self._recover()
 
     def _recover(self) -> tuple[int, int]:
         """Next seq and data head, rebuilt from what is in shared memory: the consumer's line and the commit words.
@@ -424,8 +547,8 @@ class Producer(_Side):
         while seq < acked + geo.ring_entries and words[self._commit_index(seq)] == _marker(geo.epoch, seq):
             slot = self._slot(seq)
             fields = bytes(view[slot:slot + RECORD.size])
-            rseq, _offset, _length, end, _crc, meta = RECORD.unpack(fields)
-            if rseq != seq or zlib.crc32(fields[:36], geo.epoch & 0xFFFF_FFFF) != meta:
+            rseq, _offset, _length, end, _crc, _token, _tag, meta = RECORD.unpack(fields)
+            if rseq != seq or zlib.crc32(fields[:FIELDS_CRC_AT], geo.epoch & 0xFFFF_FFFF) != meta:
                 raise ChannelError(f"cannot resume: record {seq} is committed but its fields are corrupt",
                                    "recreate the channel with Producer.create")
             head = max(head, end)
@@ -433,13 +556,17 @@ class Producer(_Side):
         return seq, head
 
     @classmethod
-    def create(cls, buf, *, coherence: Coherence, ring_entries: int = 256, on_publish=None) -> "Producer":
+    def create(cls, buf, *, coherence: Coherence, ring_entries: int = 256, on_publish=None,
+               wakeup: Wakeup | None = None) -> "Producer":
         """Write a fresh header (new epoch) and empty ring over ``buf``; the data area is the rest.
 
         ``coherence``: ``channel.COHERENT`` for coherent memory, else the cache
-        operations of this host (see Coherence).
+        operations of this host (see Coherence).  ``wakeup``: notify the
+        consumer after each publish (and once the header is written), and sleep
+        on it when the channel is full (see Wakeup); None: the waits poll.
         """
         coh = _check_coherence(coherence)
+        wakeup = _check_wakeup(wakeup)
         view = _as_view(buf)
         data_off = -(-(RING_OFFSET + ring_entries * RECORD_SIZE) // DATA_ALIGN) * DATA_ALIGN
         data_size = (len(view) - data_off) // LINE * LINE
@@ -461,10 +588,14 @@ class Producer(_Side):
         view[0:8] = MAGIC                             # the header's commit: written last
         coh.flush(view, 0, LINE)
         coh.fence()
-        return cls(view, Geometry(ring_entries, data_off, data_size, epoch), coh, on_publish, fresh=True)
+        producer = cls(view, Geometry(ring_entries, data_off, data_size, epoch), coh, on_publish, fresh=True,
+                       wakeup=wakeup)
+        if wakeup is not None:
+            wakeup.notify()                           # a consumer sleeping in open(wait=...)
+        return producer
 
     @classmethod
-    def attach(cls, buf, *, coherence: Coherence, on_publish=None) -> "Producer":
+    def attach(cls, buf, *, coherence: Coherence, on_publish=None, wakeup: Wakeup | None = None) -> "Producer":
         """Resume producing on an existing channel (e.g. after a producer restart, on this host or another).
 
         The next seq and the data head are rebuilt from the commit words and the
@@ -472,9 +603,10 @@ class Producer(_Side):
         before the restart are forgotten (their space is reused).
         """
         coh = _check_coherence(coherence)
+        wakeup = _check_wakeup(wakeup)
         view = _as_view(buf)
         try:
-            return cls(view, read_header(view, coh), coh, on_publish)
+            return cls(view, read_header(view, coh), coh, on_publish, wakeup=wakeup)
         except ChannelError:
             view.release()
             raise
@@ -510,7 +642,7 @@ class Producer(_Side):
             start = lap + size
         end = start + length
         state: dict = {}
-        if not _poll(lambda: self._room(state, end), timeout):
+        if not _until(lambda: self._room(state, end), timeout, self.wakeup):
             if self._seq + len(self._pending) - state["acked"] >= geo.ring_entries:
                 what = (f"all {geo.ring_entries} ring records are in use ({len(self._pending)} reserved, "
                         f"consumer acked up to seq {state['acked']})")
@@ -549,7 +681,8 @@ class Producer(_Side):
             coh.fence()
             checksum = zlib.crc32(res.view)
         slot = self._slot(seq)
-        view[slot:slot + RECORD.size] = _record_bytes(epoch, seq, offset, length, res.end, checksum)
+        view[slot:slot + RECORD.size] = _record_bytes(epoch, seq, offset, length, res.end, checksum,
+                                                      self.fence or (0, 0))
         coh.flush(view, offset, length)               # 1. the payload (if this CPU wrote it) in memory,
         coh.fence()                                   #    before the commit word is stored
         # 2. the fields need no flush of their own: they share the commit word's line, which goes to memory
@@ -562,6 +695,8 @@ class Producer(_Side):
         self._pending.popleft()
         _release(res.view)
         self._seq = seq + 1
+        if self.wakeup is not None:
+            self.wakeup.notify()
         if self.on_publish is not None:
             self.on_publish(seq, offset, length)
         return seq
@@ -575,6 +710,19 @@ class Producer(_Side):
     @property
     def next_seq(self) -> int:
         return self._seq
+
+    def wait_acked(self, seq: int, timeout: float | None = None) -> None:
+        """Wait until the consumer has acked record ``seq`` (sleeping on the wakeup, else polling)."""
+        state: dict = {}
+
+        def acked() -> bool:
+            self._room(state, 0)
+            return state["acked"] > seq
+
+        if not _until(acked, timeout, self.wakeup):
+            waited = f"slept on {self.wakeup.describe()}" if self.wakeup else "polled"
+            raise ChannelTimeout(f"record {seq} not acked within {timeout}s (the consumer acked up to "
+                                 f"{state['acked']}; this producer {waited})", "is the consumer running? wait longer")
 
     @property
     def acked(self) -> int:
@@ -593,11 +741,12 @@ class Producer(_Side):
 class Record:
     """One delivered payload: ``view`` is the shared memory itself, valid until ack()."""
 
-    __slots__ = ("seq", "offset", "length", "checksum", "view", "_end")
+    __slots__ = ("seq", "offset", "length", "checksum", "view", "fence", "_end")
 
-    def __init__(self, seq: int, offset: int, length: int, checksum: int, view: memoryview, end: int):
+    def __init__(self, seq: int, offset: int, length: int, checksum: int, view: memoryview, end: int,
+                 fence: tuple[int, int] = (0, 0)):
         self.seq, self.offset, self.length, self.checksum = seq, offset, length, checksum
-        self.view, self._end = view, end
+        self.view, self._end, self.fence = view, end, fence
 
     def tobytes(self) -> bytes:
         return self.view.tobytes()
@@ -609,8 +758,10 @@ class Record:
 class Consumer(_Side):
     """The reading side.  Open with ``Consumer.open(buf, coherence=..., wait=seconds)``."""
 
-    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence):
-        super().__init__(view, geo, coherence)
+    def __init__(self, view: memoryview, geo: Geometry, coherence: Coherence, wakeup: Wakeup | None = None,
+                 fence_check=None):
+        super().__init__(view, geo, coherence, wakeup)
+        self.fence_check = fence_check
         coherence.invalidate(view, CONSUMER_LINE, 16)   # our own line, as memory has it (re-created channel,
         coherence.fence()                               # or a consumer moved to another host)
         self._next = self._acked = self._words[W_ACKED]
@@ -619,14 +770,20 @@ class Consumer(_Side):
         self._rejected: tuple[int, int | None] | None = None
 
     @classmethod
-    def open(cls, buf, *, coherence: Coherence, wait: float | None = 0) -> "Consumer":
+    def open(cls, buf, *, coherence: Coherence, wait: float | None = 0, wakeup: Wakeup | None = None,
+             fence_check=None) -> "Consumer":
         """Attach to the channel at offset 0 of ``buf``, resuming after the last ack.
 
-        ``coherence``: as for Producer.create.  ``wait``: seconds to poll for the
+        ``coherence``: as for Producer.create.  ``wait``: seconds to wait for the
         producer to create the channel (None: forever).  A wrong version fails
-        at once.
+        at once.  ``wakeup``: sleep on it for records (and for the header) and
+        notify the producer after each ack; None: poll.  ``fence_check(token,
+        tag) -> reason or None``: called for each record before its payload is
+        checked; a reason rejects it (StaleRecord).  Unfenced records have
+        token 0.
         """
         coh = _check_coherence(coherence)
+        wakeup = _check_wakeup(wakeup)
         view = _as_view(buf)
         last: list = []
 
@@ -641,13 +798,13 @@ class Consumer(_Side):
                 view.release()
                 raise
 
-        if not _poll(valid, wait):
+        if not _until(valid, wait, wakeup):
             view.release()
             e = last[0]
             if wait:
                 raise type(e)(f"no valid channel after waiting {wait}s: {e.what}", e.fix)
             raise e
-        return cls(view, last[0], coh)
+        return cls(view, last[0], coh, wakeup, fence_check)
 
     @property
     def next_seq(self) -> int:
@@ -676,8 +833,10 @@ class Consumer(_Side):
         if current != self.geometry.epoch:
             return ChannelTimeout(f"no record {seq} within {timeout}s: the producer re-created the channel",
                                   "reopen the consumer (Consumer.open)")
+        how = (f"slept on {self.wakeup.describe()} and was not woken for it" if self.wakeup is not None
+               else "polled shared memory")
         return ChannelTimeout(f"no record {seq} within {timeout}s (the producer has published "
-                              f"{self.published} records)",
+                              f"{self.published} records; the consumer {how})",
                               "is the producer running and publishing? wait longer")
 
     def wait_for(self, seq: int, timeout: float | None = None) -> None:
@@ -687,7 +846,7 @@ class Consumer(_Side):
         if seq >= self._acked + self.geometry.ring_entries:
             raise ChannelError(f"record {seq} cannot be published before records up to "
                                f"{seq - self.geometry.ring_entries} are acked", "ack() what you have received")
-        if not _poll(lambda: self._committed(seq), timeout):
+        if not _until(lambda: self._committed(seq), timeout, self.wakeup):
             raise self._timeout(seq, timeout)
 
     def receive(self, timeout: float | None = None, *, expect: int | None = None) -> Record:
@@ -703,16 +862,16 @@ class Consumer(_Side):
         if expect is not None and expect != seq:
             raise ChannelError(f"told that record {expect} is ready, but the next record in order is {seq}",
                                "a notification was lost or repeated; receive in seq order")
-        if not _poll(lambda: self._committed(seq), timeout):
+        if not _until(lambda: self._committed(seq), timeout, self.wakeup):
             raise self._timeout(seq, timeout)
         # The fields share the commit word's cache line, which _committed() just fetched from memory after
         # the producer had written it back with the fields in place (line-sized write-backs and fetches),
         # and x86 loads are not reordered with older loads: no second invalidation.
         slot = self._slot(seq)
         fields = bytes(self._view[slot:slot + RECORD.size])
-        rseq, offset, length, end, crc, meta = RECORD.unpack(fields)
+        rseq, offset, length, end, crc, token, tag, meta = RECORD.unpack(fields)
         self._rejected = (seq, None)
-        if zlib.crc32(fields[:36], geo.epoch & 0xFFFF_FFFF) != meta:
+        if zlib.crc32(fields[:FIELDS_CRC_AT], geo.epoch & 0xFFFF_FFFF) != meta:
             raise CorruptRecord(seq, "its fields fail their checksum (torn or overwritten record)")
         if rseq != seq:
             raise CorruptRecord(seq, f"its slot holds seq {rseq} (a lost or duplicated record)")
@@ -722,6 +881,10 @@ class Consumer(_Side):
             raise CorruptRecord(seq, f"payload {offset:#x}+{length} (end {end}) is outside the free part of the "
                                      f"data area {geo.data_offset:#x}+{size:#x}")
         self._rejected = (seq, end)
+        if self.fence_check is not None:
+            reason = self.fence_check(token, tag)
+            if reason:
+                raise StaleRecord(seq, reason)
         self.coherence.invalidate(self._view, offset, length)   # stale copies from an earlier lap
         self.coherence.fence()
         view = self._view[offset:offset + length]
@@ -729,7 +892,7 @@ class Consumer(_Side):
             view.release()
             raise CorruptRecord(seq, f"the {length}-byte payload at {offset:#x} fails its checksum")
         self._rejected = None
-        record = Record(seq, offset, length, crc, view, end)
+        record = Record(seq, offset, length, crc, view, end, (token, tag))
         self._outstanding.append(record)
         self._next, self._last_end = seq + 1, end
         return record
@@ -768,6 +931,8 @@ class Consumer(_Side):
         self._words[W_ACKED] = upto + 1
         self.coherence.flush(self._view, CONSUMER_LINE, 16)
         self.coherence.fence()
+        if self.wakeup is not None:
+            self.wakeup.notify()
 
     @staticmethod
     def _seq_of(item) -> int:

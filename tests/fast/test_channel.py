@@ -243,14 +243,15 @@ def test_memory_layout_matches_the_docstring(mm):
     assert mm[0:8] == b"VCXLCHAN"
     magic, version, entries, rec, flags, ring, data_off, data_size, epoch, _, crc = struct.unpack_from(
         "<8sIIIIQQQQII", mm, 0)
-    assert (version, entries, rec, flags, ring) == (2, 16, 64, 0, 192)
+    assert (version, entries, rec, flags, ring) == (3, 16, 64, 0, 192)
     assert data_off == 4096 and data_size == 60 * KIB and crc == zlib.crc32(mm[8:60]) and epoch & 1
     seq = p.send(b"payload")
     rec0 = c.receive(0)
     assert rec0.offset == data_off
     assert struct.unpack_from("<QQ", mm, 64) == (1, 0)                      # published (a hint), reserved
-    fields = struct.unpack_from("<QQQQII", mm, 192)
-    assert fields[:5] == (seq, data_off, 7, 7, zlib.crc32(b"payload"))
+    fields = struct.unpack_from("<QQQQIIII", mm, 192)
+    assert fields[:7] == (seq, data_off, 7, 7, zlib.crc32(b"payload"), 0, 0)          # unfenced
+    assert fields[7] == zlib.crc32(mm[192:192 + 44], epoch & 0xFFFFFFFF)
     assert struct.unpack_from("<Q", mm, 192 + 56)[0] == (epoch & 0xFFFFFFFF) << 32 | 1
     assert struct.unpack_from("<QQ", mm, 128) == (0, 0)
     c.ack()
@@ -305,7 +306,7 @@ def test_bad_checksum_torn_fields_duplicate_and_out_of_bounds_records(mm, pair):
 
     p.send(b"two")
     p.send(b"three")                            # seq 3's slot gets seq 2's (valid) fields: a duplicate
-    mm[192 + 3 * 64:192 + 3 * 64 + 40] = mm[192 + 2 * 64:192 + 2 * 64 + 40]
+    mm[192 + 3 * 64:192 + 3 * 64 + 48] = mm[192 + 2 * 64:192 + 2 * 64 + 48]
     assert c.receive(timeout=1).tobytes() == b"two"
     with pytest.raises(CorruptRecord, match="record 3 rejected: its slot holds seq 2"):
         c.receive(timeout=1)
@@ -314,7 +315,7 @@ def test_bad_checksum_torn_fields_duplicate_and_out_of_bounds_records(mm, pair):
     geo = c.geometry                            # seq 4: self-consistent fields pointing past the data area
     bad_off = geo.data_offset + geo.data_size - 10
     slot = 192 + 4 * 64
-    mm[slot:slot + 40] = channel._record_bytes(geo.epoch, 4, bad_off, 100, 10 ** 6, 0)
+    mm[slot:slot + 48] = channel._record_bytes(geo.epoch, 4, bad_off, 100, 10 ** 6, 0)
     struct.pack_into("<Q", mm, slot + 56, channel._marker(geo.epoch, 4))
     with pytest.raises(CorruptRecord, match="record 4 rejected: payload .* is outside"):
         c.receive(timeout=1)
@@ -329,7 +330,7 @@ def test_record_pointing_at_unreleased_data_is_rejected(mm, pair):
     first = c.receive(0)                        # not acked: its bytes are still in use
     geo = c.geometry
     slot = 192 + 64                             # seq 1 claims seq 0's bytes, with self-consistent fields
-    mm[slot:slot + 40] = channel._record_bytes(geo.epoch, 1, first.offset, 5, 5, zlib.crc32(b"first"))
+    mm[slot:slot + 48] = channel._record_bytes(geo.epoch, 1, first.offset, 5, 5, zlib.crc32(b"first"))
     struct.pack_into("<Q", mm, slot + 56, channel._marker(geo.epoch, 1))
     with pytest.raises(CorruptRecord, match="record 1 rejected: payload .* outside the free part"):
         c.receive(0)
@@ -344,7 +345,8 @@ def _reserve_and_fill(p, data):
 def test_receive_timeout_expect_and_recreated_channel(mm, pair):
     p, c = pair
     t0 = time.monotonic()
-    with pytest.raises(ChannelTimeout, match=r"no record 0 within 0.05s \(the producer has published 0 records\)") \
+    with pytest.raises(ChannelTimeout, match=r"no record 0 within 0.05s \(the producer has published 0 records; "
+                                               r"the consumer polled shared memory\)") \
             as e:
         c.receive(timeout=0.05)
     assert isinstance(e.value, TimeoutError) and time.monotonic() - t0 >= 0.05

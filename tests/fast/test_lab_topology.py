@@ -9,8 +9,7 @@ from vfio_cxl.lab import topology
 
 from test_lab_topology_cases import BASE, CASES, variant
 
-SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc",
-           "smc3"]
+SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc"]
 
 EXPECTED = dict([
     ('malformed TOML',
@@ -174,8 +173,10 @@ def test_single_and_shared_keep_their_shape():
     assert a.type3[0].volatile == b.type3[0].volatile == "shared"
     assert shared.backend_users("shared") == [("a", "mem0"), ("b", "mem0")]
     assert shared.links[0].vms == ("a", "b") and shared.smcs == {} and shared.smc_of("a") is None
-    smc3 = topology.load("smc3")
-    assert list(smc3.smcs) == ["smc0"] and smc3.smc_of("c") == (smc3.smcs["smc0"], 2)
+    pool = topology.load("pool")      # three hosts on one shared-memory controller
+    assert list(pool.smcs) == ["smc0"] and pool.smc_of("c") == (pool.smcs["smc0"], 2)
+    smc = topology.load("smc")        # two hosts, and a link for the CXL-vs-TCP benchmark
+    assert smc.smc_of("b") == (smc.smcs["smc0"], 1) and smc.links[0].vms == ("a", "b")
 
 
 def test_selftest_has_the_gpu_and_an_igb_on_root_ports_and_ram_for_the_tests():

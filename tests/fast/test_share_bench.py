@@ -2,9 +2,10 @@
 
 import pytest
 
-from vfio_cxl.bench.share import phases
+from vfio_cxl.bench.share import TRANSPORTS, goal, phases
 from vfio_cxl.guest.cxl import CxlError
 from vfio_cxl.guest.share_bench import DEFAULT_PLAN, parse_plan
+from vfio_cxl.guest.share_bench import TRANSPORTS as GUEST_TRANSPORTS
 
 
 def test_default_plan_covers_the_four_sizes_paced_and_streamed():
@@ -30,3 +31,15 @@ def test_phases_latency_round_trip_and_throughput():
     assert table[1000]["mb_s"] == pytest.approx(2 * 1000 / 0.2 / 1e6)
     with pytest.raises(RuntimeError, match="1 bad payloads, 6 of 6 records checked"):
         phases(plan, sent, dict(got, bad=1))
+
+
+def test_goal_says_where_it_is_not_met():
+    table = {"doorbell": {64: {"latency_ms_median": 0.5}, 1 << 20: {"latency_ms_median": 9.0, "mb_s": 600.0}},
+             "tcp": {64: {"latency_ms_median": 0.8}, 1 << 20: {"latency_ms_median": 8.0, "mb_s": 100.0}}}
+    g = goal(table, [64, 1 << 20], 1 << 20)
+    assert g["throughput_ratio_1mib"] == pytest.approx(6.0) and g["throughput_5x"]
+    assert not g["doorbell_latency_lower_everywhere"] and g["doorbell_latency_not_lower_at"] == [1 << 20]
+
+
+def test_every_transport_is_a_choice_of_the_guest_program():
+    assert set(TRANSPORTS.values()) == set(GUEST_TRANSPORTS)

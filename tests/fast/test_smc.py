@@ -300,7 +300,7 @@ def test_cli_bad_arguments(capsys):
 
 
 def test_a_repeated_release_is_a_no_op_after_others_took_and_released_it(smc):
-    """Three hosts contending (seen in the smc3 VM test): a's release reached the device
+    """Three hosts contending (seen in the three-host VM test): a's release reached the device
     twice, the second time after b and c had each taken and released the semaphore."""
     _, (a, b, c) = smc(3)
     epoch = a.acquire(0) & regs.ACQ_EPOCH_MASK

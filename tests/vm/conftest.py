@@ -6,7 +6,7 @@ ordered by topology so each boots once per session.
 
 A boot costs tens of seconds, so a new VM test reuses a lab that is booted anyway:
 - ask for a topology's fixture (``single_lab``, ``shared_lab``, ``p2p_lab``, ``smc_lab``,
-  ``smc3_lab``, ``fabric_lab``, ``lab_kernel_lab``; a new one goes in TOPOLOGY_ORDER and,
+  ``pool_lab``, ``fabric_lab``, ``lab_kernel_lab``; a new one goes in TOPOLOGY_ORDER and,
   for the agreement test, NAME_ORDER), never ``Lab(...).start()`` for one check;
 - a test that kills part of its lab or stops it asks for that fixture *and* ``labs``: it then
   runs last of its topology; it ends with ``labs.close()``, or takes the lab over with
@@ -30,11 +30,11 @@ from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "smc3_lab": 4,
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "pool_lab": 4,
                   "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "smc3": 4, "fabric": 6, "selftest": 7}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4, "fabric": 6, "selftest": 7}
 
 
 class LabPool:
@@ -131,8 +131,8 @@ def smc_lab(labs) -> Lab:
 
 
 @pytest.fixture
-def smc3_lab(labs) -> Lab:
-    return labs.get("smc3")
+def pool_lab(labs) -> Lab:
+    return labs.get("pool")
 
 
 @pytest.fixture(scope="session")

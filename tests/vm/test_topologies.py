@@ -1,6 +1,6 @@
 """Issue: every shipped topology boots, and what each guest sees agrees with the declaration.
 
-One test per topology (each boots once; single, shared, smc and smc3 are shared
+One test per topology (each boots once; single, shared, p2p, smc and pool are shared
 with the other VM tests, and run before the tests that kill one of their VMs).  In every guest it compares ``cxl list -vv`` (host bridges,
 switches, memdevs by serial, root decoders = windows with their ways,
 granularity and size, regions with ways, granularity, size and memdevs in

@@ -1,7 +1,14 @@
 """In the guests: the CXL channel against TCP over the private link, same payloads, same checks.
 
-    b$ python3 -m vfio_cxl.guest.share_bench recv --transport channel|tcp [--plan PLAN]
-    a$ python3 -m vfio_cxl.guest.share_bench send --transport channel|tcp [--plan PLAN] [--peer 169.254.0.2]
+    b$ python3 -m vfio_cxl.guest.share_bench recv --transport T [--plan PLAN] [--smc-peer 0]
+    a$ python3 -m vfio_cxl.guest.share_bench send --transport T [--plan PLAN] [--peer 169.254.0.2] [--smc-peer 1]
+
+Transports: ``channel`` (the CXL channel, the consumer polls shared memory),
+``doorbell`` (the channel, the consumer sleeps on its shared-memory
+controller doorbell, rung by the producer after each commit -- and the
+producer sleeps on its own, rung after each ack), ``link`` (the channel, the
+consumer sleeps on a "record N ready" message over the private link, and paced
+acks come back the same way), ``tcp`` (the payloads themselves over the link).
 
 PLAN is ``SIZE:COUNT:MODE,...`` with MODE ``paced`` (one record in flight:
 each waits for the previous one's ack -- latency) or ``stream`` (back to back
@@ -17,8 +24,10 @@ clock alone.  It also measures the clock offset to b over the link
 (``vfio_cxl.guest.stream``) for one-way figures.  ``recv`` also reports the
 guest's own zlib.crc32 rate over 1 MiB of devdax memory.
 
-The channel uses the devdax region of ``vfio_cxl.guest.stream`` and polls
-(no notification); TCP runs over the private link with TCP_NODELAY.
+The channel uses the devdax region of ``vfio_cxl.guest.stream``; TCP runs
+over the private link with TCP_NODELAY.  ``recv`` also reports its CPU
+seconds (a polling consumer burns its vCPU while it waits; a sleeping one
+does not).
 """
 
 from __future__ import annotations
@@ -33,13 +42,19 @@ import threading
 import time
 import zlib
 
-from ..channel import Consumer, CorruptRecord, Producer
+from ..channel import ChannelError, Consumer, CorruptRecord, Producer
 from . import cxl
 from .dax import DaxMapping
+from .smc_channel import SmcWakeup
+from .smc_driver import SmcDriver, SmcError
 from .stream import (CLOCK_PORT, channel_view, coherence, connect_with_retry, measure_clock_offset, prefault,
                      serve_clock)
 
 TCP_PORT = 7003
+LINK_PORT = 7004                     # "record N ready" for the link transport
+SEQ = struct.Struct("<Q")
+CHANNELS = ("channel", "doorbell", "link")
+TRANSPORTS = CHANNELS + ("tcp",)
 HEADER = struct.Struct("<II")        # TCP framing: payload length, CRC32
 DEFAULT_PLAN = ("64:100:paced,64:2000:stream,4096:100:paced,4096:1000:stream,"
                 "65536:50:paced,65536:200:stream,1048576:20:paced,1048576:40:stream")
@@ -76,32 +91,61 @@ def _wait(cond, timeout: float, what: str) -> None:
 
 
 # -- sending side (VM a) ---------------------------------------------------------------------------
-def send(transport: str, plan, peer: str, timeout: float, coherence_name: str) -> dict:
+def _send_plan(p: Producer, plan, payloads, timeout: float, wake, link, sent_at: list, acked_at: list) -> None:
+    """The channel transports: every record of the plan, paced ones waiting for b's ack."""
+    for size, count, mode in plan:
+        data, crc = payloads[size]
+        for _ in range(count):
+            r = p.reserve(size, timeout=timeout)
+            r.view[:] = data
+            sent_at.append(time.monotonic())
+            seq = p.publish(r.offset, size, crc)
+            if mode != "paced":
+                acked_at.append(None)
+                continue
+            if wake is not None:
+                p.wait_acked(seq, timeout)          # asleep on a's doorbell, rung by b's ack
+            elif link is not None:
+                if link.recv(1) != b"k":
+                    raise cxl.CxlError("the link receiver closed the connection", "see its output")
+            else:
+                _wait(lambda: p.acked > seq, timeout, f"no ack of record {seq}")
+            acked_at.append(time.monotonic())
+    # the receiver's last ack: it has checked everything before we unmap
+    if wake is not None:
+        p.wait_acked(p.next_seq - 1, timeout)
+    else:
+        _wait(lambda: p.acked == p.next_seq, timeout, "not all records acked")
+
+
+def send(transport: str, plan, peer: str, timeout: float, coherence_name: str, smc_peer: int = 1) -> dict:
     payloads = _payloads(plan)
     clock = measure_clock_offset(peer, CLOCK_PORT, timeout)
     sent_at: list[float] = []
     acked_at: list[float | None] = []       # paced records: when a saw b's ack (round trip on a's clock alone)
-    if transport == "channel":
-        with DaxMapping(cxl.ensure_ram_devdax()) as dax:
-            view = channel_view(dax)
-            prefault(view, write=True)
-            p = Producer.create(view, coherence=coherence(coherence_name), ring_entries=256)
-            for size, count, mode in plan:
-                data, crc = payloads[size]
-                for _ in range(count):
-                    r = p.reserve(size, timeout=timeout)
-                    r.view[:] = data
-                    sent_at.append(time.monotonic())
-                    seq = p.publish(r.offset, size, crc)
-                    if mode == "paced":
-                        _wait(lambda: p.acked > seq, timeout, f"no ack of record {seq}")
-                        acked_at.append(time.monotonic())
-                    else:
-                        acked_at.append(None)
-            # the receiver's last ack: it has checked everything before we unmap
-            _wait(lambda: p.acked == p.next_seq, timeout, "not all records acked")
-            p.close()
-            view.release()
+    if transport in CHANNELS:
+        smc = SmcDriver.open() if transport == "doorbell" else None
+        link = connect_with_retry(peer, LINK_PORT, timeout) if transport == "link" else None
+        if link is not None:
+            link.settimeout(timeout)            # connect_with_retry's socket waits 1 s per call
+        try:
+            wake = SmcWakeup(smc, [smc_peer]) if smc is not None else None
+            on_publish = (lambda seq, _offset, _length: link.sendall(SEQ.pack(seq))) if link is not None else None
+            with DaxMapping(cxl.ensure_ram_devdax()) as dax:
+                view = channel_view(dax)
+                prefault(view, write=True)
+                p = Producer.create(view, coherence=coherence(coherence_name), ring_entries=256, wakeup=wake,
+                                    on_publish=on_publish)
+                try:
+                    _send_plan(p, plan, payloads, timeout, wake, link, sent_at, acked_at)
+                finally:                            # released before the mapping closes, even on an error
+                    p.close()
+                    view.release()
+        finally:
+            if smc is not None:
+                smc.close()
+            if link is not None:
+                link.close()
     else:
         sock = connect_with_retry(peer, TCP_PORT, timeout)
         sock.settimeout(timeout)
@@ -148,23 +192,41 @@ def _timed(fn) -> float:
     return time.monotonic() - t0
 
 
-def recv(transport: str, plan, timeout: float, coherence_name: str) -> dict:
+def recv(transport: str, plan, timeout: float, coherence_name: str, smc_peer: int = 0) -> dict:
     stop = threading.Event()
     serve_clock(CLOCK_PORT, stop)
     seen_at: list[float] = []
     bad = 0
+    smc = link = None
+    cpu0 = time.process_time()
     try:
         with DaxMapping(cxl.ensure_ram_devdax()) as dax:
             crc_rate = guest_crc32_rate(dax)
-            if transport == "channel":
+            cpu0 = time.process_time()
+            if transport in CHANNELS:
                 view = channel_view(dax)
                 prefault(view, write=False)
-                c = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout)
+                if transport == "doorbell":
+                    smc = SmcDriver.open()
+                if transport == "link":
+                    server = socket.create_server(("0.0.0.0", LINK_PORT))
+                    server.settimeout(timeout)
+                    with server:
+                        link, _ = server.accept()
+                    link.settimeout(timeout)
+                    link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                told = memoryview(bytearray(SEQ.size))
+                c = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout,
+                                  wakeup=SmcWakeup(smc, [smc_peer]) if smc is not None else None)
                 try:
-                    for size, count, _ in plan:
+                    for size, count, mode in plan:
                         for _ in range(count):
                             try:
-                                rec = c.receive(timeout=timeout)       # CRC32 checked in here
+                                if link is not None:                 # asleep in recv until "record N ready"
+                                    _recv_exact(link, told)
+                                    rec = c.receive(timeout=timeout, expect=SEQ.unpack(told)[0])
+                                else:
+                                    rec = c.receive(timeout=timeout)   # CRC32 checked in here
                             except CorruptRecord:
                                 bad += 1
                                 c.skip()
@@ -174,6 +236,8 @@ def recv(transport: str, plan, timeout: float, coherence_name: str) -> dict:
                             if rec.length != size:
                                 bad += 1
                             c.ack(rec)
+                            if link is not None and mode == "paced":
+                                link.sendall(b"k")
                 finally:
                     c.close()
                     view.release()
@@ -203,26 +267,35 @@ def recv(transport: str, plan, timeout: float, coherence_name: str) -> dict:
                     conn.sendall(b"k")
     finally:
         stop.set()
-    return {"transport": transport, "seen_at": seen_at, "bad": bad, "guest_crc32_mb_s": crc_rate}
+        if smc is not None:
+            smc.close()
+        if link is not None:
+            link.close()
+    return {"transport": transport, "seen_at": seen_at, "bad": bad, "guest_crc32_mb_s": crc_rate,
+            "cpu_seconds": time.process_time() - cpu0}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.share_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=["send", "recv"])
-    parser.add_argument("--transport", choices=["channel", "tcp"], required=True)
+    parser.add_argument("--transport", choices=TRANSPORTS, required=True)
     parser.add_argument("--plan", default=DEFAULT_PLAN)
     parser.add_argument("--peer", default="169.254.0.2", help="send: the receiver's link address")
     parser.add_argument("--timeout", type=float, default=60)
     parser.add_argument("--coherence", choices=["coherent", "x86"], default="coherent")
+    parser.add_argument("--smc-peer", type=int, default=None,
+                        help="doorbell: the other host's ID on the controller (send: 1, recv: 0)")
     args = parser.parse_args(argv)
     try:
         plan = parse_plan(args.plan)
         if args.role == "send":
-            result = send(args.transport, plan, args.peer, args.timeout, args.coherence)
+            result = send(args.transport, plan, args.peer, args.timeout, args.coherence,
+                          1 if args.smc_peer is None else args.smc_peer)
         else:
-            result = recv(args.transport, plan, args.timeout, args.coherence)
-    except (cxl.CxlError, OSError) as err:
+            result = recv(args.transport, plan, args.timeout, args.coherence,
+                          0 if args.smc_peer is None else args.smc_peer)
+    except (cxl.CxlError, SmcError, ChannelError, OSError) as err:
         print(f"share_bench: error: {err}", file=sys.stderr)
         return 1
     print(json.dumps(result))

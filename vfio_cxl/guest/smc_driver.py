@@ -231,6 +231,13 @@ class SmcDriver:
                 continue
             self._wait(regs.VEC_DOORBELL, deadline, "waiting for a doorbell")
 
+    def drain_doorbells(self) -> list[tuple[int, int]]:
+        """Pop every doorbell waiting in this host's FIFO: [(source host, payload), ...] (no wait)."""
+        out = []
+        while (word := self.bar0.read32(regs.REG_DB_POP)) & regs.POP_VALID:
+            out.append((word & 0xFF, self.bar0.read32(regs.REG_DB_PAYLOAD)))
+        return out
+
     def wait_peer_lost(self, timeout: float | None = 10.0) -> int:
         """The ID of the next host whose connection dropped."""
         deadline = self._deadline(timeout)
