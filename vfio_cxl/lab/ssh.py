@@ -68,10 +68,11 @@ class GuestShell:
             raise GuestCommandError(self.vm_name, command, result.exited, result.stdout, result.stderr)
         return result
 
-    def start(self, command: str, *, timeout: float = 300) -> "RunningCommand":
+    def start(self, command: str, *, timeout: float = 300, stdin: str | None = None) -> "RunningCommand":
         """Start ``command`` and return at once; ``.join()`` waits for its result."""
+        import io
         promise = self.connection.run(command, asynchronous=True, hide=True, warn=True, timeout=timeout,
-                                      in_stream=False)
+                                      in_stream=io.StringIO(stdin) if stdin is not None else False)
         return RunningCommand(self, command, promise)
 
     def put(self, local: str, remote: str) -> None:

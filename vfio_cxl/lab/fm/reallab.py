@@ -21,33 +21,50 @@ def gpu_names(lab: Lab) -> dict[str, str]:
     return {name: lab.topology.gpus[name].owner for name in lab.gpu_servers}
 
 
-# In the guest, POSIX sh builtins in the loop (a guest Python start costs seconds and every fork
-# tens of ms under TCG); this is what the
-# guest's `vfio-cxl gpu bind --wait S --count N` does): wait until the VM has $1 GPUs (at most
-# $2 s, polling sysfs: the guest has no udev daemon), bind each to vfio-pci with
-# driver_override + drivers_probe, check, print the newly bound one as JSON.
-BIND_SCRIPT = r"""want=$1; limit=$2; tries=$(( limit * 20 ))
+# Once per VM at lab start: vfio-pci loaded and told the GPU's ID (new_id), so the guest kernel
+# binds every GPU it enumerates -- at boot and at hot-add -- itself, in its own hot-plug path: no
+# guest command has to bind a moved GPU.  (EEXIST when the ID is already there: fine.)
+PREPARE_SCRIPT = r"""[ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci || exit 1
+echo 0601 1991 > /sys/bus/pci/drivers/vfio-pci/new_id 2>/dev/null
+[ -d /sys/bus/pci/drivers/vfio-pci ]
+"""
+
+# After device_add, one guest command on the FM's open SSH connection: wait until the VM has $1
+# GPUs, each bound to vfio-pci (the kernel binds them: PREPARE_SCRIPT), at most $2 s.  POSIX sh
+# builtins in the loop (a guest Python start costs seconds and every fork tens of ms under TCG);
+# the guest has no udev daemon, so it polls sysfs every 20 ms.  A GPU still unbound after 2 s
+# (a kernel without the new_id, say) is bound here with driver_override + drivers_probe.
+# Prints JSON: the new GPU's BDF and guest uptimes (s) when the script started, first saw the new
+# GPU, saw it bound, and when the kernel enumerated it: when the poll first saw it, or -- if it was
+# there at the first scan already -- the kernel's own timestamp (dmesg: one fork, only then).
+BIND_SCRIPT = r"""want=$1; limit=$2; tries=$(( limit * 50 )); n=0; first=0
+read t_start _ < /proc/uptime; t_seen=""; new=""
 while :; do
-  set --
+  set --; unbound=""
   for d in /sys/bus/pci/devices/*; do
     read v < $d/vendor; read i < $d/device
-    [ "$v:$i" = 0x0601:0x1991 ] && set -- "$@" "${d##*/}"
+    if [ "$v:$i" = 0x0601:0x1991 ]; then
+      b=${d##*/}; set -- "$@" "$b"
+      [ -e /sys/bus/pci/drivers/vfio-pci/$b ] || unbound="$unbound $b"
+    fi
   done
-  [ $# -ge $want ] && break
-  tries=$(( tries - 1 ))
-  [ $tries -le 0 ] && { echo "$# GPU(s) after $limit s, expected $want" >&2; exit 1; }
-  sleep 0.05
+  if [ $# -ge $want ] && [ -z "$t_seen" ]; then read t_seen _ < /proc/uptime; new=$b; [ $n = 0 ] && first=1; fi
+  [ $# -ge $want ] && [ -z "$unbound" ] && break
+  n=$(( n + 1 ))
+  if [ -n "$unbound" ] && [ $n -eq 100 ]; then
+    [ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci
+    for b in $unbound; do
+      echo vfio-pci > /sys/bus/pci/devices/$b/driver_override && echo $b > /sys/bus/pci/drivers_probe
+    done
+  fi
+  [ $n -ge $tries ] && { echo "$# GPU(s) after $limit s, expected $want; not bound to vfio-pci:$unbound" >&2; exit 1; }
+  sleep 0.02
 done
-[ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci
-new=""
-for b in "$@"; do
-  [ -e /sys/bus/pci/drivers/vfio-pci/$b ] && continue
-  echo vfio-pci > /sys/bus/pci/devices/$b/driver_override && echo $b > /sys/bus/pci/drivers_probe; new=$b
-done
-for b in "$@"; do
-  [ -e /sys/bus/pci/drivers/vfio-pci/$b ] || { echo "$b did not bind to vfio-pci" >&2; exit 1; }
-done
-echo "{\"bdf\": \"${new:-$b}\", \"driver\": \"vfio-pci\", \"gpus\": $#}"
+read t_bound _ < /proc/uptime
+t_enum=$t_seen
+[ "$first" = 1 ] && t_enum=$(dmesg | grep -m1 "pci $new: \[0601:1991\]" | sed 's/^\[ *\([0-9.]*\)\].*/\1/')
+read t_end _ < /proc/uptime
+echo "{\"bdf\": \"$new\", \"driver\": \"vfio-pci\", \"gpus\": $#, \"guest\": {\"start\": $t_start, \"seen\": $t_seen, \"bound\": $t_bound, \"enumerated\": ${t_enum:-null}, \"end\": $t_end}}"
 """
 
 
@@ -63,6 +80,12 @@ class RealLab:
         hosts = [f"[127.0.0.1]:{vm.res.ssh_port} ssh-ed25519 {self.lab.image.host_key}"
                  for vm in self.lab.vms.values()]
         self.known_hosts.write_text("\n".join(hosts) + "\n")
+        if self.lab.topology.gpus:   # every VM may receive a GPU: its kernel binds GPUs itself
+            log("guests: vfio-pci binds GPUs (0601:1991) on its own")
+            running = [(vm, vm.start_command("sh -s", stdin=PREPARE_SCRIPT, timeout=120))
+                       for vm in self.lab.vms.values()]
+            for vm, command in running:
+                command.join()
 
     @property
     def known_hosts(self) -> Path:
@@ -171,10 +194,35 @@ class RealLab:
                 return True
         return False
 
+    def guest_bdf(self, vm: str, dev_id: str) -> str | None:
+        """The guest's PCI address of QEMU device dev_id (QMP query-pci: bus numbers as the guest
+        programmed its bridges), or None if QEMU does not list it."""
+        def walk(devices: list[dict]) -> str | None:
+            for dev in devices:
+                if dev.get("qdev_id") == dev_id:
+                    return f"0000:{dev['bus']:02x}:{dev['slot']:02x}.{dev['function']}"
+                found = walk(dev.get("pci_bridge", {}).get("devices", []))
+                if found:
+                    return found
+            return None
+        for bus in self._qmp(vm).cmd("query-pci"):
+            found = walk(bus.get("devices", []))
+            if found:
+                return found
+        return None
+
+    def kill_in_guest(self, vm: str, pids: list[int]) -> None:
+        """SIGKILL to guest processes (those holding a GPU the FM must take back)."""
+        self.lab.vms[vm].run("kill -9 " + " ".join(str(int(p)) for p in pids), check=False, timeout=30)
+
     def bind_in_guest(self, vm: str, count: int, timeout: float) -> dict:
         """Wait until VM has ``count`` GPUs, all bound to vfio-pci; the new one's BDF."""
+        t0 = time.monotonic()
         out = self.lab.vms[vm].run(f"sh -s -- {count} {timeout:.0f}", stdin=BIND_SCRIPT, timeout=timeout + 30)
-        return json.loads(out.stdout)
+        t1 = time.monotonic()
+        answer = json.loads(out.stdout)
+        answer["host"] = {"exec": t0, "returned": t1}
+        return answer
 
     def guest(self, vm: str, args: str, timeout: float = 60) -> dict:
         """Run the guest's `vfio-cxl` CLI over SSH; its JSON answer."""
