@@ -9,10 +9,10 @@ time is the FM's own measurement:
 * release: QMP device_del -> DEVICE_DELETED (the guest's ACPI eject, vfio-pci unbind)
 * scrub:   a fresh GPU server (new zeroed VRAM memfd) replacing the old one
 * attach:  QMP device_add -> the guest has it bound to vfio-pci, in its parts:
-           device_add (QMP round trip), enumerated (ACPI hot-plug event -> the guest kernel
-           enumerates it), bound (-> vfio-pci bound it: the guest binds 0601:1991 by itself),
-           check (bound -> the FM knows: one command on its open SSH connection, which
-           polls sysfs every 20 ms), of which exec is the SSH channel's own overhead
+           device_add (the QMP round trip); exec (the SSH exec of the guest's check on the
+           FM's open connection, both ways); appear (the check's start -> the GPU is in the
+           guest's sysfs: ACPI hot-plug event and enumeration, as far as not done during the
+           exec); bind (-> vfio-pci has it: the guest kernel binds 0601:1991 itself)
 * move:    the whole `fm assign` as the client sees it
 
 References in the same run: an SSH round trip to the guest running ``true``
@@ -85,9 +85,10 @@ def main(argv: list[str]) -> int:
     print(f"  scrub   (fresh server, zeroed VRAM)           {figures['scrub_s']:6.2f} s")
     print(f"  attach  (device_add -> vfio-pci in the guest) {figures['attach_s']:6.2f} s"
           f"   reference: new SSH connection running 'true' {figures['ssh_true_s']:.2f} s")
-    labels = {"device_add_s": "QMP device_add returns", "enumerated_s": "-> guest kernel enumerates it",
-              "bound_s": "-> vfio-pci bound", "check_s": "-> the FM knows (poll + SSH return)",
-              "exec_s": "(of which SSH exec overhead)"}
+    labels = {"device_add_s": "QMP device_add returns",
+              "exec_s": "SSH exec of the guest check (both ways)",
+              "appear_s": "guest: check starts -> GPU in sysfs",
+              "bind_s": "guest: -> bound to vfio-pci (by the kernel)"}
     for key, label in labels.items():
         if key in figures["attach_parts"]:
             print(f"    {label:44} {figures['attach_parts'][key]:6.2f} s")

@@ -109,25 +109,18 @@ def describe_holders(holders: list[dict]) -> str:
 
 
 def attach_parts(t_add_sent: float, t_add_done: float, seen: dict) -> dict:
-    """Attach split in its parts (seconds), from the host's clock and the guest's (``seen`` as the
-    guest's bind check reports it: guest uptimes, and the host's monotonic times around the exec).
-    Guest times map to host times by the exec's start (so they are early by the exec's latency).
+    """Attach split in its parts (seconds): device_add (QMP round trip, host clock); exec (the
+    SSH exec of the guest's check, both ways: host time minus the script's own run); appear
+    (the script's start -> it sees the new GPU in sysfs: ACPI hot-plug and enumeration, if not
+    done before the script started) and bind (-> vfio-pci has it), both on the guest's clock.
     A fake lab's answer without those times gives only the device_add part."""
     parts = {"device_add_s": t_add_done - t_add_sent}
     guest, host = seen.get("guest"), seen.get("host")
     if not guest or not host:
         return parts
-    offset = host["exec"] - guest["start"]          # guest uptime -> host monotonic
-    enumerated = guest.get("enumerated")
-    t_enum = enumerated + offset if enumerated is not None else None
-    t_bound = guest["bound"] + offset
-    if t_enum is not None:
-        parts["enumerated_s"] = t_enum - t_add_done      # ACPI hot-plug event -> kernel enumerates it
-        parts["bound_s"] = max(t_bound - t_enum, 0.0)    # -> vfio-pci bound (seen by the poll)
-    else:
-        parts["bound_s"] = t_bound - t_add_done
-    parts["exec_s"] = (host["returned"] - host["exec"]) - (guest["end"] - guest["start"])   # SSH exec overhead
-    parts["check_s"] = host["returned"] - max(t_bound, host["exec"])   # bound seen -> the FM knows
+    parts["exec_s"] = max((host["returned"] - host["exec"]) - (guest["bound"] - guest["start"]), 0.0)
+    parts["appear_s"] = guest["seen"] - guest["start"]
+    parts["bind_s"] = guest["bound"] - guest["seen"]
     return parts
 
 
