@@ -102,7 +102,9 @@ class FakeFabricLab(FakeLab):
     GPUS = {"gpu0": "a", "gpu1": "b"}
 
     def gpu_specs(self) -> dict:
-        return {name: {"owner": owner, "irq": "msi", "vram_mib": 64} for name, owner in self.GPUS.items()}
+        # gpu0 has the topology's restart = "on-failure" with max_restarts = 1; gpu1 none
+        return {name: {"owner": owner, "irq": "msi", "vram_mib": 64, "restart": "on-failure" if name == "gpu0" else "no",
+                       "max_restarts": 1} for name, owner in self.GPUS.items()}
 
     def hotplug_ports(self, vm: str) -> list[str]:
         return ["hp0"]

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from vfio_cxl.errors import LabError
 from vfio_cxl.fm_cli import lab_summary
+from vfio_cxl.lab import topology
 from vfio_cxl.lab.fm import protocol, registry
 from vfio_cxl.lab.fm.cleanup import down
 from vfio_cxl.lab.fm.client import FmClient
@@ -228,6 +230,43 @@ def test_release_timeout_names_the_holder_and_force_kills_it(env):
             client.release("gpu0", timeout=0)
         client.stop()
     assert fm.wait() == 0
+
+
+def test_restart_on_failure_brings_the_gpu_back_at_most_max_restarts_times(env):
+    """FAKE hot-plug; gpu0 has restart = "on-failure", max_restarts = 1."""
+    fm = FakeFm("--fabric")
+    follower = fm.client()
+    events = follower.follow_events(timeout=10)
+    while next(events)["kind"] != "lab-ready":
+        pass
+    with fm.client() as client:
+        gpu = client.status()["gpus"]["gpu0"]
+    os.kill(gpu["server_pid"], signal.SIGKILL)
+    kinds = []
+    while "gpu-auto-restart" not in kinds:
+        kinds.append(next(events)["kind"])
+    assert kinds[0] == "gpu-server-died", kinds
+    (Path(fm.record.rundir) / f"deleted-{gpu['dev_id']}").touch()   # the guest lets go of the dead one
+    while (event := next(events))["kind"] != "gpu-restarted":
+        pass
+    with fm.client() as client:
+        again = client.status()["gpus"]["gpu0"]
+    assert (again["state"], again["owner"], again["restarts"]) == ("attached", "a", 1)
+    assert again["server_pid"] != gpu["server_pid"] and ProcessId.of(again["server_pid"]) is not None
+    os.kill(again["server_pid"], signal.SIGKILL)   # the second death: over the limit
+    while (event := next(events))["kind"] != "gpu-restart-limit":
+        assert event["kind"] != "gpu-auto-restart"
+    with fm.client() as client:
+        assert client.status()["gpus"]["gpu0"]["state"] == "failed"
+        client.stop()
+    follower.close()
+    assert fm.wait() == 0
+
+
+def test_restart_on_failure_needs_msi():
+    text = '[gpus.gpu0]\nowner = "a"\nrestart = "on-failure"\n[[vm]]\nname = "a"\n'
+    with pytest.raises(LabError, match='irq = "msi"'):
+        topology.parse(text, "t")
 
 
 def test_a_dead_smc_server_is_reported_and_the_lab_degraded(env):

@@ -72,6 +72,9 @@ class Child:
     vram_mib: int = 0
     scrubbed: bool = True                    # VRAM zero since its last owner
     generation: int = 0                      # servers started for it (names their sockets)
+    restart: str = "no"                      # the topology's restart policy: "no" or "on-failure"
+    max_restarts: int = 0
+    restarts: int = 0                        # automatic restarts so far
 
 
 class ManagedLab(Protocol):
@@ -304,6 +307,23 @@ class FabricManager:
             self._set_lab_state("degraded")
             if gpu.dev_id and gpu.irq == "msi" and hasattr(self.lab, "device_del"):
                 self._jobs.put(("surprise_removal", None, {"gpu": gpu.name, "seen": t0}))
+            if gpu.restart == "on-failure":
+                if gpu.restarts < gpu.max_restarts:
+                    self._jobs.put(("auto_restart", None, {"gpu": gpu.name}))
+                else:
+                    self.event("gpu-restart-limit", f"GPU {gpu.name}: restarted {gpu.restarts} times already "
+                               f"(max_restarts = {gpu.max_restarts}); it stays failed", gpu=gpu.name,
+                               restarts=gpu.restarts)
+
+    def _job_auto_restart(self, gpu: str) -> None:
+        """The topology's restart = "on-failure": what `fm restart` does, counted."""
+        child = self.gpus[gpu]
+        if child.state != "failed":
+            return   # restarted by hand meanwhile
+        child.restarts += 1
+        self.event("gpu-auto-restart", f"GPU {gpu}: restart {child.restarts} of {child.max_restarts} "
+                   "(restart = \"on-failure\")", gpu=gpu, restart=child.restarts)
+        self.op_restart(None, {"gpu": gpu})
 
     def _job_surprise_removal(self, gpu: str, seen: float) -> None:
         """Take a dead server's device out of its VM so guest processes get the kernel's release
@@ -568,6 +588,7 @@ class FabricManager:
         for name, spec in specs.items():
             gpu = self.gpus.get(name) or Child("gpu", name, None)
             gpu.irq, gpu.vram_mib = spec["irq"], spec["vram_mib"]
+            gpu.restart, gpu.max_restarts = spec.get("restart", "no"), spec.get("max_restarts", 0)
             if name not in self.gpus:   # unowned: no server until it is assigned
                 self._set_child_state(gpu, "free")
                 self.gpus[name] = gpu
@@ -815,7 +836,8 @@ class FabricManager:
             "gpus": {gpu.name: {"owner": gpu.owner, "state": gpu.state,
                                 "server_pid": gpu.popen.pid if gpu.popen else None,
                                 "returncode": gpu.returncode, "vram_mib": gpu.vram_mib, "irq": gpu.irq,
-                                "scrubbed": gpu.scrubbed, "port": gpu.port, "dev_id": gpu.dev_id, **gpu.files}
+                                "scrubbed": gpu.scrubbed, "port": gpu.port, "dev_id": gpu.dev_id,
+                                "restart": gpu.restart, "restarts": gpu.restarts, **gpu.files}
                      for gpu in self.gpus.values()},
             "smcs": {smc.name: {"hosts": list(smc.hosts), "state": smc.state, "server_pid": smc.popen.pid,
                                 "returncode": smc.returncode, **smc.files}

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -73,6 +75,8 @@ class RealLab:
         self.lab = lab
         self.rundir = lab.rundir_request
         self.timeout = timeout
+        # One QMP connection per VM, used from the FM's loop (status) and its op worker: one at a time.
+        self._qmp_locks: dict[str, threading.Lock] = {vm.name: threading.Lock() for vm in lab.topology.vms}
 
     def start(self, log: Callable[[str], None]) -> None:
         self.lab.log = log
@@ -113,6 +117,9 @@ class RealLab:
         """QEMU's own view of the VM (QMP query-status: running, paused, ...); the FM holds the
         VM's one QMP connection.  A QEMU that does not answer within 2 s is "unresponsive"."""
         machine = self.lab.vms[vm]
+        lock = self._qmp_locks[vm]
+        if not lock.acquire(timeout=0.5):
+            return "busy (a fabric op is using QMP)"
         try:
             qmp = machine.connect_qmp(timeout=2)
             qmp.settimeout(2)
@@ -125,11 +132,14 @@ class RealLab:
                     pass
                 machine.qmp = None
             return f"unresponsive ({type(err).__name__})"
+        finally:
+            lock.release()
 
     # -- the fabric: GPU servers, QMP hot-plug, the guest's view ---------------------------
     def gpu_specs(self) -> dict[str, dict]:
-        """Every GPU of the topology: initial owner, interrupt mode, VRAM size."""
-        return {name: {"owner": g.owner, "irq": g.irq, "vram_mib": g.vram >> 20}
+        """Every GPU of the topology: initial owner, interrupt mode, VRAM size, restart policy."""
+        return {name: {"owner": g.owner, "irq": g.irq, "vram_mib": g.vram >> 20, "restart": g.restart,
+                       "max_restarts": g.max_restarts}
                 for name, g in self.lab.topology.gpus.items()}
 
     def hotplug_ports(self, vm: str) -> list[str]:
@@ -156,29 +166,36 @@ class RealLab:
         if server is not None:
             server.stop()
 
+    @contextmanager
     def _qmp(self, vm: str):
-        machine = self.lab.vms[vm]
-        qmp = machine.connect_qmp(timeout=5)
-        qmp.settimeout(10)
-        return qmp
+        with self._qmp_locks[vm]:
+            qmp = self.lab.vms[vm].connect_qmp(timeout=5)
+            qmp.settimeout(10)
+            yield qmp
 
     def device_add(self, vm: str, dev_id: str, port: str, socket: str) -> None:
-        answer = self._qmp(vm).cmd_obj({"execute": "device_add", "arguments": {
-            "driver": "vfio-user-pci", "id": dev_id, "bus": port,
-            "socket": {"type": "unix", "path": socket}}})
+        with self._qmp(vm) as qmp:
+            answer = qmp.cmd_obj({"execute": "device_add", "arguments": {
+                "driver": "vfio-user-pci", "id": dev_id, "bus": port,
+                "socket": {"type": "unix", "path": socket}}})
         if "error" in answer:
             raise LabError(f"QEMU of VM {vm} refused device_add of {dev_id} on {port}: "
                            f"{answer['error'].get('desc')}", f"see {self.lab.vms[vm].qemu_log}")
 
     def device_del(self, vm: str, dev_id: str) -> None:
-        answer = self._qmp(vm).cmd_obj({"execute": "device_del", "arguments": {"id": dev_id}})
+        with self._qmp(vm) as qmp:
+            answer = qmp.cmd_obj({"execute": "device_del", "arguments": {"id": dev_id}})
         if "error" in answer:
             raise LabError(f"QEMU of VM {vm} refused device_del of {dev_id}: {answer['error'].get('desc')}",
                            f"see {self.lab.vms[vm].qemu_log}")
 
     def wait_deleted(self, vm: str, dev_id: str, timeout: float) -> bool:
         """True once QEMU reports DEVICE_DELETED for dev_id (the guest let go), False on timeout."""
-        qmp = self._qmp(vm)
+        with self._qmp(vm) as qmp:
+            return self._wait_deleted(qmp, dev_id, timeout)
+
+    @staticmethod
+    def _wait_deleted(qmp, dev_id: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         for event in qmp.get_events(wait=False):
             if event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
@@ -205,7 +222,9 @@ class RealLab:
                 if found:
                     return found
             return None
-        for bus in self._qmp(vm).cmd("query-pci"):
+        with self._qmp(vm) as qmp:
+            buses = qmp.cmd("query-pci")
+        for bus in buses:
             found = walk(bus.get("devices", []))
             if found:
                 return found
