@@ -357,6 +357,8 @@ class FabricManager:
         gpu.generation += 1
         gpu.popen = None
         gpu.popen, files = self._unlocked(self._fabric().start_server, gpu.name, gpu.generation)
+        if hasattr(self.lab, "prepare_standby"):   # the next scrub's server starts now, in the background
+            self.lab.prepare_standby(gpu.name)
         gpu.files.update(files)
         gpu.returncode = None
         gpu.scrubbed = True

@@ -14,6 +14,7 @@ from typing import Callable
 from ...errors import LabError
 from ..gpu_process import GpuServerProcess
 from ..lab import Lab, gpu_server_args
+from ..ssh import ShellSession
 from ..logs import archive_logs
 from .manager import Child
 
@@ -77,6 +78,8 @@ class RealLab:
         self.timeout = timeout
         # One QMP connection per VM, used from the FM's loop (status) and its op worker: one at a time.
         self._qmp_locks: dict[str, threading.Lock] = {vm.name: threading.Lock() for vm in lab.topology.vms}
+        self.standby: dict[str, GpuServerProcess] = {}   # GPU -> its next server, started ahead
+        self.sessions: dict[str, ShellSession] = {}        # VM -> the FM's guest shell (op worker only)
 
     def start(self, log: Callable[[str], None]) -> None:
         self.lab.log = log
@@ -90,6 +93,8 @@ class RealLab:
                        for vm in self.lab.vms.values()]
             for vm, command in running:
                 command.join()
+            for vm in self.lab.vms.values():   # opened now: the first move does not pay for it
+                self._session(vm.name).run("true", [], 60)
 
     @property
     def known_hosts(self) -> Path:
@@ -145,26 +150,48 @@ class RealLab:
     def hotplug_ports(self, vm: str) -> list[str]:
         return self.lab.topology.vm(vm).hotplug_port_ids()
 
-    def start_server(self, gpu: str, generation: int) -> tuple:
-        """A fresh GPU server (fresh VRAM: a new zeroed memfd); (Popen, files)."""
+    def _server(self, gpu: str) -> GpuServerProcess:
+        """A GPU server on whichever of the GPU's two socket paths (fabric/GPU.a.sock, .b.sock)
+        neither its running server nor its standby uses; one log per GPU, appended to."""
         fabric = self.rundir / "fabric"
         fabric.mkdir(exist_ok=True)
+        taken = {s.socket for s in (self.lab.gpu_servers.get(gpu), self.standby.get(gpu)) if s is not None}
+        path = next(p for p in (fabric / f"{gpu}.a.sock", fabric / f"{gpu}.b.sock") if p not in taken)
+        return GpuServerProcess(path, fabric / f"{gpu}.log",
+                                [*gpu_server_args(self.lab.topology.gpus[gpu]), *self.lab.gpu_args], append=True)
+
+    def start_server(self, gpu: str, generation: int) -> tuple:
+        """A fresh GPU server (fresh VRAM: a new zeroed memfd) replacing the running one; (Popen,
+        files).  The standby (``prepare_standby``), started while the GPU was in use, is taken when
+        it is there: a Python start (~1 s under load) leaves the move."""
         old = self.lab.gpu_servers.pop(gpu, None)
         if old is not None:
             old.stop()
-        # One socket path and one log per GPU: the old server is gone (and its socket removed)
-        # before the new one listens; its log lines are appended.
-        server = GpuServerProcess(fabric / f"{gpu}.sock", fabric / f"{gpu}.log",
-                                  [*gpu_server_args(self.lab.topology.gpus[gpu]), *self.lab.gpu_args],
-                                  append=True)
-        server.start()
+        server = self.standby.pop(gpu, None)
+        if server is not None:
+            try:
+                server.wait_ready()
+            except LabError:   # it died meanwhile (its log says why): start one the slow way
+                server.stop()
+                server = None
+        if server is None:
+            server = self._server(gpu)
+            server.start()
         self.lab.gpu_servers[gpu] = server
         return server.process, {"socket": str(server.socket), "log": str(server.log)}
 
+    def prepare_standby(self, gpu: str) -> None:
+        """Start the GPU's next server now, without waiting for it (a fresh, zero VRAM memfd of
+        its own; nothing connects to it until it replaces the running one)."""
+        if gpu not in self.standby:
+            server = self._server(gpu)
+            server.spawn()
+            self.standby[gpu] = server
+
     def stop_server(self, gpu: str) -> None:
-        server = self.lab.gpu_servers.pop(gpu, None)
-        if server is not None:
-            server.stop()
+        for server in (self.lab.gpu_servers.pop(gpu, None), self.standby.pop(gpu, None)):
+            if server is not None:
+                server.stop()
 
     @contextmanager
     def _qmp(self, vm: str):
@@ -232,15 +259,22 @@ class RealLab:
 
     def kill_in_guest(self, vm: str, pids: list[int]) -> None:
         """SIGKILL to guest processes (those holding a GPU the FM must take back)."""
-        self.lab.vms[vm].run("kill -9 " + " ".join(str(int(p)) for p in pids), check=False, timeout=30)
+        self._session(vm).run('kill -9 "$@"', [str(int(p)) for p in pids], 30)
+
+    def _session(self, vm: str) -> ShellSession:
+        if vm not in self.sessions or self.sessions[vm].shell is not self.lab.vms[vm].shell:
+            self.sessions[vm] = ShellSession(self.lab.vms[vm].shell)
+        return self.sessions[vm]
 
     def bind_in_guest(self, vm: str, count: int, timeout: float) -> dict:
         """Wait until VM has ``count`` GPUs, all bound to vfio-pci; the new one's BDF."""
         t0 = time.monotonic()
-        out = self.lab.vms[vm].run(f"sh -c {shlex.quote(BIND_SCRIPT)} bind {count} {timeout:.0f}",
-                                   timeout=timeout + 30)
+        status, out = self._session(vm).run(BIND_SCRIPT, [str(count), f"{timeout:.0f}"], timeout + 30)
         t1 = time.monotonic()
-        answer = json.loads(out.stdout)
+        if status != 0:
+            raise LabError(f"VM {vm}: the hot-plugged GPU is not bound to vfio-pci: {out.strip()[-500:]}",
+                           f"see VM {vm}'s dmesg (vfio-cxl vm ssh {vm} -- dmesg) and its console log")
+        answer = json.loads(out.strip().splitlines()[-1])
         answer["host"] = {"exec": t0, "returned": t1}
         return answer
 
@@ -250,10 +284,14 @@ class RealLab:
         return json.loads(out.stdout)
 
     def stop_processes(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+        self.sessions.clear()
         for vm in self.lab.vms.values():
             vm.stop()
-        for server in [*self.lab.gpu_servers.values(), *self.lab.smc_servers.values()]:
+        for server in [*self.lab.gpu_servers.values(), *self.lab.smc_servers.values(), *self.standby.values()]:
             server.stop()
+        self.standby.clear()
 
     def close(self) -> None:
         self.lab.stop()   # what is left: connections; keeps the logs, removes the run directory
