@@ -137,8 +137,8 @@ class FakeFabricLab(FakeLab):
     def guest_bdf(self, vm: str, dev_id: str) -> str:
         return "0000:02:00.0"
 
-    def guest(self, vm: str, args: str, timeout: float = 60) -> dict:
-        return {"holders": [{"pid": 4242, "comm": "holder", "path": "/dev/vfio/13"}]}
+    def holders(self, vm: str, bdf: str) -> list[dict]:
+        return [{"pid": 4242, "comm": "holder", "path": "/dev/vfio/13"}]
 
     def kill_in_guest(self, vm: str, pids: list[int]) -> None:
         (self.rundir / "killed").write_text(" ".join(map(str, pids)))

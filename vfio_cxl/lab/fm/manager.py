@@ -442,8 +442,9 @@ class FabricManager:
         that cannot be found out."""
         try:
             bdf = self._unlocked(self.lab.guest_bdf, vm, dev_id)
-            return self._unlocked(self.lab.guest, vm, f"gpu holders --gpu {bdf}" if bdf else "gpu holders",
-                                  timeout=30)["holders"], True
+            if bdf is None:
+                return f"QEMU of VM {vm} does not list {dev_id}", False
+            return self._unlocked(self.lab.holders, vm, bdf), True
         except Exception as err:
             return str(err), False
 

@@ -71,6 +71,21 @@ echo "{\"bdf\": \"$new\", \"driver\": \"vfio-pci\", \"gpus\": $#, \"guest\": {\"
 """
 
 
+# The processes holding a GPU's IOMMU group ($1: its BDF) open, one JSON object per line: what
+# `vfio-cxl gpu holders --gpu BDF` prints, in sh with one fork (ls) instead of a guest Python start
+# (seconds under TCG).  ls -l lines: "lrwx------ 1 root root 64 Nov 23 15:00 5 -> /dev/vfio/13".
+HOLDERS_SCRIPT = r"""g=$(readlink /sys/bus/pci/devices/$1/iommu_group) || exit 1
+want=/dev/vfio/${g##*/}
+ls -l /proc/[0-9]*/fd 2>/dev/null | while read -r a b c d e f g h i j k; do
+  case "$a" in /proc/*/fd:) pid=${a#/proc/}; pid=${pid%/fd:}; continue ;; esac
+  if [ "$j" = "->" ] && [ "$k" = "$want" ]; then
+    { read comm < /proc/$pid/comm; } 2>/dev/null || comm=?
+    echo "{\"pid\": $pid, \"comm\": \"$comm\", \"path\": \"$want\"}"
+  fi
+done
+"""
+
+
 class RealLab:
     def __init__(self, lab: Lab, timeout: float = 300):
         self.lab = lab
@@ -256,6 +271,13 @@ class RealLab:
             if found:
                 return found
         return None
+
+    def holders(self, vm: str, bdf: str) -> list[dict]:
+        """The guest processes holding the IOMMU group of the GPU at bdf."""
+        status, out = self._session(vm).run(HOLDERS_SCRIPT, [bdf], 60)
+        if status != 0:
+            raise LabError(f"VM {vm}: no IOMMU group for {bdf}: {out.strip()[-300:]}", "see vfio-cxl gpu ls there")
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
     def kill_in_guest(self, vm: str, pids: list[int]) -> None:
         """SIGKILL to guest processes (those holding a GPU the FM must take back)."""
