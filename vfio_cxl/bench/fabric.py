@@ -7,10 +7,11 @@ gpu0 a -> b -> a ... N times with the fabric manager's ``assign``; each step's
 time is the FM's own measurement:
 
 * release: QMP device_del -> DEVICE_DELETED (the guest's ACPI eject, vfio-pci unbind)
-* scrub:   a fresh GPU server (new zeroed VRAM memfd) replacing the old one
+* scrub:   a fresh GPU server (new zeroed VRAM memfd) replacing the old one: stop the old,
+           take the standby started ahead (the first move after boot starts one)
 * attach:  QMP device_add -> the guest has it bound to vfio-pci, in its parts:
-           device_add (the QMP round trip); exec (the SSH exec of the guest's check on the
-           FM's open connection, both ways); appear (the check's start -> the GPU is in the
+           device_add (the QMP round trip); exec (the guest check's round trip on the FM's
+           long-lived guest shell, minus the check's own run); appear (the check's start -> the GPU is in the
            guest's sysfs: ACPI hot-plug event and enumeration, as far as not done during the
            exec); bind (-> vfio-pci has it: the guest kernel binds 0601:1991 itself)
 * move:    the whole `fm assign` as the client sees it
@@ -87,7 +88,7 @@ def main(argv: list[str]) -> int:
     print(f"  attach  (device_add -> vfio-pci in the guest) {figures['attach_s']:6.2f} s"
           f"   reference: new SSH connection running 'true' {figures['ssh_true_s']:.2f} s")
     labels = {"device_add_s": "QMP device_add returns",
-              "exec_s": "SSH exec of the guest check (both ways)",
+              "exec_s": "guest check round trip (FM's guest shell)",
               "appear_s": "guest: check starts -> GPU in sysfs",
               "bind_s": "guest: -> bound to vfio-pci (by the kernel)"}
     for key, label in labels.items():
