@@ -648,24 +648,24 @@ class FabricManager:
                     self._handle(key, mask)
 
     def _handle(self, key, mask) -> None:
-                what, data = key.data
-                if what == "ops":
-                    self._drain_outbox()
-                elif what == "listen":
-                    self._accept()
-                elif what == "signal":
-                    try:
-                        self._wake[0].recv(256)
-                    except BlockingIOError:
-                        pass
-                elif what == "exit":
-                    if data.pidfd == key.fd:   # not a server the worker replaced meanwhile
-                        self._reap(data)
-                elif what == "client":
-                    if mask & selectors.EVENT_READ:
-                        self._read(data)
-                    if mask & selectors.EVENT_WRITE and data.sock.fileno() in self.clients:
-                        self._flush(data)
+        what, data = key.data
+        if what == "ops":
+            self._drain_outbox()
+        elif what == "listen":
+            self._accept()
+        elif what == "signal":
+            try:
+                self._wake[0].recv(256)
+            except BlockingIOError:
+                pass
+        elif what == "exit":
+            if data.pidfd == key.fd:   # not a server the worker replaced meanwhile
+                self._reap(data)
+        elif what == "client":
+            if mask & selectors.EVENT_READ:
+                self._read(data)
+            if mask & selectors.EVENT_WRITE and data.sock.fileno() in self.clients:
+                self._flush(data)
 
     def _reap(self, child: Child) -> None:
         if child.pidfd is not None:
