@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -172,6 +173,13 @@ def _forward(module: str):
     return run
 
 
+def add_qemu_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--qemu", metavar="PATH",
+                        help="your own qemu-system-x86_64 build, checked as the lab's is (version >= 10.1; "
+                             "cxl-type3, vfio-user-pci, intel-iommu); VFIO_CXL_QEMU=PATH does the same for "
+                             "any command that boots (tests, benchmarks)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .lab.kernel import add_kernel_options
 
@@ -195,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--detach", action="store_true",
                     help="return once every VM answers SSH and print the lab's name; the lab stays up")
     up.add_argument("--timeout", type=float, default=300, help="seconds to wait for the VMs (--detach), or for CMD (--run)")
+    add_qemu_option(up)
     add_kernel_options(up)
     up.set_defaults(func=_vm_up)
     fm_cli.add_vm_commands(vm)
@@ -220,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=_selftest)
 
     demo = sub.add_parser("demo", help="run a demo (tour, dma, share, p2p)")
+    add_qemu_option(demo)
     demo.add_argument("name")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
@@ -235,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "qemu", None):   # every lab this process (or a detached FM) boots uses it
+        from .lab.qemu_runtime import QEMU_ENV
+        os.environ[QEMU_ENV] = os.path.abspath(os.path.expanduser(args.qemu))
     # SIGTERM unwinds like Ctrl-C, so labs stop their VMs on either.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

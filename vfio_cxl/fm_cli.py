@@ -206,7 +206,8 @@ def fm_assign(args) -> int:
 
 
 def fm_release(args) -> int:
-    return _fabric_call(args, "release", gpu=args.gpu, force=args.force, keep_vram=args.keep_vram)
+    fields = {"timeout": args.timeout} if args.timeout is not None else {}
+    return _fabric_call(args, "release", gpu=args.gpu, force=args.force, keep_vram=args.keep_vram, **fields)
 
 
 def add_vm_commands(vm: argparse._SubParsersAction) -> None:
@@ -252,7 +253,10 @@ def add_fm_parser(sub: argparse._SubParsersAction) -> None:
     release.add_argument("--lab")
     release.add_argument("--json", action="store_true")
     release.add_argument("--force", action="store_true",
-                         help="if the guest does not let go: surprise removal (its server is stopped)")
+                         help="if the guest does not let go within the timeout: kill the guest processes "
+                              "that hold the GPU, then wait again")
+    release.add_argument("--timeout", type=float, metavar="S",
+                         help="seconds the guest gets to let go (default 15)")
     release.add_argument("--keep-vram", action="store_true", help="keep VRAM for the next owner")
     release.add_argument("gpu")
     release.set_defaults(func=fm_release)

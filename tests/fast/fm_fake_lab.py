@@ -10,7 +10,7 @@ Nothing here boots QEMU; the VM tests do that.
 runs a fabric manager over a FakeLab, speaking the same stdout protocol as
 ``python -m vfio_cxl.lab.fm serve``.  ``--orphan`` adds a process that does
 NOT die with the manager (as a child forked in the instant the manager died
-would), for the cleanup test.
+would), for the cleanup test.  ``--fabric`` gives it fake hot-plug (FakeFabricLab).
 """
 
 from __future__ import annotations
@@ -94,6 +94,56 @@ class FakeLab:
         shutil.rmtree(self.rundir, ignore_errors=True)
 
 
+class FakeFabricLab(FakeLab):
+    """FAKE hot-plug, for the manager's own handling of slow ops: device_del "completes"
+    (DEVICE_DELETED) only once the test creates ``<rundir>/deleted-<dev_id>``, so a release
+    stays in progress as long as the test wants; "GPU servers" are sleeping processes."""
+
+    GPUS = {"gpu0": "a", "gpu1": "b"}
+
+    def gpu_specs(self) -> dict:
+        # gpu0 has the topology's restart = "on-failure" with max_restarts = 1; gpu1 none
+        return {name: {"owner": owner, "irq": "msi", "vram_mib": 64, "restart": "on-failure" if name == "gpu0" else "no",
+                       "max_restarts": 1} for name, owner in self.GPUS.items()}
+
+    def hotplug_ports(self, vm: str) -> list[str]:
+        return ["hp0"]
+
+    def start_server(self, gpu: str, generation: int) -> tuple:
+        old = self.procs.pop(("gpu", gpu), None)
+        if old is not None and old.poll() is None:
+            old.terminate()
+            old.wait()
+        self.procs[("gpu", gpu)] = proc = self._spawn(gpu)
+        return proc, {"socket": str(self.rundir / f"{gpu}.sock")}
+
+    def device_add(self, vm: str, dev_id: str, port: str, socket: str) -> None:
+        pass
+
+    def device_del(self, vm: str, dev_id: str) -> None:
+        pass
+
+    def wait_deleted(self, vm: str, dev_id: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not (self.rundir / f"deleted-{dev_id}").exists():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)   # the fake's stand-in for QEMU's event; polling a file
+        return True
+
+    def bind_in_guest(self, vm: str, count: int, timeout: float) -> dict:
+        return {"bdf": "0000:02:00.0", "driver": "vfio-pci"}
+
+    def guest_bdf(self, vm: str, dev_id: str) -> str:
+        return "0000:02:00.0"
+
+    def holders(self, vm: str, bdf: str) -> list[dict]:
+        return [{"pid": 4242, "comm": "holder", "path": "/dev/vfio/13"}]
+
+    def kill_in_guest(self, vm: str, pids: list[int]) -> None:
+        (self.rundir / "killed").write_text(" ".join(map(str, pids)))
+
+
 def main(argv: list[str]) -> int:
     name, logdir = argv[0], Path(argv[1])
     rundir = Path(tempfile.mkdtemp(prefix="vfio-cxl-", dir=runtime_root()))
@@ -101,7 +151,8 @@ def main(argv: list[str]) -> int:
     record = LabRecord(name=name, topology="fake", rundir=str(rundir), logdir=str(logdir),
                        fm=ProcessId.of(os.getpid()).to_json(), created=time.time())
     record.save()
-    return FabricManager(FakeLab(rundir, logdir, orphan="--orphan" in argv), record, progress=sys.stdout).run()
+    kind = FakeFabricLab if "--fabric" in argv else FakeLab
+    return FabricManager(kind(rundir, logdir, orphan="--orphan" in argv), record, progress=sys.stdout).run()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from vfio_cxl.errors import LabError
 from vfio_cxl.fm_cli import lab_summary
+from vfio_cxl.lab import topology
 from vfio_cxl.lab.fm import protocol, registry
 from vfio_cxl.lab.fm.cleanup import down
 from vfio_cxl.lab.fm.client import FmClient
@@ -172,6 +174,99 @@ def test_a_dead_gpu_server_is_reported_within_a_second(env):
     assert status["gpus"]["gpu0"]["state"] == "failed" and status["state"] == "degraded"
     assert status["vms"]["a"]["state"] == "running"
     follower.close()
+
+
+def test_deaths_are_reported_and_status_answered_while_a_release_waits(env):
+    """A release waits for the guest (FAKE hot-plug: until the test says DEVICE_DELETED); meanwhile
+    another GPU's server dies: reported within 1 s, and status answers, from other connections."""
+    fm = FakeFm("--fabric")
+    with fm.client() as client:
+        status = client.status()
+        dev_id, gpu1_pid = status["gpus"]["gpu0"]["dev_id"], status["gpus"]["gpu1"]["server_pid"]
+    follower = fm.client()
+    events = follower.follow_events(timeout=10)
+    while next(events)["kind"] != "lab-ready":
+        pass
+    releaser = fm.client()
+    releaser.send_raw(protocol.encode(protocol.request("release", gpu="gpu0", timeout=30)))
+    with fm.client() as client:
+        deadline = time.monotonic() + 10
+        while client.status()["gpus"]["gpu0"]["state"] != "moving":   # the worker took it
+            assert time.monotonic() < deadline, "release did not start"
+        killed_at = time.time()
+        os.kill(gpu1_pid, signal.SIGKILL)
+        event = next(events)
+        assert event["kind"] == "gpu-server-died" and event["gpu"] == "gpu1"
+        assert 0 <= event["time"] - killed_at < 1.0, f"reported {event['time'] - killed_at:.3f} s after the kill"
+        status = client.status()   # answered while the release still waits
+        assert status["gpus"]["gpu0"]["state"] == "moving" and status["gpus"]["gpu1"]["state"] == "failed"
+    (Path(fm.record.rundir) / f"deleted-{dev_id}").touch()   # the guest lets go
+    answer = releaser.read_message()
+    assert answer["ok"], answer
+    assert answer["result"]["gpu"] == "gpu0" and answer["result"]["scrubbed"] is True
+    releaser.close()
+    follower.close()
+    with fm.client() as client:
+        gpu0 = client.status()["gpus"]["gpu0"]
+        assert (gpu0["state"], gpu0["owner"]) == ("free", None)
+        client.stop()
+    assert fm.wait() == 0
+
+
+def test_release_timeout_names_the_holder_and_force_kills_it(env):
+    """FAKE guest: nothing lets go; release fails naming the holder; --force kills it (the fake
+    records the kill) and still fails honestly when the guest does not let go after that."""
+    fm = FakeFm("--fabric")
+    with fm.client() as client:
+        with pytest.raises(protocol.RemoteError) as err:
+            client.release("gpu0", timeout=0.2)
+        assert "pid 4242 (holder) on /dev/vfio/13" in err.value.what and "--force" in err.value.fix
+        assert client.status()["gpus"]["gpu0"]["state"] == "attached"   # back as it was
+        with pytest.raises(protocol.RemoteError) as err:
+            client.release("gpu0", timeout=0.2, force=True)
+        assert (Path(fm.record.rundir) / "killed").read_text() == "4242"
+        assert "could not be killed" in err.value.fix
+        with pytest.raises(protocol.RemoteError, match="out of range"):
+            client.release("gpu0", timeout=0)
+        client.stop()
+    assert fm.wait() == 0
+
+
+def test_restart_on_failure_brings_the_gpu_back_at_most_max_restarts_times(env):
+    """FAKE hot-plug; gpu0 has restart = "on-failure", max_restarts = 1."""
+    fm = FakeFm("--fabric")
+    follower = fm.client()
+    events = follower.follow_events(timeout=10)
+    while next(events)["kind"] != "lab-ready":
+        pass
+    with fm.client() as client:
+        gpu = client.status()["gpus"]["gpu0"]
+    os.kill(gpu["server_pid"], signal.SIGKILL)
+    kinds = []
+    while "gpu-auto-restart" not in kinds:
+        kinds.append(next(events)["kind"])
+    assert kinds[0] == "gpu-server-died", kinds
+    (Path(fm.record.rundir) / f"deleted-{gpu['dev_id']}").touch()   # the guest lets go of the dead one
+    while (event := next(events))["kind"] != "gpu-restarted":
+        pass
+    with fm.client() as client:
+        again = client.status()["gpus"]["gpu0"]
+    assert (again["state"], again["owner"], again["restarts"]) == ("attached", "a", 1)
+    assert again["server_pid"] != gpu["server_pid"] and ProcessId.of(again["server_pid"]) is not None
+    os.kill(again["server_pid"], signal.SIGKILL)   # the second death: over the limit
+    while (event := next(events))["kind"] != "gpu-restart-limit":
+        assert event["kind"] != "gpu-auto-restart"
+    with fm.client() as client:
+        assert client.status()["gpus"]["gpu0"]["state"] == "failed"
+        client.stop()
+    follower.close()
+    assert fm.wait() == 0
+
+
+def test_restart_on_failure_needs_msi():
+    text = '[gpus.gpu0]\nowner = "a"\nrestart = "on-failure"\n[[vm]]\nname = "a"\n'
+    with pytest.raises(LabError, match='irq = "msi"'):
+        topology.parse(text, "t")
 
 
 def test_a_dead_smc_server_is_reported_and_the_lab_degraded(env):

@@ -246,7 +246,7 @@ def test_errors_in_a_file_name_the_file(tmp_path):
 
 @pytest.mark.parametrize("table, old, allowed", [
     ("backends.m0", '[backends.m0]\nsize = "256M"', "size"),
-    ("gpus.gpu1", 'owner = "h"\n[gpus.gpu1]', "at, irq, owner, vram"),
+    ("gpus.gpu1", 'owner = "h"\n[gpus.gpu1]', "at, irq, max_restarts, owner, restart, vram"),
     ("vm[0].type3[0]", 'volatile = "m0"', "at, lsa, name, persistent, volatile"),
     ("vm[0].region[0]", 'memdevs = ["mem0", "mem1"]', "granularity, memdevs, name, type, use, window"),
 ])

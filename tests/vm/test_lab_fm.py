@@ -48,7 +48,8 @@ class Detached:
         return json.loads(result.stdout)
 
     def ssh(self, vm: str, *command: str) -> subprocess.CompletedProcess:
-        return vfio_cxl("vm", "ssh", "--lab", self.name, vm, "--", *command)
+        # A guest Python start takes minutes when the host is loaded (load 18 on 2 cores seen).
+        return vfio_cxl("vm", "ssh", "--lab", self.name, vm, "--", *command, timeout=600)
 
     def down(self) -> subprocess.CompletedProcess:
         return vfio_cxl("vm", "down", self.name)

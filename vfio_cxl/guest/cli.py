@@ -129,8 +129,15 @@ def cmd_vram(args) -> int:
     return 0
 
 
-def holders() -> list[dict]:
-    """Processes with a VFIO group or device file open (what keeps a GPU from being released)."""
+def holders(bdf: str | None = None) -> list[dict]:
+    """Processes with a VFIO group or device file open (what keeps a GPU from being released);
+    with ``bdf``, only those holding that device's IOMMU group."""
+    want = None
+    if bdf is not None:
+        link = Path(f"/sys/bus/pci/devices/{bdf}/iommu_group")
+        if not link.exists():
+            raise VfioError(f"no PCI device {bdf} with an IOMMU group here", "see vfio-cxl gpu ls")
+        want = f"/dev/vfio/{os.readlink(link).rsplit('/', 1)[-1]}"
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -138,7 +145,7 @@ def holders() -> list[dict]:
         try:
             for fd in (proc / "fd").iterdir():
                 target = os.readlink(fd)
-                if target.startswith("/dev/vfio/") and target != "/dev/vfio/vfio":
+                if target.startswith("/dev/vfio/") and target != "/dev/vfio/vfio" and want in (None, target):
                     comm = (proc / "comm").read_text().strip()
                     found.append({"pid": int(proc.name), "comm": comm, "path": target})
         except OSError:
@@ -147,7 +154,7 @@ def holders() -> list[dict]:
 
 
 def cmd_holders(args) -> int:
-    found = holders()
+    found = holders(args.gpu)
     if args.json:
         print(json.dumps({"holders": found}))
     else:
@@ -199,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_vram, op=op)
     p = gpu.add_parser("holders", help="processes that hold a VFIO group open")
+    p.add_argument("--gpu", metavar="BDF", help="only those holding this GPU's group")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_holders)
     return parser

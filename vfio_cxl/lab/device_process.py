@@ -33,12 +33,19 @@ class DeviceServerProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 15) -> None:
+        self.spawn()
+        self.wait_ready(timeout)
+
+    def spawn(self) -> None:
+        """Start the process and return at once (``wait_ready`` waits for its READY lines)."""
         cmd = [sys.executable, "-m", self.module, "serve", *self.args]
         with open(self.log, "ab" if self.append else "wb") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
                 env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True,
                 preexec_fn=die_with_parent)
+
+    def wait_ready(self, timeout: float = 15) -> None:
         deadline = time.monotonic() + timeout
         out = b""
         want = [f"READY {s}".encode() for s in self.sockets]

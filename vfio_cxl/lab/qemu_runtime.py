@@ -39,6 +39,7 @@ TREE_RECIPE = {
 }
 HOST_PACKAGES = ["mmdebstrap", "bubblewrap", "debian-archive-keyring"]
 USE_SYSTEM_ENV = "VFIO_CXL_SYSTEM_QEMU"  # "0": never use the system QEMU
+QEMU_ENV = "VFIO_CXL_QEMU"   # a user's own qemu-system-x86_64 (what `--qemu PATH` sets), checked as any
 _NOT_FROM_TREE = {"dev", "proc", "sys", "tmp", "run", "root", "home", "mnt", "media"}
 
 
@@ -53,14 +54,15 @@ def parse_version(text: str) -> tuple[int, int, int]:
 class QemuRuntime:
     """How to run qemu-system-x86_64: directly, or inside a bwrap'd tree."""
 
-    tree: Path | None  # None: the system QEMU
+    tree: Path | None  # None: the system QEMU, or the user's (binary is then its path)
     version: tuple[int, int, int] = (0, 0, 0)
     binary: str = "qemu-system-x86_64"
     _version_text: str = field(default="", repr=False)
+    user: bool = False   # the user's own build (--qemu PATH)
 
     @property
     def version_string(self) -> str:
-        where = f"tree {self.tree}" if self.tree else "system"
+        where = f"tree {self.tree}" if self.tree else (self.binary if self.user else "system")
         return f"QEMU {'.'.join(map(str, self.version))} ({where})"
 
     def command(self, argv: list[str], *, rw: list[Path] = (), ro: list[Path] = (),
@@ -104,12 +106,40 @@ class QemuRuntime:
     def check_features(self) -> None:
         if self.version[:2] < MIN_VERSION:
             raise LabError(f"{self.version_string} is too old (need >= {MIN_VERSION[0]}.{MIN_VERSION[1]})",
+                           f"build QEMU >= {MIN_VERSION[0]}.{MIN_VERSION[1]}, or drop --qemu ({QEMU_ENV}) to use "
+                           "the lab's" if self.user else
                            f"unset {USE_SYSTEM_ENV} or remove the cached tree to provision a newer one")
         listing = self.devices()
         missing = [d for d in REQUIRED_DEVICES if f'"{d}"' not in listing]
         if missing:
             raise LabError(f"{self.version_string} lacks devices: {', '.join(missing)}",
-                           "provision the pinned QEMU: vfio-cxl provision")
+                           "configure the build with --target-list=x86_64-softmmu and vfio-user "
+                           "(--enable-vfio-user-client on QEMU 10.1+), or drop --qemu to use the lab's"
+                           if self.user else "provision the pinned QEMU: vfio-cxl provision")
+
+
+def user_runtime(path: str) -> QemuRuntime:
+    """The user's own QEMU build, after the same checks as the lab's (version, devices)."""
+    binary = Path(path).expanduser()
+    if not binary.is_file() or not os.access(binary, os.X_OK):
+        raise LabError(f"--qemu {path}: no executable file there",
+                       "give the path of a qemu-system-x86_64 binary, e.g. ~/qemu/build/qemu-system-x86_64")
+    runtime = QemuRuntime(tree=None, binary=str(binary.resolve()), user=True)
+    try:
+        out = subprocess.run([runtime.binary, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise LabError(f"--qemu {path} does not run: {err}", "give a qemu-system-x86_64 built for this host") from None
+    if out.returncode != 0:
+        raise LabError(f"--qemu {path} does not run: {(out.stderr or out.stdout).strip()[-300:]}",
+                       "give a qemu-system-x86_64 built for this host (its libraries installed)")
+    runtime.version = parse_version(out.stdout)
+    runtime.check_features()
+    return runtime
+
+
+def _user_qemu() -> QemuRuntime | None:
+    path = os.environ.get(QEMU_ENV)
+    return user_runtime(path) if path else None
 
 
 def _system_qemu() -> QemuRuntime | None:
@@ -163,11 +193,18 @@ def build_tree(dest: Path, log=print) -> None:
 
 def planned_runtime() -> QemuRuntime:
     """The runtime ``find_runtime`` would use, without provisioning or running it."""
+    if os.environ.get(QEMU_ENV):
+        return QemuRuntime(tree=None, binary=str(Path(os.environ[QEMU_ENV]).expanduser().resolve()), user=True)
     return _system_qemu() or QemuRuntime(tree=tree_path() / "tree")
 
 
 def provisioned_runtime() -> QemuRuntime | None:
     """The runtime in use if it is already there (nothing installed, nothing built), else None."""
+    if os.environ.get(QEMU_ENV):
+        try:
+            return _user_qemu()
+        except LabError:
+            return None
     system = _system_qemu()
     if system:
         return system
@@ -181,7 +218,11 @@ def provisioned_runtime() -> QemuRuntime | None:
 
 
 def find_runtime(provision: bool = True, log=print) -> QemuRuntime:
-    """The QEMU to use; provisions the pinned tree when needed and allowed."""
+    """The QEMU to use: the user's (--qemu PATH / VFIO_CXL_QEMU) if given, checked; else the
+    system's if good enough; else the pinned tree, provisioned when needed and allowed."""
+    user = _user_qemu()
+    if user:
+        return user
     system = _system_qemu()
     if system:
         return system

@@ -226,6 +226,18 @@ class Gpu(_Table):
     at: Name | None = None      # a PCIe switch downstream port in the owner; default: its own root port
     vram: Size = 64 * MIB
     irq: Literal["msix", "msi"] = "msix"
+    # What the fabric manager does when the GPU's server dies: "no" (it stays failed until
+    # `fm restart`), or "on-failure": a fresh server, back into the VM it was in, at most
+    # max_restarts times over the lab's life (then it stays failed and says so).
+    restart: Literal["no", "on-failure"] = "no"
+    max_restarts: int = Field(default=3, ge=1, le=100)
+
+    @model_validator(mode="after")
+    def _restartable(self):
+        if self.restart == "on-failure" and self.irq != "msi":
+            raise ValueError('restart = "on-failure" takes the dead GPU out of its VM first, and QEMU 11.1 '
+                             'aborts when it hot-removes a vfio-user GPU with MSI-X: set irq = "msi"')
+        return self
 
     @field_validator("vram")
     @classmethod

@@ -149,5 +149,7 @@ class FmClient:
     def assign(self, gpu: str, vm: str, keep_vram: bool = False) -> dict:
         return self.call("assign", gpu=gpu, vm=vm, keep_vram=keep_vram)
 
-    def release(self, gpu: str, force: bool = False, keep_vram: bool = False) -> dict:
-        return self.call("release", gpu=gpu, force=force, keep_vram=keep_vram)
+    def release(self, gpu: str, force: bool = False, keep_vram: bool = False,
+                timeout: float | None = None) -> dict:
+        fields = {"timeout": timeout} if timeout is not None else {}
+        return self.call("release", gpu=gpu, force=force, keep_vram=keep_vram, **fields)

@@ -17,6 +17,7 @@ import sys
 from ...errors import LabError
 from ...paths import REPO_ROOT
 from .. import topology
+from ..qemu_runtime import QEMU_ENV, user_runtime
 from . import registry
 from .cleanup import remove_leftovers
 
@@ -31,6 +32,8 @@ def launch(topology_arg: str, *, accel: str = "tcg", ssh_port: int | None = None
            timeout: float = 300, echo=print) -> dict:
     """Start a detached lab; returns ``{"name", "socket"}`` once every VM answers SSH."""
     topo = topology.load(topology_arg)   # a bad topology fails here, before anything starts
+    if os.environ.get(QEMU_ENV):         # so does a --qemu PATH that the lab could not use
+        user_runtime(os.environ[QEMU_ENV])
     name, logdir = registry.reserve_name(topo.name)
     cmd = [sys.executable, "-m", "vfio_cxl.lab.fm", "serve", "--name", name, "--logdir", str(logdir),
            "--topology", topology_arg, "--accel", accel, "--timeout", str(timeout)]

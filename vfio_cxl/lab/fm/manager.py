@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import selectors
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ GPU_STATES = ("attached", "free", "moving", "failed", "stopped")
 RELEASE_TIMEOUT = 15.0   # s for the guest to let go of a GPU (DEVICE_DELETED)
 BIND_TIMEOUT = 30.0
 MAX_OUTBUF = 4 << 20   # a follower that reads slower than this is dropped
+SLOW_OPS = ("assign", "release", "restart")   # run by the op worker; the loop stays live meanwhile
 
 
 @dataclass
@@ -69,6 +72,9 @@ class Child:
     vram_mib: int = 0
     scrubbed: bool = True                    # VRAM zero since its last owner
     generation: int = 0                      # servers started for it (names their sockets)
+    restart: str = "no"                      # the topology's restart policy: "no" or "on-failure"
+    max_restarts: int = 0
+    restarts: int = 0                        # automatic restarts so far
 
 
 class ManagedLab(Protocol):
@@ -100,6 +106,27 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with {returncode}"
 
 
+def describe_holders(holders: list[dict]) -> str:
+    return ", ".join(f"pid {h['pid']} ({h['comm']}) on {h['path']}" for h in holders) or \
+        "no process (the kernel itself?)"
+
+
+def attach_parts(t_add_sent: float, t_add_done: float, seen: dict) -> dict:
+    """Attach split in its parts (seconds): device_add (QMP round trip, host clock); exec (the
+    SSH exec of the guest's check, both ways: host time minus the script's own run); appear
+    (the script's start -> it sees the new GPU in sysfs: ACPI hot-plug and enumeration, if not
+    done before the script started) and bind (-> vfio-pci has it), both on the guest's clock.
+    A fake lab's answer without those times gives only the device_add part."""
+    parts = {"device_add_s": t_add_done - t_add_sent}
+    guest, host = seen.get("guest"), seen.get("host")
+    if not guest or not host:
+        return parts
+    parts["exec_s"] = max((host["returned"] - host["exec"]) - (guest["bound"] - guest["start"]), 0.0)
+    parts["appear_s"] = guest["seen"] - guest["start"]
+    parts["bind_s"] = guest["bound"] - guest["seen"]
+    return parts
+
+
 class _Client:
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -107,6 +134,7 @@ class _Client:
         self.outbuf = b""
         self.follow = False
         self.close_after_flush = False
+        self.busy = False           # a slow op of this connection runs: its later requests wait
 
 
 class FabricManager:
@@ -125,6 +153,19 @@ class FabricManager:
         self.sel: selectors.BaseSelector | None = None
         self.listener: socket.socket | None = None
         self._wake: tuple[socket.socket, socket.socket] | None = None
+        # The op worker: one thread for the lab's whole life runs the slow ops (assign, release,
+        # restart) and what deaths entail (surprise removal, freeing a dead VM's GPUs), one at a
+        # time, so the loop keeps reporting deaths and answering status meanwhile.  ``lock``
+        # guards all state; the worker drops it around every blocking call (_unlocked).  It
+        # lives as long as the FM, so the GPU servers it starts (PR_SET_PDEATHSIG: killed when the
+        # thread that forked them exits) live as long as the FM too.
+        self.lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker: threading.Thread | None = None
+        self._worker_ident: int | None = None
+        self._outbox: list[tuple[_Client | None, bytes]] = []   # from the worker to the loop
+        self._opwake: tuple[socket.socket, socket.socket] | None = None
+        self._stopping_ops = False
 
     # -- logging and events --------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -147,10 +188,82 @@ class FabricManager:
         self.events.append(ev)
         self.log(f"event {kind}: {message}")
         line = protocol.encode(protocol.event(ev))
+        if self._in_worker():
+            self._post(None, line)   # the loop sends it (sockets are the loop's)
+            return ev
         for client in list(self.clients.values()):
             if client.follow:
                 self._send(client, line)
         return ev
+
+    # -- the op worker -------------------------------------------------------------------
+    def _in_worker(self) -> bool:
+        return self._worker_ident is not None and threading.get_ident() == self._worker_ident
+
+    def _post(self, client: "_Client | None", data: bytes) -> None:
+        """From the worker: a line for the loop to send (client None: to every follower)."""
+        self._outbox.append((client, data))
+        if self._opwake is not None:
+            try:
+                self._opwake[1].send(b"x")
+            except (BlockingIOError, OSError):
+                pass   # a wake-up is pending already, or the loop is gone (stopping)
+
+    def _unlocked(self, fn, *args, **kwargs):
+        """A blocking call (QMP, SSH, a server start) made without the lock when in the worker."""
+        if not self._in_worker():
+            return fn(*args, **kwargs)
+        self.lock.release()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.lock.acquire()
+            if self._stopping_ops:
+                raise LabError(f"lab {self.record.name} is stopping", "start it again")
+
+    def _start_worker(self) -> None:
+        self._opwake = socket.socketpair()
+        for s in self._opwake:
+            s.setblocking(False)
+        self.sel.register(self._opwake[0], selectors.EVENT_READ, ("ops", None))
+        self._worker = threading.Thread(target=self._work, name="fm-ops", daemon=True)
+        self._worker.start()
+
+    def _work(self) -> None:
+        self._worker_ident = threading.get_ident()
+        while (job := self._jobs.get()) is not None:
+            kind, client, request = job
+            with self.lock:
+                if self._stopping_ops:
+                    continue
+                if kind == "op":
+                    self._post(client, protocol.encode(self._run_op(client, request)))
+                else:
+                    try:
+                        getattr(self, f"_job_{kind}")(**request)
+                    except LabError as err:
+                        self.event(f"{kind.replace('_', '-')}-failed", f"{err.what} ({err.fix})", **request)
+                    except Exception:
+                        self.log(f"internal error in {kind}: {traceback.format_exc()}")
+
+    def _drain_outbox(self) -> None:
+        """In the loop: send what the worker left (events, answers); a connection whose slow op
+        ended goes on with its next request."""
+        try:
+            while self._opwake[0].recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        out, self._outbox = self._outbox, []
+        for client, data in out:
+            if client is None:
+                for c in list(self.clients.values()):
+                    if c.follow:
+                        self._send(c, data)
+            elif client.sock.fileno() in self.clients and self.clients[client.sock.fileno()] is client:
+                client.busy = False
+                self._send(client, data)
+                self._serve_lines(client)
 
     # -- state transitions (the only places state changes) -------------------------------
     def _set_lab_state(self, state: str) -> None:
@@ -172,12 +285,17 @@ class FabricManager:
                        f"{describe_exit(vm.returncode)}; the other VMs are untouched",
                        vm=vm.name, pid=vm.popen.pid, qemu_pid=vm.qemu_pid, returncode=vm.returncode)
             self._set_lab_state("degraded")
-            for gpu in self.gpus.values():   # its GPUs become free, scrubbed, assignable
+            for gpu in self.gpus.values():   # its GPUs become free, scrubbed, assignable (the worker)
                 if gpu.owner == vm.name:
-                    self._gpu_left(gpu, keep_vram=False)
-                    self.event("gpu-freed", f"GPU {gpu.name}: free (its VM {vm.name} died); VRAM scrubbed "
-                               f"by a fresh server (pid {gpu.popen.pid if gpu.popen else None})",
-                               gpu=gpu.name, vm=vm.name, scrubbed=gpu.scrubbed)
+                    self._jobs.put(("free_gpu", None, {"gpu": gpu.name, "vm": vm.name}))
+
+    def _job_free_gpu(self, gpu: str, vm: str) -> None:
+        child = self.gpus[gpu]
+        if child.owner != vm:   # an op moved it meanwhile
+            return
+        self._gpu_left(child, keep_vram=False)
+        self.event("gpu-freed", f"GPU {gpu}: free (its VM {vm} died); VRAM scrubbed by a fresh server "
+                   f"(pid {child.popen.pid if child.popen else None})", gpu=gpu, vm=vm, scrubbed=child.scrubbed)
 
     def _gpu_exited(self, gpu: Child) -> None:
         self._set_child_state(gpu, "failed" if self.state != "stopping" else "stopped")
@@ -187,19 +305,39 @@ class FabricManager:
                        f"{describe_exit(gpu.returncode)}", gpu=gpu.name, owner=gpu.owner,
                        pid=gpu.popen.pid, returncode=gpu.returncode)
             self._set_lab_state("degraded")
-            owner = self.vms.get(gpu.owner) if gpu.owner else None
-            if gpu.dev_id and owner is not None and owner.state == "running" and gpu.irq == "msi":
-                # Surprise removal: take the dead device out of its VM so guest processes get
-                # the kernel's release request (and an error) instead of hanging in reset waits.
-                try:
-                    self.lab.device_del(gpu.owner, gpu.dev_id)
-                    self.event("gpu-surprise-removal", f"GPU {gpu.name}: device_del {gpu.dev_id} sent to VM "
-                               f"{gpu.owner} {1e3 * (time.monotonic() - t0):.0f} ms after the death was seen",
-                               gpu=gpu.name, vm=gpu.owner, dev_id=gpu.dev_id)
-                    gpu.files["pending_delete"] = gpu.dev_id
-                except Exception as err:
-                    self.event("gpu-surprise-removal-failed", f"GPU {gpu.name}: device_del failed: {err}",
-                               gpu=gpu.name)
+            if gpu.dev_id and gpu.irq == "msi" and hasattr(self.lab, "device_del"):
+                self._jobs.put(("surprise_removal", None, {"gpu": gpu.name, "seen": t0}))
+            if gpu.restart == "on-failure":
+                if gpu.restarts < gpu.max_restarts:
+                    self._jobs.put(("auto_restart", None, {"gpu": gpu.name}))
+                else:
+                    self.event("gpu-restart-limit", f"GPU {gpu.name}: restarted {gpu.restarts} times already "
+                               f"(max_restarts = {gpu.max_restarts}); it stays failed", gpu=gpu.name,
+                               restarts=gpu.restarts)
+
+    def _job_auto_restart(self, gpu: str) -> None:
+        """The topology's restart = "on-failure": what `fm restart` does, counted."""
+        child = self.gpus[gpu]
+        if child.state != "failed":
+            return   # restarted by hand meanwhile
+        child.restarts += 1
+        self.event("gpu-auto-restart", f"GPU {gpu}: restart {child.restarts} of {child.max_restarts} "
+                   "(restart = \"on-failure\")", gpu=gpu, restart=child.restarts)
+        self.op_restart(None, {"gpu": gpu})
+
+    def _job_surprise_removal(self, gpu: str, seen: float) -> None:
+        """Take a dead server's device out of its VM so guest processes get the kernel's release
+        request (and an error) instead of hanging in reset waits."""
+        child = self.gpus[gpu]
+        owner = self.vms.get(child.owner) if child.owner else None
+        if child.state != "failed" or not child.dev_id or owner is None or owner.state != "running":
+            return   # restarted, moved or its VM gone meanwhile
+        dev_id, vm = child.dev_id, child.owner
+        self._unlocked(self.lab.device_del, vm, dev_id)
+        child.files["pending_delete"] = dev_id
+        self.event("gpu-surprise-removal", f"GPU {gpu}: device_del {dev_id} sent to VM {vm} "
+                   f"{1e3 * (time.monotonic() - seen):.0f} ms after the death was seen",
+                   gpu=gpu, vm=vm, dev_id=dev_id)
 
     # -- the fabric: assign, release, restart (GPU state changes only through these) -------
     def _fabric(self):
@@ -217,7 +355,10 @@ class FabricManager:
         """Scrub = a fresh server: its VRAM is a new memfd, zero; the old one's memory is gone."""
         self._unwatch(gpu)
         gpu.generation += 1
-        gpu.popen, files = self._fabric().start_server(gpu.name, gpu.generation)
+        gpu.popen = None
+        gpu.popen, files = self._unlocked(self._fabric().start_server, gpu.name, gpu.generation)
+        if hasattr(self.lab, "prepare_standby"):   # the next scrub's server starts now, in the background
+            self.lab.prepare_standby(gpu.name)
         gpu.files.update(files)
         gpu.returncode = None
         gpu.scrubbed = True
@@ -262,20 +403,27 @@ class FabricManager:
         t0 = time.monotonic()
         try:
             if gpu.files.get("pending_delete") != dev_id:
-                fabric.device_del(vm, dev_id)
-            deleted = fabric.wait_deleted(vm, dev_id, timeout)
-            if not deleted and force:
-                self.event("gpu-force", f"GPU {gpu.name}: VM {vm} did not let go within {timeout:.0f} s; "
-                           "surprise removal: its server is stopped", gpu=gpu.name, vm=vm)
-                self._unwatch(gpu)
-                fabric.stop_server(gpu.name)
-                keep_vram = False
-                deleted = fabric.wait_deleted(vm, dev_id, timeout)
+                self._unlocked(fabric.device_del, vm, dev_id)
+            deleted = self._unlocked(fabric.wait_deleted, vm, dev_id, timeout)
             if not deleted:
-                holders = self._holders(vm)
-                raise LabError(f"VM {vm} did not release GPU {gpu.name} within {timeout:.0f} s "
-                               f"(no DEVICE_DELETED for {dev_id}); holding it: {holders}",
-                               f"stop that process in VM {vm}, or vfio-cxl fm release {gpu.name} --force")
+                holders, known = self._holders(vm, dev_id)
+                if force and holders:
+                    pids = [h["pid"] for h in holders]
+                    self.event("gpu-force", f"GPU {gpu.name}: VM {vm} did not let go within {timeout:g} s; "
+                               f"killing what holds it: {describe_holders(holders)}", gpu=gpu.name, vm=vm,
+                               pids=pids)
+                    self._unlocked(fabric.kill_in_guest, vm, pids)
+                    deleted = self._unlocked(fabric.wait_deleted, vm, dev_id, timeout)
+                    if not deleted:
+                        holders, known = self._holders(vm, dev_id)
+            if not deleted:
+                what = describe_holders(holders) if known else f"unknown ({holders})"
+                raise LabError(f"VM {vm} did not release GPU {gpu.name} within {timeout:g} s "
+                               f"(no DEVICE_DELETED for {dev_id}); holding it: {what}",
+                               f"stop that process in VM {vm}, or vfio-cxl fm release {gpu.name} --force "
+                               f"(kills it)" if not force else
+                               f"the process could not be killed (state D: stuck in the kernel?); see VM {vm}'s "
+                               f"dmesg (vfio-cxl vm ssh {vm} -- dmesg)")
         except BaseException:
             self._set_child_state(gpu, was if gpu.popen is not None and gpu.popen.poll() is None else "failed")
             raise
@@ -289,12 +437,16 @@ class FabricManager:
                    gpu=gpu.name, vm=vm, release_s=t_release, scrub_s=t_scrub, scrubbed=gpu.scrubbed)
         return {"gpu": gpu.name, "vm": vm, "release_s": t_release, "scrub_s": t_scrub, "scrubbed": gpu.scrubbed}
 
-    def _holders(self, vm: str) -> str:
+    def _holders(self, vm: str, dev_id: str) -> tuple:
+        """(holders, True): the guest processes that hold dev_id's VFIO group; (reason, False) if
+        that cannot be found out."""
         try:
-            found = self.lab.guest(vm, "gpu holders", timeout=20)["holders"]
+            bdf = self._unlocked(self.lab.guest_bdf, vm, dev_id)
+            if bdf is None:
+                return f"QEMU of VM {vm} does not list {dev_id}", False
+            return self._unlocked(self.lab.holders, vm, bdf), True
         except Exception as err:
-            return f"unknown ({err})"
-        return ", ".join(f"pid {h['pid']} ({h['comm']}) on {h['path']}" for h in found) or "no process (kernel?)"
+            return str(err), False
 
     def attach(self, gpu: Child, vm: str) -> dict:
         fabric = self._fabric()
@@ -309,21 +461,24 @@ class FabricManager:
         dev_id = f"{gpu.name}-{gpu.generation}-{len(self.events)}"
         t0 = time.monotonic()
         try:
-            fabric.device_add(vm, dev_id, port, gpu.files["socket"])
+            self._unlocked(fabric.device_add, vm, dev_id, port, gpu.files["socket"])
             gpu.owner, gpu.dev_id, gpu.port = vm, dev_id, port
             t_add = time.monotonic() - t0
             count = sum(1 for g in self.gpus.values() if g.owner == vm)   # this one included
-            seen = fabric.bind_in_guest(vm, count, BIND_TIMEOUT)
+            seen = self._unlocked(fabric.bind_in_guest, vm, count, BIND_TIMEOUT)
         except BaseException:
             self._set_child_state(gpu, "failed")
             raise
         t_attach = time.monotonic() - t0
+        parts = attach_parts(t0, t0 + t_add, seen)
         self._set_child_state(gpu, "attached")
         self.event("gpu-attached", f"GPU {gpu.name} attached to VM {vm} on {port} as {dev_id}, bound to "
-                   f"{seen['driver']} at {seen['bdf']} in {t_attach * 1e3:.0f} ms", gpu=gpu.name, vm=vm,
-                   port=port, dev_id=dev_id, bdf=seen["bdf"], attach_s=t_attach, device_add_s=t_add)
+                   f"{seen['driver']} at {seen['bdf']} in {t_attach * 1e3:.0f} ms ("
+                   + ", ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in parts.items()) + ")",
+                   gpu=gpu.name, vm=vm, port=port, dev_id=dev_id, bdf=seen["bdf"], attach_s=t_attach,
+                   device_add_s=t_add, attach_parts=parts)
         return {"gpu": gpu.name, "vm": vm, "port": port, "bdf": seen["bdf"], "attach_s": t_attach,
-                "device_add_s": t_add, "scrubbed": gpu.scrubbed}
+                "device_add_s": t_add, "attach_parts": parts, "scrubbed": gpu.scrubbed}
 
     def op_assign(self, client, request) -> dict:
         gpu, vm = self._gpu(request["gpu"]), self._vm(request["vm"])
@@ -351,8 +506,11 @@ class FabricManager:
         return result
 
     def op_release(self, client, request) -> dict:
+        timeout = float(request.get("timeout", RELEASE_TIMEOUT))
+        if not 0 < timeout <= 600:
+            raise LabError(f"release timeout {timeout:g} s is out of range", "give 0 < timeout <= 600 seconds")
         return self.release(self._gpu(request["gpu"]), force=bool(request.get("force", False)),
-                            keep_vram=bool(request.get("keep_vram", False)))
+                            keep_vram=bool(request.get("keep_vram", False)), timeout=timeout)
 
     def _smc_exited(self, smc: Child) -> None:
         self._set_child_state(smc, "failed" if self.state != "stopping" else "stopped")
@@ -433,6 +591,7 @@ class FabricManager:
         for name, spec in specs.items():
             gpu = self.gpus.get(name) or Child("gpu", name, None)
             gpu.irq, gpu.vram_mib = spec["irq"], spec["vram_mib"]
+            gpu.restart, gpu.max_restarts = spec.get("restart", "no"), spec.get("max_restarts", 0)
             if name not in self.gpus:   # unowned: no server until it is assigned
                 self._set_child_state(gpu, "free")
                 self.gpus[name] = gpu
@@ -470,6 +629,7 @@ class FabricManager:
         for child in [*self.vms.values(), *self.gpus.values(), *self.smcs.values()]:
             if child.popen is not None:
                 self._watch(child)
+        self._start_worker()
 
     def _watch(self, child: Child) -> None:
         try:
@@ -482,22 +642,30 @@ class FabricManager:
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self.stop_requested:
-            for key, mask in self.sel.select():
-                what, data = key.data
-                if what == "listen":
-                    self._accept()
-                elif what == "signal":
-                    try:
-                        self._wake[0].recv(256)
-                    except BlockingIOError:
-                        pass
-                elif what == "exit":
-                    self._reap(data)
-                elif what == "client":
-                    if mask & selectors.EVENT_READ:
-                        self._read(data)
-                    if mask & selectors.EVENT_WRITE and data.sock.fileno() in self.clients:
-                        self._flush(data)
+            ready = self.sel.select()
+            with self.lock:
+                for key, mask in ready:
+                    self._handle(key, mask)
+
+    def _handle(self, key, mask) -> None:
+        what, data = key.data
+        if what == "ops":
+            self._drain_outbox()
+        elif what == "listen":
+            self._accept()
+        elif what == "signal":
+            try:
+                self._wake[0].recv(256)
+            except BlockingIOError:
+                pass
+        elif what == "exit":
+            if data.pidfd == key.fd:   # not a server the worker replaced meanwhile
+                self._reap(data)
+        elif what == "client":
+            if mask & selectors.EVENT_READ:
+                self._read(data)
+            if mask & selectors.EVENT_WRITE and data.sock.fileno() in self.clients:
+                self._flush(data)
 
     def _reap(self, child: Child) -> None:
         if child.pidfd is not None:
@@ -533,10 +701,24 @@ class FabricManager:
             self._drop(client)
             return
         client.inbuf += data
-        while b"\n" in client.inbuf and not client.close_after_flush:
+        self._serve_lines(client)
+
+    def _serve_lines(self, client: _Client) -> None:
+        """Answer the complete request lines of a connection, in order; a slow op goes to the
+        worker, and the connection's next requests wait for its answer."""
+        while b"\n" in client.inbuf and not client.close_after_flush and not client.busy:
             line, client.inbuf = client.inbuf.split(b"\n", 1)
-            self._send(client, protocol.encode(self._answer(client, line)))
-        if len(client.inbuf) > protocol.MAX_LINE:
+            try:
+                request = protocol.parse_request(line)
+            except LabError as err:
+                self._send(client, protocol.encode(protocol.error(err.what, err.fix)))
+                continue
+            if request["op"] in SLOW_OPS and self._worker is not None:
+                client.busy = True
+                self._jobs.put(("op", client, request))
+                return
+            self._send(client, protocol.encode(self._run_op(client, request)))
+        if len(client.inbuf) > protocol.MAX_LINE and not client.busy:
             client.inbuf = b""
             client.close_after_flush = True
             self._send(client, protocol.encode(protocol.error(
@@ -573,9 +755,8 @@ class FabricManager:
         client.sock.close()
 
     # -- requests ------------------------------------------------------------------------
-    def _answer(self, client: _Client, line: bytes) -> dict:
+    def _run_op(self, client: _Client, request: dict) -> dict:
         try:
-            request = protocol.parse_request(line)
             result = getattr(self, f"op_{request['op']}")(client, request)
             return protocol.ok(result)
         except LabError as err:
@@ -658,7 +839,8 @@ class FabricManager:
             "gpus": {gpu.name: {"owner": gpu.owner, "state": gpu.state,
                                 "server_pid": gpu.popen.pid if gpu.popen else None,
                                 "returncode": gpu.returncode, "vram_mib": gpu.vram_mib, "irq": gpu.irq,
-                                "scrubbed": gpu.scrubbed, "port": gpu.port, "dev_id": gpu.dev_id, **gpu.files}
+                                "scrubbed": gpu.scrubbed, "port": gpu.port, "dev_id": gpu.dev_id,
+                                "restart": gpu.restart, "restarts": gpu.restarts, **gpu.files}
                      for gpu in self.gpus.values()},
             "smcs": {smc.name: {"hosts": list(smc.hosts), "state": smc.state, "server_pid": smc.popen.pid,
                                 "returncode": smc.returncode, **smc.files}
@@ -675,6 +857,15 @@ class FabricManager:
         half done); SIGKILL still ends it, and `vm down` then sweeps up."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_IGN)
+        if self._worker is not None:
+            # The worker's op ends at its next step (_unlocked raises once _stopping_ops is set);
+            # wait for it so that nothing it does overlaps the stop.
+            with self.lock:
+                self._stopping_ops = True
+            self._jobs.put(None)
+            self._worker.join(60)
+            if self._worker.is_alive():
+                self.log("the op worker did not end within 60 s; stopping anyway")
         self._set_lab_state("stopping")
         self.event("lab-stopping", f"lab {self.record.name} stopping", lab=self.record.name)
         for client in list(self.clients.values()):
@@ -688,6 +879,8 @@ class FabricManager:
         if self.listener:
             self.listener.close()
             self.record.socket.unlink(missing_ok=True)
+        for sock in self._opwake or ():
+            sock.close()
         signal.set_wakeup_fd(-1)
         for child in [*self.vms.values(), *self.gpus.values(), *self.smcs.values()]:
             if child.pidfd is not None:

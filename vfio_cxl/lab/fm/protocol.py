@@ -33,7 +33,8 @@ OPS: dict[str, dict[str, tuple[type, bool]]] = {
     "stop": {},
     "restart": {"gpu": (str, True)},
     "assign": {"gpu": (str, True), "vm": (str, True), "keep_vram": (bool, False)},
-    "release": {"gpu": (str, True), "force": (bool, False), "keep_vram": (bool, False)},
+    "release": {"gpu": (str, True), "force": (bool, False), "keep_vram": (bool, False),
+                "timeout": ((int, float), False)},
 }
 
 
@@ -90,8 +91,9 @@ def parse_request(line: bytes) -> dict:
             raise ProtocolError(f"op {op!r} has no field {name!r}",
                                 f"fields of {op!r}: {', '.join(fields) or 'none'}")
         kind = fields[name][0]
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ProtocolError(f"op {op!r}: field {name!r} must be {kind.__name__}, not {value!r}",
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            kind_name = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+            raise ProtocolError(f"op {op!r}: field {name!r} must be {kind_name}, not {value!r}",
                                 "fix the request")
     for name, (_, required) in fields.items():
         if required and name not in message:

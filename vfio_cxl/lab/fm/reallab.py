@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 from ...errors import LabError
 from ..gpu_process import GpuServerProcess
 from ..lab import Lab, gpu_server_args
+from ..ssh import ShellSession
 from ..logs import archive_logs
 from .manager import Child
 
@@ -21,33 +25,64 @@ def gpu_names(lab: Lab) -> dict[str, str]:
     return {name: lab.topology.gpus[name].owner for name in lab.gpu_servers}
 
 
-# In the guest, POSIX sh builtins in the loop (a guest Python start costs seconds and every fork
-# tens of ms under TCG); this is what the
-# guest's `vfio-cxl gpu bind --wait S --count N` does): wait until the VM has $1 GPUs (at most
-# $2 s, polling sysfs: the guest has no udev daemon), bind each to vfio-pci with
-# driver_override + drivers_probe, check, print the newly bound one as JSON.
-BIND_SCRIPT = r"""want=$1; limit=$2; tries=$(( limit * 20 ))
+# Once per VM at lab start: vfio-pci loaded and told the GPU's ID (new_id), so the guest kernel
+# binds every GPU it enumerates -- at boot and at hot-add -- itself, in its own hot-plug path: no
+# guest command has to bind a moved GPU.  (EEXIST when the ID is already there: fine.)
+PREPARE_SCRIPT = r"""[ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci || exit 1
+echo 0601 1991 > /sys/bus/pci/drivers/vfio-pci/new_id 2>/dev/null
+[ -d /sys/bus/pci/drivers/vfio-pci ]
+"""
+
+# After device_add, one guest command on the FM's open SSH connection: wait until the VM has $1
+# GPUs, each bound to vfio-pci (the kernel binds them: PREPARE_SCRIPT), at most $2 s.  POSIX sh
+# builtins in the loop (a guest Python start costs seconds and every fork tens of ms under TCG);
+# the guest has no udev daemon, so it polls sysfs every 20 ms.  A GPU still unbound after 2 s
+# (a kernel without the new_id, say) is bound here with driver_override + drivers_probe.
+# Prints JSON: the new GPU's BDF and guest uptimes (s) when the script started, first saw the new
+# GPU, saw it bound; first_scan: it was there at the first scan already (so it appeared during
+# the SSH exec).  The guest's clock can run off the host's under TCG load: only differences of
+# guest times are used.  Scripts go to the guest as `sh -c` arguments, never on stdin: invoke
+# feeds stdin a byte at a time with a 10 ms sleep (a 1.5 KB script took 16 s).
+BIND_SCRIPT = r"""want=$1; limit=$2; tries=$(( limit * 50 )); n=0; first=false
+read t_start _ < /proc/uptime; t_seen=""; new=""
 while :; do
-  set --
+  set --; unbound=""
   for d in /sys/bus/pci/devices/*; do
     read v < $d/vendor; read i < $d/device
-    [ "$v:$i" = 0x0601:0x1991 ] && set -- "$@" "${d##*/}"
+    if [ "$v:$i" = 0x0601:0x1991 ]; then
+      b=${d##*/}; set -- "$@" "$b"
+      [ -e /sys/bus/pci/drivers/vfio-pci/$b ] || unbound="$unbound $b"
+    fi
   done
-  [ $# -ge $want ] && break
-  tries=$(( tries - 1 ))
-  [ $tries -le 0 ] && { echo "$# GPU(s) after $limit s, expected $want" >&2; exit 1; }
-  sleep 0.05
+  if [ $# -ge $want ] && [ -z "$t_seen" ]; then read t_seen _ < /proc/uptime; new=$b; [ $n = 0 ] && first=true; fi
+  [ $# -ge $want ] && [ -z "$unbound" ] && break
+  n=$(( n + 1 ))
+  if [ -n "$unbound" ] && [ $n -eq 100 ]; then
+    [ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci
+    for b in $unbound; do
+      echo vfio-pci > /sys/bus/pci/devices/$b/driver_override && echo $b > /sys/bus/pci/drivers_probe
+    done
+  fi
+  [ $n -ge $tries ] && { echo "$# GPU(s) after $limit s, expected $want; not bound to vfio-pci:$unbound" >&2; exit 1; }
+  sleep 0.02
 done
-[ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci
-new=""
-for b in "$@"; do
-  [ -e /sys/bus/pci/drivers/vfio-pci/$b ] && continue
-  echo vfio-pci > /sys/bus/pci/devices/$b/driver_override && echo $b > /sys/bus/pci/drivers_probe; new=$b
+read t_bound _ < /proc/uptime
+echo "{\"bdf\": \"$new\", \"driver\": \"vfio-pci\", \"gpus\": $#, \"guest\": {\"start\": $t_start, \"seen\": $t_seen, \"bound\": $t_bound, \"first_scan\": $first}}"
+"""
+
+
+# The processes holding a GPU's IOMMU group ($1: its BDF) open, one JSON object per line: what
+# `vfio-cxl gpu holders --gpu BDF` prints, in sh with one fork (ls) instead of a guest Python start
+# (seconds under TCG).  ls -l lines: "lrwx------ 1 root root 64 Nov 23 15:00 5 -> /dev/vfio/13".
+HOLDERS_SCRIPT = r"""g=$(readlink /sys/bus/pci/devices/$1/iommu_group) || exit 1
+want=/dev/vfio/${g##*/}
+ls -l /proc/[0-9]*/fd 2>/dev/null | while read -r a b c d e f g h i j k; do
+  case "$a" in /proc/*/fd:) pid=${a#/proc/}; pid=${pid%/fd:}; continue ;; esac
+  if [ "$j" = "->" ] && [ "$k" = "$want" ]; then
+    { read comm < /proc/$pid/comm; } 2>/dev/null || comm=?
+    echo "{\"pid\": $pid, \"comm\": \"$comm\", \"path\": \"$want\"}"
+  fi
 done
-for b in "$@"; do
-  [ -e /sys/bus/pci/drivers/vfio-pci/$b ] || { echo "$b did not bind to vfio-pci" >&2; exit 1; }
-done
-echo "{\"bdf\": \"${new:-$b}\", \"driver\": \"vfio-pci\", \"gpus\": $#}"
 """
 
 
@@ -56,6 +91,10 @@ class RealLab:
         self.lab = lab
         self.rundir = lab.rundir_request
         self.timeout = timeout
+        # One QMP connection per VM, used from the FM's loop (status) and its op worker: one at a time.
+        self._qmp_locks: dict[str, threading.Lock] = {vm.name: threading.Lock() for vm in lab.topology.vms}
+        self.standby: dict[str, GpuServerProcess] = {}   # GPU -> its next server, started ahead
+        self.sessions: dict[str, ShellSession] = {}        # VM -> the FM's guest shell (op worker only)
 
     def start(self, log: Callable[[str], None]) -> None:
         self.lab.log = log
@@ -63,6 +102,14 @@ class RealLab:
         hosts = [f"[127.0.0.1]:{vm.res.ssh_port} ssh-ed25519 {self.lab.image.host_key}"
                  for vm in self.lab.vms.values()]
         self.known_hosts.write_text("\n".join(hosts) + "\n")
+        if self.lab.topology.gpus:   # every VM may receive a GPU: its kernel binds GPUs itself
+            log("guests: vfio-pci binds GPUs (0601:1991) on its own")
+            running = [(vm, vm.start_command(f"sh -c {shlex.quote(PREPARE_SCRIPT)}", timeout=120))
+                       for vm in self.lab.vms.values()]
+            for vm, command in running:
+                command.join()
+            for vm in self.lab.vms.values():   # opened now: the first move does not pay for it
+                self._session(vm.name).run("true", [], 60)
 
     @property
     def known_hosts(self) -> Path:
@@ -90,6 +137,9 @@ class RealLab:
         """QEMU's own view of the VM (QMP query-status: running, paused, ...); the FM holds the
         VM's one QMP connection.  A QEMU that does not answer within 2 s is "unresponsive"."""
         machine = self.lab.vms[vm]
+        lock = self._qmp_locks[vm]
+        if not lock.acquire(timeout=0.5):
+            return "busy (a fabric op is using QMP)"
         try:
             qmp = machine.connect_qmp(timeout=2)
             qmp.settimeout(2)
@@ -102,60 +152,92 @@ class RealLab:
                     pass
                 machine.qmp = None
             return f"unresponsive ({type(err).__name__})"
+        finally:
+            lock.release()
 
     # -- the fabric: GPU servers, QMP hot-plug, the guest's view ---------------------------
     def gpu_specs(self) -> dict[str, dict]:
-        """Every GPU of the topology: initial owner, interrupt mode, VRAM size."""
-        return {name: {"owner": g.owner, "irq": g.irq, "vram_mib": g.vram >> 20}
+        """Every GPU of the topology: initial owner, interrupt mode, VRAM size, restart policy."""
+        return {name: {"owner": g.owner, "irq": g.irq, "vram_mib": g.vram >> 20, "restart": g.restart,
+                       "max_restarts": g.max_restarts}
                 for name, g in self.lab.topology.gpus.items()}
 
     def hotplug_ports(self, vm: str) -> list[str]:
         return self.lab.topology.vm(vm).hotplug_port_ids()
 
-    def start_server(self, gpu: str, generation: int) -> tuple:
-        """A fresh GPU server (fresh VRAM: a new zeroed memfd); (Popen, files)."""
+    def _server(self, gpu: str) -> GpuServerProcess:
+        """A GPU server on whichever of the GPU's two socket paths (fabric/GPU.a.sock, .b.sock)
+        neither its running server nor its standby uses; one log per GPU, appended to."""
         fabric = self.rundir / "fabric"
         fabric.mkdir(exist_ok=True)
+        taken = {s.socket for s in (self.lab.gpu_servers.get(gpu), self.standby.get(gpu)) if s is not None}
+        path = next(p for p in (fabric / f"{gpu}.a.sock", fabric / f"{gpu}.b.sock") if p not in taken)
+        return GpuServerProcess(path, fabric / f"{gpu}.log",
+                                [*gpu_server_args(self.lab.topology.gpus[gpu]), *self.lab.gpu_args], append=True)
+
+    def start_server(self, gpu: str, generation: int) -> tuple:
+        """A fresh GPU server (fresh VRAM: a new zeroed memfd) replacing the running one; (Popen,
+        files).  The standby (``prepare_standby``), started while the GPU was in use, is taken when
+        it is there: a Python start (~1 s under load) leaves the move."""
         old = self.lab.gpu_servers.pop(gpu, None)
         if old is not None:
             old.stop()
-        # One socket path and one log per GPU: the old server is gone (and its socket removed)
-        # before the new one listens; its log lines are appended.
-        server = GpuServerProcess(fabric / f"{gpu}.sock", fabric / f"{gpu}.log",
-                                  [*gpu_server_args(self.lab.topology.gpus[gpu]), *self.lab.gpu_args],
-                                  append=True)
-        server.start()
+        server = self.standby.pop(gpu, None)
+        if server is not None:
+            try:
+                server.wait_ready()
+            except LabError:   # it died meanwhile (its log says why): start one the slow way
+                server.stop()
+                server = None
+        if server is None:
+            server = self._server(gpu)
+            server.start()
         self.lab.gpu_servers[gpu] = server
         return server.process, {"socket": str(server.socket), "log": str(server.log)}
 
-    def stop_server(self, gpu: str) -> None:
-        server = self.lab.gpu_servers.pop(gpu, None)
-        if server is not None:
-            server.stop()
+    def prepare_standby(self, gpu: str) -> None:
+        """Start the GPU's next server now, without waiting for it (a fresh, zero VRAM memfd of
+        its own; nothing connects to it until it replaces the running one)."""
+        if gpu not in self.standby:
+            server = self._server(gpu)
+            server.spawn()
+            self.standby[gpu] = server
 
+    def stop_server(self, gpu: str) -> None:
+        for server in (self.lab.gpu_servers.pop(gpu, None), self.standby.pop(gpu, None)):
+            if server is not None:
+                server.stop()
+
+    @contextmanager
     def _qmp(self, vm: str):
-        machine = self.lab.vms[vm]
-        qmp = machine.connect_qmp(timeout=5)
-        qmp.settimeout(10)
-        return qmp
+        with self._qmp_locks[vm]:
+            qmp = self.lab.vms[vm].connect_qmp(timeout=5)
+            qmp.settimeout(10)
+            yield qmp
 
     def device_add(self, vm: str, dev_id: str, port: str, socket: str) -> None:
-        answer = self._qmp(vm).cmd_obj({"execute": "device_add", "arguments": {
-            "driver": "vfio-user-pci", "id": dev_id, "bus": port,
-            "socket": {"type": "unix", "path": socket}}})
+        with self._qmp(vm) as qmp:
+            answer = qmp.cmd_obj({"execute": "device_add", "arguments": {
+                "driver": "vfio-user-pci", "id": dev_id, "bus": port,
+                "socket": {"type": "unix", "path": socket}}})
         if "error" in answer:
             raise LabError(f"QEMU of VM {vm} refused device_add of {dev_id} on {port}: "
                            f"{answer['error'].get('desc')}", f"see {self.lab.vms[vm].qemu_log}")
 
     def device_del(self, vm: str, dev_id: str) -> None:
-        answer = self._qmp(vm).cmd_obj({"execute": "device_del", "arguments": {"id": dev_id}})
+        with self._qmp(vm) as qmp:
+            answer = qmp.cmd_obj({"execute": "device_del", "arguments": {"id": dev_id}})
         if "error" in answer:
             raise LabError(f"QEMU of VM {vm} refused device_del of {dev_id}: {answer['error'].get('desc')}",
                            f"see {self.lab.vms[vm].qemu_log}")
 
     def wait_deleted(self, vm: str, dev_id: str, timeout: float) -> bool:
         """True once QEMU reports DEVICE_DELETED for dev_id (the guest let go), False on timeout."""
-        qmp = self._qmp(vm)
+        with self._qmp(vm) as qmp:
+            return self._wait_deleted(qmp, dev_id, timeout)
+
+    @staticmethod
+    def _wait_deleted(qmp, dev_id: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         for event in qmp.get_events(wait=False):
             if event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
@@ -171,10 +253,52 @@ class RealLab:
                 return True
         return False
 
+    def guest_bdf(self, vm: str, dev_id: str) -> str | None:
+        """The guest's PCI address of QEMU device dev_id (QMP query-pci: bus numbers as the guest
+        programmed its bridges), or None if QEMU does not list it."""
+        def walk(devices: list[dict]) -> str | None:
+            for dev in devices:
+                if dev.get("qdev_id") == dev_id:
+                    return f"0000:{dev['bus']:02x}:{dev['slot']:02x}.{dev['function']}"
+                found = walk(dev.get("pci_bridge", {}).get("devices", []))
+                if found:
+                    return found
+            return None
+        with self._qmp(vm) as qmp:
+            buses = qmp.cmd("query-pci")
+        for bus in buses:
+            found = walk(bus.get("devices", []))
+            if found:
+                return found
+        return None
+
+    def holders(self, vm: str, bdf: str) -> list[dict]:
+        """The guest processes holding the IOMMU group of the GPU at bdf."""
+        status, out = self._session(vm).run(HOLDERS_SCRIPT, [bdf], 60)
+        if status != 0:
+            raise LabError(f"VM {vm}: no IOMMU group for {bdf}: {out.strip()[-300:]}", "see vfio-cxl gpu ls there")
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    def kill_in_guest(self, vm: str, pids: list[int]) -> None:
+        """SIGKILL to guest processes (those holding a GPU the FM must take back)."""
+        self._session(vm).run('kill -9 "$@"', [str(int(p)) for p in pids], 30)
+
+    def _session(self, vm: str) -> ShellSession:
+        if vm not in self.sessions or self.sessions[vm].shell is not self.lab.vms[vm].shell:
+            self.sessions[vm] = ShellSession(self.lab.vms[vm].shell)
+        return self.sessions[vm]
+
     def bind_in_guest(self, vm: str, count: int, timeout: float) -> dict:
         """Wait until VM has ``count`` GPUs, all bound to vfio-pci; the new one's BDF."""
-        out = self.lab.vms[vm].run(f"sh -s -- {count} {timeout:.0f}", stdin=BIND_SCRIPT, timeout=timeout + 30)
-        return json.loads(out.stdout)
+        t0 = time.monotonic()
+        status, out = self._session(vm).run(BIND_SCRIPT, [str(count), f"{timeout:.0f}"], timeout + 30)
+        t1 = time.monotonic()
+        if status != 0:
+            raise LabError(f"VM {vm}: the hot-plugged GPU is not bound to vfio-pci: {out.strip()[-500:]}",
+                           f"see VM {vm}'s dmesg (vfio-cxl vm ssh {vm} -- dmesg) and its console log")
+        answer = json.loads(out.strip().splitlines()[-1])
+        answer["host"] = {"exec": t0, "returned": t1}
+        return answer
 
     def guest(self, vm: str, args: str, timeout: float = 60) -> dict:
         """Run the guest's `vfio-cxl` CLI over SSH; its JSON answer."""
@@ -182,10 +306,14 @@ class RealLab:
         return json.loads(out.stdout)
 
     def stop_processes(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+        self.sessions.clear()
         for vm in self.lab.vms.values():
             vm.stop()
-        for server in [*self.lab.gpu_servers.values(), *self.lab.smc_servers.values()]:
+        for server in [*self.lab.gpu_servers.values(), *self.lab.smc_servers.values(), *self.standby.values()]:
             server.stop()
+        self.standby.clear()
 
     def close(self) -> None:
         self.lab.stop()   # what is left: connections; keeps the logs, removes the run directory
