@@ -33,7 +33,11 @@ from enum import IntEnum
 log = logging.getLogger(__name__)
 
 IOVA_LIMIT = 1 << 64
-MAX_MAPPINGS = 65535
+# Mappings one client may hold.  The spec's max_dma_maps defaults to 65535 and
+# QEMU 11.1 refuses a server that advertises more ("can only lower it"), yet
+# its vIOMMU path sends one DMA_MAP per 4 KiB IOMMU entry without counting
+# (a 1 GiB type1-v1 map is 262144): room for 4 GiB of 4 KiB pages.
+MAX_MAPPINGS = 1 << 20
 DIRECT_CHUNK = 2 << 20  # bytes copied per table-lock hold
 NONCE_SIZE = 16  # bytes of each peer-proof nonce
 PEER_PAGE = 4096  # a peer mapping starts page-aligned in the peer's memory
@@ -66,45 +70,41 @@ class DmaAborted(Exception):
 
 
 class ClientFile:
-    """A client fd handed over with DMA_MAP (one per mapping: unmaps never split one).
+    """A client file handed over with DMA_MAP, shared by every mapping into it.
+
+    QEMU sends one fd per DMA_MAP, and with a vIOMMU that maps 4 KiB pages it
+    sends hundreds of thousands of them, all for the same guest-RAM memfd:
+    one mmap (or one kept fd) per mapping would exhaust ``vm.max_map_count``
+    (65530) or RLIMIT_NOFILE.  So the table keeps one ClientFile per file
+    (device, inode, writable), counts the mappings that use it, and closes
+    each further fd for that file as soon as it has been checked.
 
     * sealed against shrinking (F_SEAL_SHRINK, e.g. QEMU's memory-backend-memfd):
-      mmapped once and copied with memoryview slices -- the client cannot make
-      the mapping fault;
+      the whole file mmapped once and copied with memoryview slices -- the
+      client cannot make the mapping fault;
     * anything else (e.g. QEMU's memory-backend-file, which cannot be sealed):
       kept as an fd and accessed with pread/pwrite, so a client that truncates
       the file makes the access fail (DmaFault IO / EFAULT), never the server
       crash with SIGBUS.
     """
 
-    __slots__ = ("fd", "mm", "view", "base")
+    __slots__ = ("fd", "mm", "view", "length", "key", "refs", "on_close")
 
-    def __init__(self, fd: int, offset: int, size: int, flags: int):
+    def __init__(self, fd: int, st: os.stat_result, writable: bool, key=None, on_close=None):
         """Takes ownership of ``fd``.  ProtocolError(EINVAL) if it cannot serve DMA."""
-        self.fd, self.mm, self.view, self.base = fd, None, None, 0
+        self.fd, self.mm, self.view, self.length = fd, None, None, st.st_size
+        self.key, self.refs, self.on_close = key, 0, on_close
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise wire.ProtocolError(errno.EINVAL, "DMA_MAP fd is not a regular file or memfd")
-            if st.st_size < offset + size:
-                raise wire.ProtocolError(
-                    errno.EINVAL, f"DMA_MAP fd has {st.st_size} bytes, the mapping needs "
-                    f"{offset + size}")
             if _seals(fd) & F_SEAL_SHRINK:
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if flags & wire.DMA_MAP_FLAG_WRITE else 0)
-                self.base = offset - offset % mmap.ALLOCATIONGRANULARITY  # mmap wants it aligned
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
                 try:
-                    self.mm = mmap.mmap(fd, size + offset - self.base, flags=mmap.MAP_SHARED,
-                                        prot=prot, offset=self.base)
+                    self.mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=prot)
                 except (OSError, ValueError, OverflowError) as exc:
                     raise wire.ProtocolError(errno.EINVAL,
                                              f"sealed DMA_MAP fd not mappable: {exc}") from None
                 self.view = memoryview(self.mm)
                 os.close(fd)
                 self.fd = -1
-            else:
-                # pread/pwrite need a readable (and for writes, writable) fd
-                os.pread(fd, 0, offset)
         except BaseException:
             self._close()
             raise
@@ -113,10 +113,14 @@ class ClientFile:
     def mapped(self) -> bool:
         return self.mm is not None
 
+    def covers(self, offset: int, size: int) -> bool:
+        """Whether a mapping of [offset, offset+size) can use this file object
+        (a sealed file that grew since it was mmapped needs a new one)."""
+        return self.mm is None or offset + size <= self.length
+
     def write(self, off: int, data: memoryview) -> int:
         """Store ``data`` at file offset ``off``; returns bytes stored (short: EOF)."""
         if self.mm is not None:
-            off -= self.base
             self.view[off:off + len(data)] = data
             return len(data)
         if os.fstat(self.fd).st_size < off + len(data):  # never grow a truncated file
@@ -126,7 +130,6 @@ class ClientFile:
     def read(self, off: int, into: memoryview) -> int:
         """Load ``len(into)`` bytes from file offset ``off``; returns bytes loaded."""
         if self.mm is not None:
-            off -= self.base
             into[:] = self.view[off:off + len(into)]
             return len(into)
         done = 0
@@ -138,7 +141,12 @@ class ClientFile:
         return done
 
     def drop(self) -> None:
-        self._close()
+        """One mapping fewer uses the file; the last one closes it."""
+        self.refs -= 1
+        if self.refs <= 0:
+            self._close()
+            if self.on_close is not None:
+                self.on_close(self)
 
     def _close(self) -> None:
         if self.view is not None:
@@ -150,6 +158,22 @@ class ClientFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _check_fd(fd: int, offset: int, size: int, flags: int) -> os.stat_result:
+    """The fd's stat if it can back [offset, offset+size); ProtocolError(EINVAL) if not."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise wire.ProtocolError(errno.EINVAL, "DMA_MAP fd is not a regular file or memfd")
+    if st.st_size < offset + size:
+        raise wire.ProtocolError(
+            errno.EINVAL, f"DMA_MAP fd has {st.st_size} bytes, the mapping needs "
+            f"{offset + size}")
+    try:
+        os.pread(fd, 0, offset)  # readable (pread/pwrite and mmap need it)
+    except OSError as exc:
+        raise wire.ProtocolError(errno.EINVAL, f"DMA_MAP fd not readable: {exc.strerror}") from None
+    return st
 
 
 F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
@@ -197,15 +221,28 @@ class Mapping:
 
 
 class DmaTable:
-    """Sorted, non-overlapping IOVA mappings; thread-safe."""
+    """Sorted, non-overlapping IOVA mappings; thread-safe.
+
+    Sized for a vIOMMU that maps page by page (QEMU 11.1 sends one DMA_MAP per
+    4 KiB IOMMU entry: 262144 for 1 GiB): lookups, inserts and unmaps bisect
+    the sorted starts, and the files behind the mappings are shared
+    (ClientFile), never one mmap or fd per mapping.
+    """
 
     def __init__(self):
         self.lock = threading.Lock()
         self._maps: list[Mapping] = []
         self._starts: list[int] = []
+        self._files: dict[tuple, ClientFile] = {}  # (st_dev, st_ino, writable) -> open file
 
     def __len__(self) -> int:
         return len(self._maps)
+
+    @property
+    def open_files(self) -> int:
+        """Client files the table holds open (mmapped or as an fd)."""
+        with self.lock:
+            return len(self._files)
 
     def mappings(self) -> list[Mapping]:
         with self.lock:
@@ -213,8 +250,7 @@ class DmaTable:
 
     # ------------------------------------------------------------ DMA_MAP
     def map(self, iova: int, size: int, flags: int, fd: int | None, offset: int) -> Mapping:
-        """Add a mapping.  Takes ownership of ``fd`` (kept by the mapping or closed)."""
-        file = None
+        """Add a mapping.  Takes ownership of ``fd`` (kept for the file, or closed)."""
         try:
             if size == 0 or iova + size > IOVA_LIMIT or offset + size > IOVA_LIMIT:
                 raise wire.ProtocolError(errno.EINVAL, f"bad DMA range {iova:#x}+{size:#x}")
@@ -222,25 +258,49 @@ class DmaTable:
                 raise wire.ProtocolError(errno.EINVAL, f"DMA_MAP flags {flags:#x}")
             if not flags:
                 raise wire.ProtocolError(errno.EINVAL, "DMA_MAP neither readable nor writable")
-            if fd is not None:
-                owned, fd = fd, None  # ClientFile owns it now, also when it refuses it
-                file = ClientFile(owned, offset, size, flags)
-        finally:
+            st = _check_fd(fd, offset, size, flags) if fd is not None else None
+        except BaseException:
             if fd is not None:
                 os.close(fd)
-        new = Mapping(iova, size, flags, file, offset if file is not None else 0)
+            raise
+        new = Mapping(iova, size, flags, None, offset if fd is not None else 0)
+        end = iova + size
         with self.lock:
-            i = bisect.bisect_right(self._starts, iova)
-            for other in self._maps[max(0, i - 1):i + 1]:
-                if other.iova < new.end and iova < other.end:
-                    new.release()  # the spec: mapping over an existing region fails
-                    raise wire.ProtocolError(errno.EEXIST, f"{new!r} overlaps {other!r}")
-            if len(self._maps) >= MAX_MAPPINGS:
-                new.release()
-                raise wire.ProtocolError(errno.ENOSPC, "too many DMA mappings")
+            try:
+                i = bisect.bisect_right(self._starts, iova)
+                for other in self._maps[max(0, i - 1):i + 1]:
+                    if other.iova < end and iova < other.end:
+                        # the spec: mapping over an existing region fails
+                        raise wire.ProtocolError(errno.EEXIST, f"{new!r} overlaps {other!r}")
+                if len(self._maps) >= MAX_MAPPINGS:
+                    raise wire.ProtocolError(errno.ENOSPC, f"too many DMA mappings "
+                                             f"({MAX_MAPPINGS})")
+                if fd is not None:
+                    owned, fd = fd, None
+                    new.file = self._file(owned, st, offset, size, flags)
+            finally:
+                if fd is not None:
+                    os.close(fd)
             self._maps.insert(i, new)
             self._starts.insert(i, iova)
         return new
+
+    def _file(self, fd: int, st: os.stat_result, offset: int, size: int, flags: int) -> ClientFile:
+        """The shared ClientFile for ``fd``'s file, with one more user (caller holds ``lock``).
+        Takes ownership of ``fd``: closed at once if the file is already open."""
+        key = (st.st_dev, st.st_ino, bool(flags & wire.DMA_MAP_FLAG_WRITE))
+        file = self._files.get(key)
+        if file is not None and file.covers(offset, size):
+            os.close(fd)
+        else:  # first mapping into it (or it grew past our mmap): a new one for later maps
+            file = ClientFile(fd, st, bool(key[2]), key, self._forget)
+            self._files[key] = file
+        file.refs += 1
+        return file
+
+    def _forget(self, file: ClientFile) -> None:
+        if self._files.get(file.key) is file:
+            del self._files[file.key]
 
     # ------------------------------------------------------------ DMA_UNMAP
     def unmap(self, iova: int, size: int) -> int:
@@ -254,14 +314,19 @@ class DmaTable:
         """
         end = min(iova + size, IOVA_LIMIT)
         with self.lock:
-            hit = [m for m in self._maps if m.iova < end and iova < m.end]
-            for m in hit:
+            lo = bisect.bisect_right(self._starts, iova) - 1
+            if lo < 0 or self._maps[lo].end <= iova:
+                lo += 1
+            hi = bisect.bisect_left(self._starts, end, lo)
+            hit = self._maps[lo:hi]
+            for m in (hit[0], hit[-1]) if hit else ():
                 if m.iova < iova or end < m.end:
                     raise wire.ProtocolError(
                         errno.EINVAL, f"DMA_UNMAP {iova:#x}+{size:#x} cuts {m!r}: an unmap "
                         f"must cover whole mappings")
+            del self._maps[lo:hi]
+            del self._starts[lo:hi]
             for m in hit:
-                self._remove(m)
                 m.release()
         return sum(m.size for m in hit)
 
@@ -271,11 +336,9 @@ class DmaTable:
                 m.release()
             self._maps.clear()
             self._starts.clear()
-
-    def _remove(self, m: Mapping) -> None:
-        i = self._maps.index(m)
-        del self._maps[i]
-        del self._starts[i]
+            for file in list(self._files.values()):  # none left: every mapping dropped its own
+                file.refs = 0
+                file.drop()
 
     # ------------------------------------------------------------ lookups
     def find(self, iova: int) -> Mapping | None:
