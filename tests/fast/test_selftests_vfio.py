@@ -127,7 +127,10 @@ class FakeVm:
         raise AssertionError("a limited case must not run")
 
 
-def test_lab_limit_cases_are_reported_not_run(tmp_path):
+def test_lab_limit_cases_are_reported_not_run(tmp_path, monkeypatch):
+    # LAB_LIMITS is empty today; this checks the mechanism with a limit of our own
+    monkeypatch.setattr(selftests, "LAB_LIMITS", (selftests.LabLimit(
+        "vfio_pci_driver_test", "iommufd_compat_type1", selftests.GPU_PCI_ID, "262144 reasons"),))
     gpu = selftests.Device("gpu0", selftests.GPU_PCI_ID, "0000:01:00.0")
     case = Case("vfio_pci_driver_test", "vfio_pci_driver_test", "iommufd_compat_type1", "memcpy_success", 30)
     vm = FakeVm()
