@@ -76,7 +76,7 @@ class ClientFile:
     sends hundreds of thousands of them, all for the same guest-RAM memfd:
     one mmap (or one kept fd) per mapping would exhaust ``vm.max_map_count``
     (65530) or RLIMIT_NOFILE.  So the table keeps one ClientFile per file
-    (device, inode, writable), counts the mappings that use it, and closes
+    (device, inode, writable, the fd's access mode), counts the mappings that use it, and closes
     each further fd for that file as soon as it has been checked.
 
     * sealed against shrinking (F_SEAL_SHRINK, e.g. QEMU's memory-backend-memfd):
@@ -233,7 +233,7 @@ class DmaTable:
         self.lock = threading.Lock()
         self._maps: list[Mapping] = []
         self._starts: list[int] = []
-        self._files: dict[tuple, ClientFile] = {}  # (st_dev, st_ino, writable) -> open file
+        self._files: dict[tuple, ClientFile] = {}  # (st_dev, st_ino, writable, accmode) -> file
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -288,7 +288,10 @@ class DmaTable:
     def _file(self, fd: int, st: os.stat_result, offset: int, size: int, flags: int) -> ClientFile:
         """The shared ClientFile for ``fd``'s file, with one more user (caller holds ``lock``).
         Takes ownership of ``fd``: closed at once if the file is already open."""
-        key = (st.st_dev, st.st_ino, bool(flags & wire.DMA_MAP_FLAG_WRITE))
+        # the fd's access mode too: a later fd for the same file must not reach it through an
+        # earlier fd that was opened with less (or more) access than it
+        key = (st.st_dev, st.st_ino, bool(flags & wire.DMA_MAP_FLAG_WRITE),
+               fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE)
         file = self._files.get(key)
         if file is not None and file.covers(offset, size):
             os.close(fd)
