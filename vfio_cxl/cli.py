@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import shlex
 import signal
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "qemu", None):   # every lab this process (or a detached FM) boots uses it
         from .lab.qemu_runtime import QEMU_ENV
         os.environ[QEMU_ENV] = os.path.abspath(os.path.expanduser(args.qemu))
+    # A lab process that hangs can be asked where: SIGABRT prints every thread's stack.
+    faulthandler.enable(all_threads=True)
     # SIGTERM unwinds like Ctrl-C, so labs stop their VMs on either.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:

@@ -64,7 +64,14 @@ def test_ctrl_c_stops_the_lab(labs):
     try:
         assert rundir.exists()
         cli.send_signal(signal.SIGINT)
-        assert cli.wait(60) == 130
+        try:
+            status = cli.wait(120)
+        except subprocess.TimeoutExpired:
+            cli.send_signal(signal.SIGABRT)   # the CLI's faulthandler prints every thread's stack
+            cli.wait(60)
+            raise AssertionError("vm up did not stop within 120 s of Ctrl-C; its threads:\n"
+                                 + cli.stderr.read()[-6000:]) from None
+        assert status == 130
         assert "lab stopped" in cli.stderr.read()
         assert not rundir.exists()
         assert processes_mentioning(str(rundir)) == []
