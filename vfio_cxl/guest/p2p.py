@@ -137,21 +137,22 @@ def _map_bar_dma_buf(ctx: IommufdContext, peer: GpuDriver, region: int, iova: in
     """The iommufd route for a BAR: export it as a dma-buf, map that with IOMMU_IOAS_MAP_FILE."""
     fix = ("use the type1 backend (--backend type1: VFIO_IOMMU_MAP_DMA maps a BAR mmap), or a kernel "
            "with CONFIG_VFIO_PCI_DMABUF=y")
+
+    def refusal(step: str) -> P2pError:
+        notes[what] = f"{refused}; {step}"
+        error = P2pError(f"iommufd cannot map {peer.device.bdf}'s BAR{region}: {notes[what]}", fix)
+        error.kernel = dict(notes)
+        return error
+
     t0 = time.perf_counter()
     try:
         fd = export_dma_buf(peer.device.device.fd, peer.device.bdf, region, 0, size)
     except DmaBufError as err:
-        notes[what] = f"{refused}; VFIO_DEVICE_FEATURE_DMA_BUF refused ({err.what})"
-        error = P2pError(f"iommufd cannot map {peer.device.bdf}'s BAR{region}: {notes[what]}", fix)
-        error.kernel = dict(notes)
-        raise error from None
+        raise refusal(f"VFIO_DEVICE_FEATURE_DMA_BUF refused ({err.what})") from None
     try:
         mapping = ctx.map_file(fd, 0, size, iova)
     except DmaMapError as err:
-        notes[what] = f"{refused}; dma-buf exported, IOMMU_IOAS_MAP_FILE refused ({err.what})"
-        error = P2pError(f"iommufd cannot map {peer.device.bdf}'s BAR{region}: {notes[what]}", fix)
-        error.kernel = dict(notes)
-        raise error from None
+        raise refusal(f"dma-buf exported, IOMMU_IOAS_MAP_FILE refused ({err.what})") from None
     finally:
         os.close(fd)     # the IOAS holds its own reference on the dma-buf
     notes[what] = (f"{refused}; VFIO_DEVICE_FEATURE_DMA_BUF + IOMMU_IOAS_MAP_FILE accepted: "
