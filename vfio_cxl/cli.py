@@ -114,7 +114,11 @@ def _vm_up(args) -> int:
             if failed:
                 raise LabError(f"--run {args.run!r} failed in {', '.join(failed)}", "see its output above")
             return 0
-        print("lab running; Ctrl-C stops it", flush=True)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:   # a background job of a script
+            print(f"lab running; SIGINT is ignored here (a background job): kill -TERM {os.getpid()} stops it",
+                  flush=True)
+        else:
+            print("lab running; Ctrl-C stops it", flush=True)
         while True:
             signal.pause()   # Ctrl-C/SIGTERM raise KeyboardInterrupt; leaving `with` stops the lab
 

@@ -27,8 +27,11 @@ def processes_mentioning(text: str) -> list[str]:
 
 def start_vm_up() -> tuple[subprocess.Popen, Path]:
     """`vfio-cxl vm up single` in a child process, once it says the lab runs; and its run dir."""
+    # SIGINT as at a terminal: a job started in the background of a non-interactive shell (as CI
+    # may start the suite) inherits SIGINT ignored, and Python then keeps it ignored.
     cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single"], cwd=REPO_ROOT,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
     output = ""
     while "lab running" not in output:
