@@ -138,7 +138,7 @@ def test_cli_no_such_kernel_is_one_line_and_leaves_nothing(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "vfio-cxl: error: --kernel /no/such/file: no such file -- give the path of a bzImage "
-        "(e.g. arch/x86/boot/bzImage), or 'lab'"]
+        "(arch/x86/boot/bzImage) or of a vmlinux built with CONFIG_PVH=y, or 'lab'"]
     assert list(rundir.iterdir()) == []
 
 
@@ -183,6 +183,28 @@ def test_the_built_lab_kernel_carries_its_config_and_passes_the_check():
     config = kconfig.parse_config(embedded)
     assert config == kconfig.parse_config((found / "config").read_text())
     assert kconfig.problems(config, lab_kernel=True) == []
+
+
+def test_the_lab_boots_the_built_vmlinux_through_its_pvh_entry():
+    found = kernel.cached_lab_kernel()
+    if found is None:
+        pytest.skip("the lab kernel is not built (vfio-cxl provision --kernel lab)")
+    chosen = kernel.resolve("lab", provision=False)
+    assert chosen.image == found / "vmlinux" and kernel.is_elf(chosen.image)
+    assert chosen.config["PVH"] == "y"
+
+
+def test_a_vmlinux_without_pvh_is_refused_naming_the_option_and_the_bzimage(tmp_path):
+    image = tmp_path / "vmlinux"
+    image.write_bytes(b"\x7fELF" + os.urandom(4096))      # an ELF kernel, as far as the lab reads it
+    config = good_config()
+    (tmp_path / ".config").write_text(config_text(config))
+    with pytest.raises(LabError) as err:
+        kernel.resolve(str(image))
+    assert "CONFIG_PVH=y" in err.value.what and "bzImage" in err.value.fix
+    config["PVH"] = "y"
+    (tmp_path / ".config").write_text(config_text(config))
+    assert kernel.resolve(str(image)).image == image
 
 
 def test_a_real_kernel_without_cxl_region_is_refused_before_anything_starts(tmp_path):

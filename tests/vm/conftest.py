@@ -26,7 +26,7 @@ import pytest
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.image import find_image
 from vfio_cxl.lab.fm import registry
-from vfio_cxl.lab.kernel import GuestKernel, cached_lab_kernel
+from vfio_cxl.lab.kernel import GuestKernel, boot_image, cached_lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
@@ -102,7 +102,7 @@ def lab_kernel_lab(labs) -> Lab:
     found = cached_lab_kernel()
     if found is None:
         pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
-    return labs.get("p2p", GuestKernel(found / "bzImage", label="lab"))
+    return labs.get("p2p", GuestKernel(boot_image(found), label="lab"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -159,4 +159,4 @@ def selftest_lab_kernel_lab(labs) -> Lab:
     found = cached_lab_kernel()
     if found is None:
         pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
-    return labs.get("selftest", GuestKernel(found / "bzImage", label="lab"))
+    return labs.get("selftest", GuestKernel(boot_image(found), label="lab"))

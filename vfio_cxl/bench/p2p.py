@@ -69,11 +69,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     kernel = None
     if args.kernel == "lab":
-        from ..lab.kernel import GuestKernel, cached_lab_kernel
+        from ..lab.kernel import GuestKernel, boot_image, cached_lab_kernel
         found = cached_lab_kernel()
         if found is None:
             raise LabError("the lab kernel is not built", "run 'vfio-cxl provision --kernel lab' first")
-        kernel = GuestKernel(found / "bzImage", label="lab")
+        kernel = GuestKernel(boot_image(found), label="lab")
     load = os.getloadavg()[0]
     with Lab(topology.load("p2p"), kernel=kernel, log=lambda *_: None) as lab:
         out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.p2p --bench --size {args.size} "

@@ -164,6 +164,7 @@ def build_lab_kernel(log=print) -> Path:
             seconds = time.monotonic() - started
             cpu = _children_cpu() - cpu_before
             shutil.copy2(obj / "arch/x86/boot/bzImage", out / "bzImage")
+            shutil.copy2(obj / "vmlinux", out / "vmlinux")   # what the lab boots (PVH: no decompression)
             shutil.copy2(obj / ".config", out / "config")
             release = (obj / "include/config/kernel.release").read_text().strip()
             (out / "manifest.json").write_text(json.dumps(
@@ -224,7 +225,15 @@ def lab_kernel(provision: bool = True, log=print) -> GuestKernel:
         if not provision:
             raise LabError("the lab kernel is not built", "run: vfio-cxl provision --kernel lab")
         found = build_lab_kernel(log)
-    return GuestKernel(found / "bzImage", label="lab")
+    return GuestKernel(boot_image(found), label="lab")
+
+
+def boot_image(built: Path) -> Path:
+    """The image of a built lab kernel that the lab boots: ``vmlinux`` (the fragment turns
+    on the PVH entry point, so QEMU enters it directly, no boot stub to decompress it under
+    TCG); ``bzImage`` for a kernel cached before that."""
+    vmlinux = built / "vmlinux"
+    return vmlinux if vmlinux.is_file() else built / "bzImage"
 
 
 def add_kernel_options(parser: argparse.ArgumentParser) -> None:
@@ -251,7 +260,7 @@ def resolve(kernel: str | None, modules: str | None = None, append: str = "",
         path = Path(kernel).expanduser()
         if not path.is_file():
             raise LabError(f"--kernel {kernel}: no such file",
-                           "give the path of a bzImage (e.g. arch/x86/boot/bzImage), or 'lab'")
+                           "give the path of a bzImage (arch/x86/boot/bzImage) or of a vmlinux built with CONFIG_PVH=y, or 'lab'")
         chosen = GuestKernel(path.resolve(), label="custom")
     mod_path = None
     if modules:
@@ -260,5 +269,16 @@ def resolve(kernel: str | None, modules: str | None = None, append: str = "",
             raise LabError(f"--modules {modules}: not a modules tree (no modules.dep)",
                            "give lib/modules/<release> of 'make modules_install INSTALL_MOD_PATH=...'")
     chosen = GuestKernel(chosen.image, mod_path, append, chosen.label)
-    check_config(chosen.config, str(chosen.image), modules=mod_path is not None)
+    config = chosen.config
+    check_config(config, str(chosen.image), modules=mod_path is not None)
+    if is_elf(chosen.image) and config.get("PVH") != "y":
+        # QEMU enters an ELF kernel only through its PVH note, else refuses it at start
+        raise LabError(f"--kernel {chosen.image}: an uncompressed vmlinux without CONFIG_PVH=y "
+                       "(QEMU boots an ELF kernel only through its PVH entry point)",
+                       "give arch/x86/boot/bzImage of that build, or build with CONFIG_PVH=y")
     return chosen
+
+
+def is_elf(image: Path) -> bool:
+    with open(image, "rb") as f:
+        return f.read(4) == b"\x7fELF"
