@@ -163,3 +163,32 @@ def test_nic_sits_on_a_root_port_of_its_own_with_a_network_that_reaches_nothing(
     # the NIC's port comes after the GPU's, so adding a NIC moves no other device
     assert devs.index(port) > devs.index("pcie-root-port,id=gpu0-port,bus=pcie.0,chassis=1,slot=1")
 
+
+
+def test_the_host_tsc_frequency_spares_the_guest_its_calibration():
+    topo = topology.load("single")
+    res = resources(topo)
+    plain = qemu_argv(topo, topo.vms[0], res)
+    told = qemu_argv(topo, topo.vms[0], VmResources(**{**res.__dict__, "tsc_khz": 2_300_000,
+                                                        "append": "lpj=1"}))
+    cmdline = told[told.index("-append") + 1]
+    assert "tsc_early_khz" not in plain[plain.index("-append") + 1]
+    # lpj is loops per jiffy at HZ=250; the user's --append comes last, so it wins
+    assert cmdline.endswith("tsc_early_khz=2300000 lpj=9200000 lpj=1")
+
+
+def test_the_host_tsc_is_measured_within_a_percent_of_what_the_kernel_says():
+    import platform
+
+    from vfio_cxl.lab.host_tsc import host_tsc_khz
+    khz = host_tsc_khz()
+    if platform.machine() != "x86_64":
+        assert khz is None
+        return
+    # /proc/cpuinfo's "cpu MHz" is the TSC frequency when the kernel knows it exactly
+    # (tsc_known_freq: virtual machines); elsewhere it is the current core clock
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    if khz is None or " tsc_known_freq" not in cpuinfo:
+        pytest.skip("no reference for the TSC frequency on this host")
+    mhz = float(re.search(r"cpu MHz\s*:\s*([0-9.]+)", cpuinfo).group(1))
+    assert abs(khz / 1000 - mhz) / mhz < 0.002, (khz, mhz)   # the guest keeps it if within 1 %

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .host_tsc import boot_arguments
 from .topology import Topology, Vm, format_size
 
 SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
@@ -39,6 +40,7 @@ class VmResources:
     append: str = ""                  # extra kernel command line (--append)
     modules: Path | None = None       # a modules tree for a kernel not the image's (--modules)
     smc_socket: Path | None = None    # this VM's socket of its shared-memory controller
+    tsc_khz: int | None = None        # the host's TSC frequency: the guest's under TCG (host_tsc.py)
 
     @property
     def console_log(self) -> Path:
@@ -220,6 +222,8 @@ def _boot(vm: Vm, res: VmResources) -> list[str]:
         cmdline += f" root=/dev/vda rootfstype=ext4 rootwait rw init={GUEST_INIT}"
     if res.modules:
         cmdline += " vfio_cxl.modules=1"
+    if res.tsc_khz:   # no TSC and delay-loop calibration against emulated timers
+        cmdline += " " + boot_arguments(res.tsc_khz)
     if res.append:
         cmdline += " " + res.append
     initrd = ["-initrd", str(res.initrd)] if res.initrd is not None else []

@@ -23,6 +23,7 @@ from ..paths import REPO_ROOT, runtime_root
 from .argv import VmResources
 from .device_process import DeviceServerProcess, smc_server
 from .gpu_process import GpuServerProcess
+from .host_tsc import host_tsc_khz
 from .image import GuestImage, find_image, image_path
 from .logs import archive_logs
 from .kernel import GuestKernel
@@ -171,6 +172,7 @@ class Lab:
                 append=self.kernel.append if self.kernel else "",
                 modules=self.kernel.modules if self.kernel else None,
                 smc_socket=self._smc_socket(rundir, spec.name),
+                tsc_khz=host_tsc_khz(),
             )
             extra = [p for p in (res.kernel, res.modules) if custom and p is not None]
             vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology, extra_ro=extra))
