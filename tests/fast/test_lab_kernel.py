@@ -162,7 +162,7 @@ def test_dry_run_shows_the_kernel_modules_share_and_append(tmp_path):
     line = next(l for l in result.stdout.splitlines() if l.startswith("qemu-system"))
     assert f"-kernel {image}" in line
     assert f"mount_tag={MODULES_MOUNT_TAG}" in line and f"path={modules}" in line
-    assert "vfio_cxl.modules=1 dyndbg=+p" in line
+    assert "vfio_cxl.modules=1 " in line and "dyndbg=+p' -name" in line   # --append comes last
     # A kernel not the image's mounts the root disk itself: no initramfs.
     assert "-initrd" not in line and "root=/dev/vda rootfstype=ext4 rootwait rw init=/sbin/vfio-cxl-init" in line
 
@@ -171,7 +171,8 @@ def test_the_image_kernel_keeps_its_initramfs():
     result = vfio_cxl("vm", "up", "single", "--append", "dyndbg=+p", "--dry-run")
     assert result.returncode == 0, result.stderr
     line = next(l for l in result.stdout.splitlines() if l.startswith("qemu-system"))
-    assert "-initrd " in line and "root=" not in line and "vfio_cxl.name=host0 dyndbg=+p" in line
+    assert "-initrd " in line and "root=" not in line and "vfio_cxl.name=host0 " in line
+    assert "dyndbg=+p' -name" in line   # --append comes last
 
 
 def test_the_built_lab_kernel_carries_its_config_and_passes_the_check():
