@@ -22,9 +22,9 @@ hop the stand-in does not make).  Measured, side by side in one run:
 * host memcpy bandwidth (memoryview copy between two memfd mappings): the reference;
 * bare socket copy: another process splices a memfd's pages into a UNIX stream
   socket (as the server sends DMA_WRITE data), this one receives them into a
-  buffer -- the kernel's copy out of 4 KiB page fragments, which the message
-  path VRAM -> host cannot beat (its client does exactly this copy, plus the
-  protocol); printed with the ratio of the two;
+  buffer -- the kernel's copy out of 4 KiB page fragments, the one copy the
+  message path VRAM -> host makes too (in its client, plus the protocol), so
+  that path comes near it, not far past it; printed with the ratio of the two;
 * direct path, sealed memfd (F_SEAL_SHRINK, like QEMU's memory-backend-memfd):
   the server copies through its mmap;
 * direct path, unsealed file (like QEMU's memory-backend-file for CXL): the
