@@ -13,7 +13,12 @@ out in pieces of at most the client's max_data_xfer_size (8 MiB at most),
 up to ``DMA_WINDOW`` of them in flight; the reader sends the next piece as
 soon as a reply is in (it only sends, never waits), and wakes the engine
 thread once, when the whole transfer is done or has failed.  DMA_WRITE data
-leaves by page reference (Transport zero_copy): no copy on our side.
+leaves by page reference (Transport zero_copy): no copy on our side.  The
+socket's send buffer is raised to hold a whole window of DMA_WRITE pieces
+(``set_client_limits``; past net.core.wmem_max only with CAP_NET_ADMIN), so
+the engine queues a window without sleeping for room: what the kernel holds
+for us is bounded by the window (at most 4 x 8 MiB of page references, or
+of copies if vmsplice is refused), not by the buffer.
 
 QEMU 11.1 sends its replies with one non-blocking write and forgets
 whatever did not fit into its socket buffer (~208 KiB by default): a
@@ -95,6 +100,7 @@ class Connection:
         self.max_read = DMA_READ_CHUNK_QEMU
         self.read_budget = QEMU_READ_BUDGET  # DMA_READ reply bytes outstanding, at most
         self.window = DMA_WINDOW
+        self.send_buffer = 0  # SO_SNDBUF granted after VERSION (set_client_limits)
         self.internal_errors = 0
         self.messages_in = 0
         self._handler: Handler | None = None
@@ -128,6 +134,10 @@ class Connection:
         else:
             self.max_read = min(max_data_xfer, DMA_PIECE_MAX)
             self.read_budget = DMA_WINDOW * self.max_read
+        # room for a whole window of DMA_WRITE pieces: the engine queues them without
+        # sleeping for buffer space (each such sleep is a wake-up and a hand-off to the
+        # client's CPU); it is bounded by the window either way (module doc)
+        self.send_buffer = self.transport.set_send_buffer(self.window * self.max_write)
 
     def shutdown(self) -> None:
         """Ask the reader to stop (it sees EOF); returns at once."""

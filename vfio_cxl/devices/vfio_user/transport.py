@@ -8,13 +8,18 @@ half-sent message cannot wedge the server.  File descriptors arrive as
 SCM_RIGHTS on any chunk of a message and are all collected; the caller owns
 them and must keep or close each one.
 
-The socket stays in blocking mode with kernel timeouts (SO_RCVTIMEO /
-SO_SNDTIMEO): a blocking recvmsg is one syscall per chunk, where
-poll-then-read would be two plus an exception on every EAGAIN -- that
-difference is a sizeable part of a 64 KiB DMA round trip in Python.
+Receiving: one ``recvmsg(MSG_DONTWAIT)`` per chunk while data is queued (one
+syscall), and ``poll(POLLIN)`` only when nothing is.  A thread asleep *in*
+``recvmsg`` would share the socket's wait queue with senders waiting for
+buffer space, and the kernel's "space freed" wake-ups (one per consumed skb
+once the send queue is below a quarter of SO_SNDBUF) would wake it for
+nothing -- measured: half of the GPU server's context switches during a
+DMA_WRITE transfer.  ``poll`` for POLLIN is woken by data (and hang-ups) only.
+Sending: the socket stays in blocking mode with a kernel timeout (SO_SNDTIMEO).
 
 Large payloads: the send buffer is raised to SEND_BUFFER (capped by the
-kernel's net.core.wmem_max), and a caller may ask for a **zero-copy** send
+kernel's net.core.wmem_max), or further with ``set_send_buffer`` (as root,
+past that cap: SO_SNDBUFFORCE), and a caller may ask for a **zero-copy** send
 of a message's last part (splice.py): its pages are queued by reference,
 so the receiver's copy is the only copy of the data.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import array
 import os
+import select
 import socket
 import struct
 import threading
@@ -32,12 +38,13 @@ from .splice import PageSender
 
 _CMSG_FD_SPACE = socket.CMSG_SPACE(64 * array.array("i").itemsize)
 _SEND_FLAGS = socket.MSG_NOSIGNAL
-_RECV_FLAGS = socket.MSG_CMSG_CLOEXEC
+_RECV_FLAGS = socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT  # _recv polls when empty
 # SO_SNDBUF: a UNIX stream socket holds at most this much unread data (the
 # receiver's SO_RCVBUF plays no part).  With the usual default (~208 KiB) a
 # sender blocked on an 8 MiB message is woken ~50 times, each wake-up a
 # cross-CPU hand-off; with 4 MiB (the kernel doubles it) a few times.
 SEND_BUFFER = 4 << 20
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # Linux; needs CAP_NET_ADMIN
 ZERO_COPY_MIN = 128 * 1024  # smaller payloads: one sendmsg copy costs less than two splices
 
 
@@ -74,15 +81,17 @@ class Transport:
     def __init__(self, sock: socket.socket, *, partial_timeout: float = 2.0,
                  send_timeout: float = 5.0, send_buffer: int = SEND_BUFFER):
         sock.setblocking(True)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(partial_timeout))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout))
+        self.sock = sock
         if send_buffer:
             try:  # the kernel caps it at net.core.wmem_max (and doubles it)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
             except OSError:
                 pass
-        self.sock = sock
         self.partial_timeout = partial_timeout
+        self._partial_ms = max(1, round(partial_timeout * 1000))
+        self._readable = select.poll()  # POLLIN only (module doc)
+        self._readable.register(sock, select.POLLIN)
         self.send_timeout = send_timeout
         self._send_lock = threading.Lock()
         self._closed = False
@@ -97,11 +106,12 @@ class Transport:
         while True:
             try:
                 n, ancdata, _, _ = self.sock.recvmsg_into(buffers, _CMSG_FD_SPACE, _RECV_FLAGS)
-            except BlockingIOError:  # SO_RCVTIMEO expired
-                if idle_ok:
-                    continue  # between messages silence is fine
-                raise MessageTimeout(
-                    f"message cut off: no data for {self.partial_timeout:.1f}s") from None
+            except BlockingIOError:  # nothing queued: sleep until data (only data) comes
+                # between messages silence is fine; within one, each chunk must come in time
+                if not self._readable.poll(-1 if idle_ok else self._partial_ms):
+                    raise MessageTimeout(
+                        f"message cut off: no data for {self.partial_timeout:.1f}s") from None
+                continue
             except InterruptedError:
                 continue
             except OSError as exc:
@@ -152,6 +162,28 @@ class Transport:
             count -= n
 
     # ------------------------------------------------------------ sending
+    def set_send_buffer(self, size: int) -> int:
+        """Let the socket hold ``size`` bytes of unread data; returns what it now holds.
+
+        SO_SNDBUF is capped at net.core.wmem_max; a process with CAP_NET_ADMIN
+        may go past it with SO_SNDBUFFORCE, which is tried first.  Never lowers
+        the buffer.  (The kernel grants twice what is asked: skb overhead.)
+        """
+        have = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        if have >= 2 * size:
+            return have
+        for option in (SO_SNDBUFFORCE, socket.SO_SNDBUF):
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, option, size)
+                break
+            except OSError:  # EPERM without CAP_NET_ADMIN: the capped option then
+                continue
+        got = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        if got < have:  # capped below what we had: keep what we had
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, have // 2)
+            got = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        return got
+
     def send(self, parts, fds=(), guard=None, zero_copy: bool = False) -> None:
         """Send one whole message (a list of bytes-like parts) plus optional fds.
 
