@@ -60,7 +60,10 @@ def _mib(size: int) -> str:
 
 
 def _machine(vm: Vm, res: VmResources) -> list[str]:
-    machine = "q35,cxl=on,memory-backend=ram"
+    # No SATA controller, SMBus, SMM or VMware port: a lab VM boots from virtio-blk and
+    # uses none of them, and under TCG SeaBIOS probing the AHCI ports and setting up SMM,
+    # and the guest kernel probing them again, are emulated work on every boot.
+    machine = "q35,cxl=on,memory-backend=ram,sata=off,smbus=off,smm=off,vmport=off"
     if res.accel == "kvm":
         machine += ",kernel-irqchip=split"   # intel-iommu's intremap needs it under KVM
     return [
