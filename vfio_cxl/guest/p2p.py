@@ -247,7 +247,7 @@ class PeerPair:
         a, b = self.gpus[src], self.gpus[dst]
         if not 0 < length * count <= b.vram_size or length > a.vram_size:
             raise P2pError(f"{count} x {length} bytes do not fit GPU {b.device.bdf}'s VRAM "
-                           f"({b.vram_size} bytes)", "use a smaller --size or fewer copies")
+                           f"({b.vram_size} bytes)", "pass a smaller length or count")
         a.bar0.write32(regs.REG_P2P_CONTROL, 0)
         a.run([Transfer(Op.FILL_PRNG, src=seed, dst=0, length=length)])
         b.vram.view(0, length * count)[:] = bytes(length * count)   # stale bytes cannot pass the check

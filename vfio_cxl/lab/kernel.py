@@ -260,7 +260,8 @@ def resolve(kernel: str | None, modules: str | None = None, append: str = "",
         path = Path(kernel).expanduser()
         if not path.is_file():
             raise LabError(f"--kernel {kernel}: no such file",
-                           "give the path of a bzImage (arch/x86/boot/bzImage) or of a vmlinux built with CONFIG_PVH=y, or 'lab'")
+                           "give the path of a bzImage (arch/x86/boot/bzImage) or of a vmlinux built "
+                           "with CONFIG_PVH=y, or 'lab'")
         chosen = GuestKernel(path.resolve(), label="custom")
     mod_path = None
     if modules:
