@@ -23,10 +23,11 @@ import json
 
 import pytest
 
+from vfio_cxl.errors import LabError
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.image import find_image
 from vfio_cxl.lab.fm import registry
-from vfio_cxl.lab.kernel import GuestKernel, boot_image, cached_lab_kernel
+from vfio_cxl.lab.kernel import lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
@@ -92,6 +93,15 @@ def fabric_lab(labs) -> Lab:
     return labs.get("fabric")
 
 
+def lab_kernel_or_skip():
+    """The cached lab kernel, or a skip saying how to get it (it is never built here)."""
+    try:
+        return lab_kernel(provision=False)
+    except LabError:
+        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' "
+                    "(or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
+
+
 @pytest.fixture
 def lab_kernel_lab(labs) -> Lab:
     """``p2p`` booted on the lab kernel (IOMMUFD).  p2p rather than single: it has the same
@@ -99,10 +109,7 @@ def lab_kernel_lab(labs) -> Lab:
     tests use, plus the three GPUs the iommufd peer-to-peer case needs -- one boot for
     all lab-kernel tests.  Built by ``VFIO_CXL_LAB_KERNEL=1 scripts/test`` when missing
     (``vfio-cxl provision --kernel lab``); a bare pytest run without it skips, saying so."""
-    found = cached_lab_kernel()
-    if found is None:
-        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
-    return labs.get("p2p", GuestKernel(boot_image(found), label="lab"))
+    return labs.get("p2p", lab_kernel_or_skip())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -156,7 +163,4 @@ def selftest_lab(labs) -> Lab:
 @pytest.fixture
 def selftest_lab_kernel_lab(labs) -> Lab:
     """The VFIO selftests' topology on the lab kernel (IOMMUFD); skips, saying so, when it is not built."""
-    found = cached_lab_kernel()
-    if found is None:
-        pytest.skip("the lab kernel is not built: run 'vfio-cxl provision --kernel lab' (or VFIO_CXL_LAB_KERNEL=1 scripts/test)")
-    return labs.get("selftest", GuestKernel(boot_image(found), label="lab"))
+    return labs.get("selftest", lab_kernel_or_skip())

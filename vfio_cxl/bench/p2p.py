@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 
-from ..errors import LabError
 from ..lab import topology
 from ..lab.lab import Lab
 from .reference import host_memcpy
@@ -52,11 +51,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     kernel = None
     if args.kernel == "lab":
-        from ..lab.kernel import GuestKernel, boot_image, cached_lab_kernel
-        found = cached_lab_kernel()
-        if found is None:
-            raise LabError("the lab kernel is not built", "run 'vfio-cxl provision --kernel lab' first")
-        kernel = GuestKernel(boot_image(found), label="lab")
+        from ..lab.kernel import lab_kernel
+        kernel = lab_kernel(provision=False)   # an error naming the provision command if not built
     load = os.getloadavg()[0]
     with Lab(topology.load("p2p"), kernel=kernel, log=lambda *_: None) as lab:
         out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.p2p --bench --size {args.size} "
