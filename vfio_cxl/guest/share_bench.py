@@ -170,6 +170,17 @@ def send(transport: str, plan, peer: str, timeout: float, coherence_name: str, s
 
 
 # -- receiving side (VM b) -------------------------------------------------------------------------
+def _accept_one(port: int, timeout: float) -> socket.socket:
+    """The producer's one connection to ``port`` (no Nagle delay), within ``timeout``."""
+    server = socket.create_server(("0.0.0.0", port))
+    server.settimeout(timeout)
+    with server:
+        conn, _ = server.accept()
+    conn.settimeout(timeout)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
+
+
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
@@ -209,12 +220,7 @@ def recv(transport: str, plan, timeout: float, coherence_name: str, smc_peer: in
                 if transport == "doorbell":
                     smc = SmcDriver.open()
                 if transport == "link":
-                    server = socket.create_server(("0.0.0.0", LINK_PORT))
-                    server.settimeout(timeout)
-                    with server:
-                        link, _ = server.accept()
-                    link.settimeout(timeout)
-                    link.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    link = _accept_one(LINK_PORT, timeout)
                 told = memoryview(bytearray(SEQ.size))
                 c = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout,
                                   wakeup=SmcWakeup(smc, [smc_peer]) if smc is not None else None)
@@ -242,12 +248,7 @@ def recv(transport: str, plan, timeout: float, coherence_name: str, smc_peer: in
                     c.close()
                     view.release()
             else:
-                server = socket.create_server(("0.0.0.0", TCP_PORT))
-                server.settimeout(timeout)
-                with server:
-                    conn, _ = server.accept()
-                conn.settimeout(timeout)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn = _accept_one(TCP_PORT, timeout)
                 buf = memoryview(bytearray(max(size for size, _, _ in plan)))
                 head = memoryview(bytearray(HEADER.size))
                 with conn:
