@@ -168,13 +168,25 @@ def test_nic_sits_on_a_root_port_of_its_own_with_a_network_that_reaches_nothing(
 def test_the_host_tsc_frequency_spares_the_guest_its_calibration():
     topo = topology.load("single")
     res = resources(topo)
-    plain = qemu_argv(topo, topo.vms[0], res)
-    told = qemu_argv(topo, topo.vms[0], VmResources(**{**res.__dict__, "tsc_khz": 2_300_000,
-                                                        "append": "lpj=1"}))
-    cmdline = told[told.index("-append") + 1]
-    assert "tsc_early_khz" not in plain[plain.index("-append") + 1]
-    # lpj is loops per jiffy at HZ=250; the user's --append comes last, so it wins
-    assert cmdline.endswith("tsc_early_khz=2300000 lpj=9200000 lpj=1")
+
+    def cmdline(**changes):
+        argv = qemu_argv(topo, topo.vms[0], VmResources(**{**res.__dict__, **changes}))
+        return argv[argv.index("-append") + 1]
+
+    assert "tsc_early_khz" not in cmdline()
+    # lpj is loops per jiffy, at the kernel's own HZ; the user's --append comes last, so it wins
+    assert cmdline(tsc_khz=2_300_000, guest_hz=250, append="lpj=1").endswith(
+        "tsc_early_khz=2300000 lpj=9200000 lpj=1")
+    assert cmdline(tsc_khz=2_300_000, guest_hz=1000).endswith("tsc_early_khz=2300000 lpj=2300000")
+    # a kernel whose HZ is not known calibrates its delay loop itself
+    assert cmdline(tsc_khz=2_300_000).endswith("tsc_early_khz=2300000")
+
+
+def test_the_kernel_hz_is_read_from_its_config():
+    from vfio_cxl.lab.kconfig import kconfig_hz, parse_config
+    assert kconfig_hz(parse_config("CONFIG_HZ_250=y\nCONFIG_HZ=250\n")) == 250
+    assert kconfig_hz(parse_config("# CONFIG_HZ is not set\n")) is None
+    assert kconfig_hz({}) is None
 
 
 def test_the_host_tsc_is_measured_within_a_percent_of_what_the_kernel_says():

@@ -41,6 +41,7 @@ class VmResources:
     modules: Path | None = None       # a modules tree for a kernel not the image's (--modules)
     smc_socket: Path | None = None    # this VM's socket of its shared-memory controller
     tsc_khz: int | None = None        # the host's TSC frequency: the guest's under TCG (host_tsc.py)
+    guest_hz: int | None = None       # CONFIG_HZ of the kernel booted (None: not known)
 
     @property
     def console_log(self) -> Path:
@@ -226,7 +227,7 @@ def _boot(vm: Vm, res: VmResources) -> list[str]:
     if res.modules:
         cmdline += " vfio_cxl.modules=1"
     if res.tsc_khz:   # no TSC and delay-loop calibration against emulated timers
-        cmdline += " " + boot_arguments(res.tsc_khz)
+        cmdline += " " + boot_arguments(res.tsc_khz, res.guest_hz)
     if res.append:
         cmdline += " " + res.append
     initrd = ["-initrd", str(res.initrd)] if res.initrd is not None else []

@@ -33,7 +33,6 @@ SAMPLES = 3
 # Each TSC read is bracketed by clock reads; a bracket wider than this (the thread was
 # preempted) would skew the figure, and the guest keeps a value more than 1 % off.
 MAX_BRACKET_NS = 20_000
-GUEST_HZ = 250       # CONFIG_HZ of the lab kernel and of Debian's: lpj = loops per jiffy
 
 
 @functools.cache
@@ -78,10 +77,12 @@ def host_tsc_khz() -> int | None:
     return khz if khz > 100_000 else None
 
 
-def boot_arguments(khz: int | None) -> str:
-    """The kernel command line that skips the guest's TSC and delay-loop calibration."""
+def boot_arguments(khz: int | None, hz: int | None) -> str:
+    """The kernel command line that skips the guest's TSC and delay-loop calibration.
+
+    ``hz`` is the guest kernel's CONFIG_HZ (None: unknown, then its delay loop is calibrated)."""
     if not khz:
         return ""
-    # x86 delays use the TSC once it is known, so lpj only spares the secondary CPUs'
-    # delay-loop calibration (and sets their BogoMIPS figure).
-    return f"tsc_early_khz={khz} lpj={khz * 1000 // GUEST_HZ}"
+    # x86 delays use the TSC once it is known, so lpj (loops per jiffy) only spares the
+    # secondary CPUs' delay-loop calibration (and sets their BogoMIPS figure).
+    return f"tsc_early_khz={khz}" + (f" lpj={khz * 1000 // hz}" if hz else "")

@@ -4,6 +4,8 @@ Built from ``images/guest.toml`` (plus ``images/rootfs/`` and
 ``images/initramfs-init``) into ``<cache>/images/<recipe hash>/``:
 
 * ``vmlinuz``, ``initrd.img`` -- booted directly with -kernel/-initrd;
+* ``config``                  -- that kernel's configuration (its CONFIG_HZ sets timer
+  figures on the command line);
 * ``rootfs.raw``              -- ext4, shared read-only by every VM (each VM
   writes to its own copy-on-write overlay);
 * ``id_ed25519[.pub]``        -- the lab's SSH client key, generated at build
@@ -29,6 +31,7 @@ from pathlib import Path
 from ..errors import LabError
 from ..paths import REPO_ROOT, cache_root
 from . import apt
+from .kconfig import kconfig_hz, parse_config
 from .recipe import Progress, building, recipe_hash
 
 IMAGES_DIR = REPO_ROOT / "images"
@@ -58,6 +61,12 @@ class GuestImage:
     @property
     def host_key(self) -> str:
         return (self.root / "ssh_host_ed25519_key.pub").read_text().split()[1]
+
+    @property
+    def kernel_hz(self) -> int | None:
+        """CONFIG_HZ of the image's kernel (None for an image built without its config)."""
+        config = self.root / "config"
+        return kconfig_hz(parse_config(config.read_text())) if config.is_file() else None
 
     @property
     def manifest(self) -> dict:
@@ -214,6 +223,7 @@ def build_image(dest: Path, log=print) -> GuestImage:
         progress.step(f"installing kernel {version} modules")
         _install_modules(recipe, version, kernel, rootfs)
         shutil.copy2(kernel / "boot" / f"vmlinuz-{version}", out / "vmlinuz")
+        shutil.copy2(kernel / "boot" / f"config-{version}", out / "config")
         progress.step("building initramfs")
         _build_initramfs(recipe, version, rootfs, out / "initrd.img", work)
         _configure_rootfs(rootfs, out)

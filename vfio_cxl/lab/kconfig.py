@@ -139,6 +139,12 @@ def extract_ikconfig(image: bytes) -> str | None:
     return None
 
 
+def kconfig_hz(config: dict[str, str]) -> int | None:
+    """CONFIG_HZ, the timer tick a jiffy counts (None if the config does not say)."""
+    value = config.get("HZ", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def config_beside(image: Path) -> Path | None:
     candidates = [image.parent / ".config", image.parent / "config"]
     if image.name.startswith("vmlinuz-"):

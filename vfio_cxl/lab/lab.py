@@ -26,6 +26,7 @@ from .gpu_process import GpuServerProcess
 from .host_tsc import host_tsc_khz
 from .image import GuestImage, find_image, image_path
 from .logs import archive_logs
+from .kconfig import kconfig_hz
 from .kernel import GuestKernel
 from .qemu_runtime import QemuRuntime, find_runtime, planned_runtime
 from .topology import Topology, Vm
@@ -173,6 +174,7 @@ class Lab:
                 modules=self.kernel.modules if self.kernel else None,
                 smc_socket=self._smc_socket(rundir, spec.name),
                 tsc_khz=host_tsc_khz(),
+                guest_hz=kconfig_hz(self.kernel.config) if custom else image.kernel_hz,
             )
             extra = [p for p in (res.kernel, res.modules) if custom and p is not None]
             vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology, extra_ro=extra))
