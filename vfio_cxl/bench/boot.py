@@ -9,8 +9,8 @@ lab kernel, alternating so every kernel sees the same machine load.  Each figure
 slowest VM of the lab from QEMU start to SSH; the time to bring the declared regions up
 with cxl-cli, daxctl and ndctl is reported beside it.  Then where the time went:
 firmware and kernel loading (host clock until the guest kernel's clock starts), the
-kernel until init runs, init until sshd is up (the guest init stamps its console
-lines with /proc/uptime), the SSH session, and QEMU's CPU seconds for the whole boot
+kernel until init runs, init until the SSH server listens (the guest init stamps its
+console lines with /proc/uptime), the SSH session, and QEMU's CPU seconds for the whole boot
 (load-independent: on an idle machine the boot takes about that long).
 """
 

@@ -35,6 +35,7 @@ from .kconfig import kconfig_hz, parse_config
 from .recipe import Progress, building, recipe_hash
 
 IMAGES_DIR = REPO_ROOT / "images"
+GUEST_HOST_KEY = "/etc/dropbear/dropbear_ed25519_host_key"   # the guest init starts dropbear with it
 HOST_PACKAGES = ["mmdebstrap", "cpio", "e2fsprogs", "openssh-client", "kmod", "debian-archive-keyring"]
 
 
@@ -192,11 +193,18 @@ def _configure_rootfs(rootfs: Path, out: Path) -> None:
     ssh_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     shutil.copy2(out / "id_ed25519.pub", ssh_dir / "authorized_keys")
     os.chmod(ssh_dir / "authorized_keys", 0o600)
-    # Host keys exist since openssh-server's postinst; keep only ed25519 (fast to load).
-    for key in (rootfs / "etc/ssh").glob("ssh_host_*_key*"):
-        if "ed25519" not in key.name:
-            key.unlink()
-    shutil.copy2(rootfs / "etc/ssh/ssh_host_ed25519_key.pub", out / "ssh_host_ed25519_key.pub")
+    # The host key, made by dropbear's own tool in the rootfs; the lab pins its public half.
+    def dropbearkey(*args: str) -> str:
+        return _run(["chroot", str(rootfs), "/usr/bin/dropbearkey", *args], "dropbearkey").stdout
+
+    (rootfs / "etc/dropbear").mkdir(exist_ok=True)
+    dropbearkey("-t", "ed25519", "-f", GUEST_HOST_KEY)
+    shown = dropbearkey("-y", "-f", GUEST_HOST_KEY)
+    public = [line for line in shown.splitlines() if line.startswith("ssh-ed25519 ")]
+    if len(public) != 1:
+        raise LabError(f"dropbearkey -y printed no ssh-ed25519 public key:\n{shown}",
+                       "check the dropbear-bin package in images/guest.toml")
+    (out / "ssh_host_ed25519_key.pub").write_text(public[0] + "\n")
     (rootfs / "etc/hostname").write_text("vfio-cxl\n")
     (rootfs / "etc/fstab").write_text("/dev/vda / ext4 rw 0 1\n")
 

@@ -13,7 +13,7 @@ from fabric import Connection
 
 from ..errors import LabError
 
-# paramiko logs every refused attempt while sshd comes up; connect() reports failure itself.
+# paramiko logs every refused attempt while the SSH server comes up; connect() reports failure itself.
 logging.getLogger("paramiko").setLevel(logging.CRITICAL)
 
 
@@ -52,12 +52,13 @@ class GuestShell:
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
 
     def connect(self, deadline: float) -> None:
-        """Connect, retrying while sshd is still coming up, until ``deadline`` (monotonic).
+        """Connect, retrying while the SSH server is still coming up, until ``deadline`` (monotonic).
 
         Each attempt may take until the deadline (at least 5 s): paramiko bounds the key
-        exchange by the connect timeout, and on a loaded host a TCG guest's sshd can need more
-        than a few seconds for it; an attempt given up mid-exchange leaves the guest an sshd
-        process to finish for nothing, and the retries then pile up and starve the guest."""
+        exchange by the connect timeout, and on a loaded host a TCG guest's SSH server can
+        need more than a few seconds for it; an attempt given up mid-exchange leaves the
+        guest a server process to finish for nothing, and the retries then pile up and
+        starve the guest."""
         while True:
             budget = max(5.0, deadline - time.monotonic())
             self.connection.connect_timeout = budget
@@ -116,8 +117,8 @@ class RunningCommand:
 class ShellSession:
     """One long-lived ``sh`` on a VM's open SSH connection: each script goes to its stdin and
     runs in a subshell; its output ends with a marker line carrying the exit status.  This saves
-    what sshd does per command (a session process, a login shell): 1-2 s under TCG load, against
-    one fork here.  A session that times out or breaks is closed and never reused; the next
+    what the SSH server does per command (a session process, a login shell): 1-2 s under TCG
+    load, against one fork here.  A session that times out or breaks is closed and never reused; the next
     ``run`` opens a new one."""
 
     MARK = "@@vfio-cxl-exit"

@@ -56,7 +56,7 @@ class BootStages:
     to_ssh: float           # QEMU start -> SSH session open (host)
     ready_seen: float       # QEMU start -> the ready line in the console log (host)
     kernel_to_init: float | None   # kernel start -> init's first line (guest uptime)
-    init_to_ready: float | None    # init's first line -> sshd up (guest uptime)
+    init_to_ready: float | None    # init's first line -> SSH server listening (guest uptime)
     cpu: float              # CPU seconds of QEMU (all its threads) until SSH was open
 
     @property
