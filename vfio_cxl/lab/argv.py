@@ -74,6 +74,9 @@ def _machine(vm: Vm, res: VmResources) -> list[str]:
         # cannot invalidate caches on a virtual CPU; hiding the bit lets the
         # guest bring CXL memory up as it would on bare metal.
         "-cpu", "max,hypervisor=off",
+        # No TPR-patching option ROM (kvmvapic.bin, an aid for 32-bit Windows):
+        # SeaBIOS would run it on every boot for a Linux guest that never uses it.
+        "-global", "apic-common.vapic=off",
         "-smp", str(vm.cpus),
         "-m", f"{_mib(vm.memory)},slots=4,maxmem={_mib(vm.memory + (8 << 30))}",
         # Guest RAM is an fd-backed shared backend, so QEMU can hand the GPU
@@ -184,16 +187,19 @@ def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
 
 def _network(res: VmResources) -> list[str]:
     # restrict=on: the guest reaches nothing outside; only the forwarded SSH port
-    # on the host's loopback reaches in.
+    # on the host's loopback reaches in.  romfile= (none): the NICs carry no iPXE
+    # option ROM, which SeaBIOS would load and run on every boot; the lab boots
+    # with -kernel, never from the network.
     args = [
         "-netdev", f"user,id=ssh,restrict=on,hostfwd=tcp:127.0.0.1:{res.ssh_port}-:22",
-        "-device", f"virtio-net-pci,netdev=ssh,mac={SSH_NIC_MAC.format(res.index)},bus=pcie.0",
+        "-device", f"virtio-net-pci,netdev=ssh,mac={SSH_NIC_MAC.format(res.index)},bus=pcie.0,romfile=",
     ]
     for socket, listens, link in res.link_sockets:
         mode = "server=on" if listens else "server=off,reconnect-ms=100"
         args += [
             "-netdev", f"stream,id=link{link},addr.type=unix,addr.path={socket},{mode}",
-            "-device", f"virtio-net-pci,netdev=link{link},mac={LINK_NIC_MAC.format(link, res.index)},bus=pcie.0",
+            "-device", f"virtio-net-pci,netdev=link{link},mac={LINK_NIC_MAC.format(link, res.index)},"
+                       "bus=pcie.0,romfile=",
         ]
     return args
 
