@@ -60,7 +60,9 @@ def main(argv: list[str]) -> int:
                 for key, value in result.get("attach_parts", {}).items():
                     parts.setdefault(key, []).append(value)
             info = client.ssh_info("a")
-        ssh = []   # the floor of a guest check: one OpenSSH round trip (new connection) running `true`
+        # the floor of a guest check: one SSH round trip (the host's ssh client, a new
+        # connection) running `true`
+        ssh = []
         for _ in range(5):
             t0 = time.monotonic()
             subprocess.run(["ssh", "-i", info["key"], "-p", str(info["port"]), "-o", "BatchMode=yes",
