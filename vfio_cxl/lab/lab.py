@@ -153,6 +153,9 @@ class Lab:
             sock = rundir / f"link{i}.sock"
             link_sockets[link.vms[0]].append((sock, True, i))
             link_sockets[link.vms[1]].append((sock, False, i))
+        custom = self.kernel is not None and self.kernel.image != Path()
+        # read once for all VMs (a --kernel without a .config beside it is unpacked to find it)
+        guest_hz = kconfig_hz(self.kernel.config) if custom else image.kernel_hz
         vms = []
         for index, spec in enumerate(self.topology.vms, start=1):
             if self.ssh_port is not None:
@@ -160,7 +163,6 @@ class Lab:
             else:
                 port = free_port()
             vmdir = rundir / spec.name
-            custom = self.kernel is not None and self.kernel.image != Path()
             res = VmResources(
                 index=index, rundir=vmdir, kernel=self.kernel.image if custom else image.kernel,
                 # The image's initramfs loads the image kernel's modules: only its kernel needs it.
@@ -174,7 +176,7 @@ class Lab:
                 modules=self.kernel.modules if self.kernel else None,
                 smc_socket=self._smc_socket(rundir, spec.name),
                 tsc_khz=host_tsc_khz(),
-                guest_hz=kconfig_hz(self.kernel.config) if custom else image.kernel_hz,
+                guest_hz=guest_hz,
             )
             extra = [p for p in (res.kernel, res.modules) if custom and p is not None]
             vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology, extra_ro=extra))
