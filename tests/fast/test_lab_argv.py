@@ -17,6 +17,8 @@ def resources(topo, vm_index=1, gpu=True, links=()):
                        rootfs=Path("/img/rootfs.raw"), source=Path("/src"),
                        backend_files={b: Path(f"/tmp/lab/{b}.mem") for b in topo.backends},
                        ssh_port=2222, link_sockets=links,
+                       nvme_files={n.drive_id(i): run / f"{n.drive_id(i)}.raw"
+                                   for n in vm.nvmes for i in range(1, len(n.namespaces) + 1)},
                        gpu_sockets={g.name: run / f"{g.name}.sock" for g in topo.gpus_of(vm.name)} if gpu else {})
 
 
@@ -131,6 +133,37 @@ def test_gpus_behind_a_pcie_switch():
     # The switch comes before its GPUs on the command line.
     assert devs.index("xio3130-downstream,id=dp1,bus=psw0,chassis=2,slot=1") < devs.index(
         next(d for d in devs if '"id":"gpu1"' in d))
+
+
+def test_nvme_behind_the_switch_and_on_a_root_port_with_their_namespaces():
+    argv = argv_of("storage")
+    devs = devices(argv)
+    drives = [argv[i + 1] for i, a in enumerate(argv) if a == "-drive"]
+    assert "file=/tmp/lab/host0/nvme0-ns1.raw,if=none,id=nvme0-ns1,format=raw" in drives
+    assert "file=/tmp/lab/host0/nvme1-ns2.raw,if=none,id=nvme1-ns2,format=raw" in drives
+    # nvme0 beside the GPU behind psw0; shadow doorbells off, QEMU's bounce buffer at 1M
+    nvme0 = next(d for d in devs if d.startswith("nvme,id=nvme0,"))
+    assert nvme0 == ("nvme,id=nvme0,bus=dp1,serial=vfio-cxl-nvme0,max_ioqpairs=16,dbcs=off,"
+                     "x-max-bounce-buffer-size=1048576")
+    assert devs.index("xio3130-downstream,id=dp1,bus=psw0,chassis=2,slot=1") < devs.index(nvme0)
+    # nvme1 on a root port of its own, with its CMB and two namespaces on its bus
+    assert "pcie-root-port,id=nvme1-port,bus=pcie.0,chassis=1,slot=2" in devs
+    nvme1 = next(d for d in devs if d.startswith("nvme,id=nvme1,"))
+    assert "bus=nvme1-port" in nvme1 and nvme1.endswith(",cmb_size_mb=4")
+    assert devs.index(nvme1) < devs.index("nvme-ns,drive=nvme1-ns1,bus=nvme1,nsid=1") < \
+        devs.index("nvme-ns,drive=nvme1-ns2,bus=nvme1,nsid=2")
+    # every namespace's drive is declared before the controller that uses it
+    assert argv.index("file=/tmp/lab/host0/nvme1-ns2.raw,if=none,id=nvme1-ns2,format=raw") < argv.index(nvme1)
+
+
+def test_shadow_doorbells_on_when_asked(tmp_path):
+    path = tmp_path / "dbcs.toml"
+    path.write_text((topology.TOPOLOGY_DIR / "storage.toml").read_text().replace(
+        "queue_pairs = 16", "queue_pairs = 16\nshadow_doorbells = true\nbounce_buffer = \"4K\""))
+    topo = topology.load(str(path))
+    devs = devices(qemu_argv(topo, topo.vms[0], resources(topo)))
+    nvme0 = next(d for d in devs if d.startswith("nvme,id=nvme0,"))
+    assert ",dbcs=on," in nvme0 and nvme0.endswith("x-max-bounce-buffer-size=4096")
 
 
 def test_unowned_gpu_is_nowhere_at_boot(tmp_path):

@@ -25,7 +25,7 @@ def test_unknown_topology_is_one_line():
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "vfio-cxl: error: unknown topology 'nosuch' -- use one of: fabric, hb2, interleave2, mhmld, p2p, pmem, "
-        "pool, selftest, shared, single, smc (or a path to a .toml file)"]
+        "pool, selftest, shared, single, smc, storage (or a path to a .toml file)"]
 
 
 def test_malformed_topology_file(tmp_path):
@@ -39,7 +39,8 @@ def test_topologies_listing():
     result = vfio_cxl("vm", "topologies")
     assert result.returncode == 0
     assert [line.split()[0] for line in result.stdout.splitlines()] == [
-        "fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc"]
+        "fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc",
+        "storage"]
 
 
 def test_dry_run_names_the_qemu_version_or_says_it_is_not_provisioned():

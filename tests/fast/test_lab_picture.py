@@ -24,6 +24,8 @@ def test_docs_pictures_are_current(name):
     for vm in topo.vms:
         for t3 in vm.type3:
             assert f">{t3.name.replace('-', '&#45;')}</text>" in svg
+        for nvme in vm.nvmes:
+            assert f">{nvme.name}<" in svg
 
 
 def test_every_part_is_in_the_text_tree():
@@ -34,6 +36,14 @@ def test_every_part_is_in_the_text_tree():
                  "mem0: Type3 (volatile cxl0 256M)", "window 0: 4G over hb0 (1-way x 8K)",
                  "region r0: ram, 1-way x 8K, 256M [mem0] -> devdax", "backend cxl0: 256M file, private: host0/mem0"):
         assert part in out, part
+
+
+def test_nvme_controllers_are_in_the_text_tree_where_they_sit():
+    out = picture.text(topology.load("storage"))
+    assert ("   │     └─ dp1: downstream port\n"
+            "   │        └─ nvme0: NVMe (namespaces 256M; 16 queue pairs)\n") in out
+    assert ("   └─ nvme1-port: root port\n"
+            "      └─ nvme1: NVMe (namespaces 64M, 16M; 8 queue pairs, CMB 4M)\n") in out
 
 
 def test_interleaved_region_lists_memdevs_in_position_order():

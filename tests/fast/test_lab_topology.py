@@ -9,7 +9,7 @@ from vfio_cxl.lab import topology
 
 from test_lab_topology_cases import BASE, CASES, variant
 
-SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc"]
+SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc", "storage"]
 
 EXPECTED = dict([
     ('malformed TOML',
@@ -17,7 +17,7 @@ EXPECTED = dict([
     ('no VM',
      't.toml: vm: no [[vm]] defined -- add at least one [[vm]] table with a name'),
     ('unknown key',
-     't.toml: vm[0].colour: unknown key -- allowed here: cpus, host_bridge, hotplug_ports, memory, name, pcie_switch, region, switch, type3, window -- see docs/topologies.md for every key'),
+     't.toml: vm[0].colour: unknown key -- allowed here: cpus, host_bridge, hotplug_ports, memory, name, nvme, pcie_switch, region, switch, type3, window -- see docs/topologies.md for every key'),
     ('bad name',
      "t.toml: vm[1].name: bad name 'G 2': use 1-16 lower-case letters, digits or '-', starting with a letter -- see docs/topologies.md for every key"),
     ('reserved name',
@@ -130,6 +130,26 @@ EXPECTED = dict([
      "t.toml: nics.gpu0: name 'gpu0' is already used by gpus.gpu0 in VM 'h' -- give every host bridge, port, switch, Type3 device and region of a VM its own name"),
     ('top-level keys',
      't.toml: smcx: unknown key -- allowed here: backends, description, gpus, link, nics, smc, vm -- see docs/topologies.md for every key'),
+    ('NVMe keys',
+     't.toml: vm[0].nvme[0].size: unknown key -- allowed here: at, bounce_buffer, cmb, name, namespaces, queue_pairs, shadow_doorbells -- see docs/topologies.md for every key'),
+    ('NVMe has a name',
+     't.toml: vm[0].nvme[0].name: required key is missing -- see docs/topologies.md for every key'),
+    ('NVMe on a PCIe switch port',
+     "t.toml: vm[0].nvme[0].at: 'ds1' is not a PCIe switch downstream port of VM 'h' -- use one of: dp0, dp1, or leave 'at' out for a root port of its own"),
+    ('NVMe port over-subscribed',
+     "t.toml: vm[0].nvme[0].at: port 'dp0' is over-subscribed: GPU gpu1 already sits on it -- a port carries one device: add a root port or a switch downstream port"),
+    ('NVMe name unique in its VM',
+     "t.toml: vm[0].nvme[0].name: name 'gpu1' is already used by gpus.gpu1 in VM 'h' -- give every host bridge, port, switch, Type3 device and region of a VM its own name"),
+    ('NVMe namespace size',
+     't.toml: vm[0].nvme[0].namespaces[1]: a namespace is a multiple of 1M from 1M to 64G, not 100K -- see docs/topologies.md for every key'),
+    ('NVMe has a namespace',
+     't.toml: vm[0].nvme[0].namespaces: an NVMe controller has 1 to 8 namespaces (NSIDs 1..), not 0: write namespaces = ["64M"] -- see docs/topologies.md for every key'),
+    ('NVMe queue pairs',
+     "t.toml: vm[0].nvme[0].queue_pairs: queue_pairs is a whole number from 1 to 64 (QEMU's nvme max_ioqpairs), not 65 -- see docs/topologies.md for every key"),
+    ('NVMe CMB size',
+     't.toml: vm[0].nvme[0].cmb: cmb is a multiple of 1M up to 1G (0: no CMB), not 100K -- see docs/topologies.md for every key'),
+    ('NVMe bounce buffer',
+     't.toml: vm[0].nvme[0].bounce_buffer: bounce_buffer is a power of two from 4K to 64M, not 3K -- see docs/topologies.md for every key'),
 ])
 
 
@@ -158,7 +178,8 @@ def test_shipped_topologies_load_with_descriptions():
         topo = topology.load(name)
         assert len(topo.description) > 40, name
         # every topology brings CXL memory up, but the VFIO selftests' (a GPU and a NIC, no CXL)
-        assert sum(len(vm.regions) for vm in topo.vms) >= (0 if name == "selftest" else 1), name
+        # and storage's (a GPU and NVMe controllers, no CXL)
+        assert sum(len(vm.regions) for vm in topo.vms) >= (0 if name in ("selftest", "storage") else 1), name
 
 
 def test_single_and_shared_keep_their_shape():
@@ -186,6 +207,24 @@ def test_selftest_has_the_gpu_and_an_igb_on_root_ports_and_ram_for_the_tests():
     (igb,) = topo.nics_of("host0")
     assert (igb.model, igb.pci_id, igb.root_port) == ("igb", "8086:10c9", "igb-port")
     assert host0.memory >= 3 << 30   # vfio_pci_driver_test maps a 1 GiB region
+
+
+def test_storage_puts_a_gpu_and_an_nvme_behind_one_switch_and_an_nvme_on_a_root_port():
+    topo = topology.load("storage")
+    (host0,) = topo.vms
+    (psw,) = host0.pcie_switches
+    nvme0, nvme1 = host0.nvmes
+    assert topo.gpus["gpu0"].at in psw.downstream_ports and nvme0.at in psw.downstream_ports
+    assert nvme1.at is None and nvme1.root_port == "nvme1-port" and len(nvme1.namespaces) == 2
+    assert not nvme0.shadow_doorbells and nvme0.bounce_buffer == 1 << 20 and nvme1.cmb == 4 << 20
+
+
+def test_nvme_defaults():
+    topo = topology.parse(BASE.replace("[[vm.pcie_switch]]", '[[vm.nvme]]\nname = "nv0"\n[[vm.pcie_switch]]'), "t")
+    (nv0,) = topo.vm("h").nvmes
+    assert (nv0.at, nv0.namespaces, nv0.queue_pairs, nv0.cmb, nv0.bounce_buffer, nv0.shadow_doorbells) == \
+        (None, [64 << 20], 8, 0, 1 << 20, False)
+    assert (nv0.serial, nv0.drive_id(1)) == ("vfio-cxl-nv0", "nv0-ns1")
 
 
 def test_fabric_has_a_gpu_per_host_and_free_hotplug_ports():

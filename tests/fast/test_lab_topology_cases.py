@@ -70,6 +70,12 @@ hosts = ["h", "g"]
 M2 = ('[gpus.gpu0]', '[backends.m2]\nsize = "256M"\n[gpus.gpu0]')
 T3_MEM2_ON_RP1 = ('[[vm.pcie_switch]]', '[[vm.type3]]\nname = "mem2"\nat = "rp1"\nvolatile = "m2"\n[[vm.pcie_switch]]')
 
+
+def nvme(keys: str) -> tuple[str, str]:
+    """An edit that adds an NVMe controller to VM h with ``keys``."""
+    return ('[[vm.pcie_switch]]', f'[[vm.nvme]]\n{keys}\n[[vm.pcie_switch]]')
+
+
 CASES = [
     ("malformed TOML", [('[[vm]]\nname = "g"', '[[vm]\nname = "g"')]),
     ("no VM", 'description = "nothing"\n[backends.m0]\nsize = "256M"\n'),
@@ -135,6 +141,16 @@ CASES = [
     ("NIC model", [('[smc.s0]', '[nics.n0]\nowner = "h"\nmodel = "e1000"\n[smc.s0]')]),
     ("NIC name unique in its VM", [('[smc.s0]', '[nics.gpu0]\nowner = "h"\n[smc.s0]')]),
     ("top-level keys", [('[smc.s0]', '[smcx.s0]')]),
+    ("NVMe keys", [nvme('name = "nv0"\nsize = "1G"')]),
+    ("NVMe has a name", [nvme('queue_pairs = 4')]),
+    ("NVMe on a PCIe switch port", [nvme('name = "nv0"\nat = "ds1"')]),
+    ("NVMe port over-subscribed", [nvme('name = "nv0"\nat = "dp0"')]),
+    ("NVMe name unique in its VM", [nvme('name = "gpu1"')]),
+    ("NVMe namespace size", [nvme('name = "nv0"\nnamespaces = ["64M", "100K"]')]),
+    ("NVMe has a namespace", [nvme('name = "nv0"\nnamespaces = []')]),
+    ("NVMe queue pairs", [nvme('name = "nv0"\nqueue_pairs = 65')]),
+    ("NVMe CMB size", [nvme('name = "nv0"\ncmb = "100K"')]),
+    ("NVMe bounce buffer", [nvme('name = "nv0"\nbounce_buffer = "3K"')]),
 ]
 
 

@@ -32,10 +32,11 @@ from vfio_cxl.lab.lab import Lab
 from vfio_cxl.lab.qemu_runtime import find_runtime
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "pool_lab": 4,
-                  "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8}
+                  "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8,
+                  "storage_lab": 9, "storage_lab_kernel_lab": 10}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4, "fabric": 6, "selftest": 7}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4, "fabric": 6, "selftest": 7, "storage": 9}
 
 
 class LabPool:
@@ -164,3 +165,15 @@ def selftest_lab(labs) -> Lab:
 def selftest_lab_kernel_lab(labs) -> Lab:
     """The VFIO selftests' topology on the lab kernel (IOMMUFD); skips, saying so, when it is not built."""
     return labs.get("selftest", lab_kernel_or_skip())
+
+
+@pytest.fixture
+def storage_lab(labs) -> Lab:
+    """``storage``: gpu0 and nvme0 behind one PCIe switch, nvme1 on a root port (docs/storage.md)."""
+    return labs.get("storage")
+
+
+@pytest.fixture
+def storage_lab_kernel_lab(labs) -> Lab:
+    """``storage`` on the lab kernel (IOMMUFD); skips, saying so, when it is not built."""
+    return labs.get("storage", lab_kernel_or_skip())

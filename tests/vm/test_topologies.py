@@ -5,7 +5,8 @@ with the other VM tests, and run before the tests that kill one of their VMs).  
 switches, memdevs by serial, root decoders = windows with their ways,
 granularity and size, regions with ways, granularity, size and memdevs in
 position order), ``daxctl list`` (enabled devdax devices), ``ndctl list``
-(namespaces) and ``lspci`` (GPUs, shared-memory controllers, NICs, PCIe switch, root ports) with the topology; in an
+(namespaces) and ``lspci`` (GPUs, shared-memory controllers, NICs, NVMe controllers, PCIe switch, root
+ports) with the topology; in an
 interleaved region it writes one chunk per position and finds each in the backend file
 of the memdev the topology puts at that position.
 """
@@ -24,6 +25,7 @@ GPU_ID = "0601:1991"
 SMC_ID = "0601:5c01"
 X3130_UP, XIO3130_DOWN = "104c:8232", "104c:8233"
 PCIE_ROOT_PORT = "1b36:000c"
+NVME_ID = topology.NVME_PCI_ID
 
 
 def walk(node, found: dict) -> None:
@@ -150,8 +152,9 @@ def check_pci(topo, spec, vm, out) -> None:
     nics = topo.nics_of(spec.name)
     for model_id in {n.pci_id for n in nics}:   # emulated NICs, each on a root port of its own
         assert ids.count(model_id) == len([n for n in nics if n.pci_id == model_id]), model_id
+    assert ids.count(NVME_ID) == len(spec.nvmes)
     pcie_ports = (len([g for g in gpus if g.at is None]) + spec.hotplug_ports + len(spec.pcie_switches)
-                  + (1 if smc else 0) + len(nics))
+                  + (1 if smc else 0) + len(nics) + len([n for n in spec.nvmes if n.at is None]))
     assert ids.count(PCIE_ROOT_PORT) == pcie_ports
     if len(gpus) > 1:   # each GPU in an IOMMU group of its own
         groups = vm.run(f"for d in $(lspci -D -n -d {GPU_ID} | cut -d' ' -f1); do "

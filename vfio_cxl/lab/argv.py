@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .host_tsc import boot_arguments
-from .topology import Topology, Vm, format_size
+from .topology import Nvme, Topology, Vm, format_size
 
 SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
 LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
@@ -42,6 +42,7 @@ class VmResources:
     smc_socket: Path | None = None    # this VM's socket of its shared-memory controller
     tsc_khz: int | None = None        # the host's TSC frequency: the guest's under TCG (host_tsc.py)
     guest_hz: int | None = None       # CONFIG_HZ of the kernel booted (None: not known)
+    nvme_files: dict[str, Path] = field(default_factory=dict)   # Nvme.drive_id(nsid) -> raw backing file
 
     @property
     def console_log(self) -> Path:
@@ -141,8 +142,28 @@ def _vfio_user_device(name: str, bus: str, socket: Path) -> str:
     return json.dumps(device, separators=(",", ":"))
 
 
+def _nvme(nvme: Nvme, bus: str, res: VmResources) -> list[str]:
+    """One NVMe controller and its namespaces (``nvme-ns`` on the controller's bus, NSIDs from 1).
+
+    The controller's DMA goes through the vIOMMU like any PCI device's; the bounce-buffer size
+    bounds what QEMU moves per round trip when that DMA lands in another device's BAR."""
+    ctrl = (f"nvme,id={nvme.name},bus={bus},serial={nvme.serial},max_ioqpairs={nvme.queue_pairs},"
+            f"dbcs={'on' if nvme.shadow_doorbells else 'off'},x-max-bounce-buffer-size={nvme.bounce_buffer}")
+    if nvme.cmb:
+        ctrl += f",cmb_size_mb={nvme.cmb >> 20}"
+    args = []
+    for nsid in range(1, len(nvme.namespaces) + 1):
+        drive = nvme.drive_id(nsid)
+        args += ["-drive", f"file={res.nvme_files[drive]},if=none,id={drive},format=raw"]
+    args += ["-device", ctrl]
+    for nsid in range(1, len(nvme.namespaces) + 1):
+        args += ["-device", f"nvme-ns,drive={nvme.drive_id(nsid)},bus={nvme.name},nsid={nsid}"]
+    return args
+
+
 def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
-    """GPUs (on root ports of their own or behind PCIe switches) and hot-plug root ports.
+    """GPUs and NVMe controllers (on root ports of their own or behind PCIe switches) and
+    hot-plug root ports.
 
     Every owned GPU gets its port even when no server is attached (``--no-gpu``);
     hot-plug ports reserve a 64-bit prefetchable window as large as the largest
@@ -165,6 +186,14 @@ def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
         for gpu in topo.gpus_of(vm.name):
             if gpu.at in ps.downstream_ports and gpu.name in sockets:
                 args += ["-device", _vfio_user_device(gpu.name, gpu.at, sockets[gpu.name])]
+        for nvme in vm.nvmes:
+            if nvme.at in ps.downstream_ports:
+                args += _nvme(nvme, nvme.at, res)
+    for nvme in vm.nvmes:
+        if nvme.at is None:
+            args += ["-device", f"pcie-root-port,id={nvme.root_port},bus=pcie.0,chassis=1,slot={slot}"]
+            slot += 1
+            args += _nvme(nvme, nvme.root_port, res)
     reserve = format_size(topo.hotplug_reserve())
     for hp in vm.hotplug_port_ids():
         args += ["-device", f"pcie-root-port,id={hp},bus=pcie.0,chassis=1,slot={slot},pref64-reserve={reserve}"]

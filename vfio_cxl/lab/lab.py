@@ -143,6 +143,15 @@ class Lab:
         finally:
             os.close(fd)
 
+    def nvme_file(self, vm: str, nvme: str, nsid: int = 1) -> Path:
+        """The raw file behind namespace ``nsid`` of NVMe controller ``nvme`` in VM ``vm``."""
+        spec = self.topology.vm(vm)
+        found = next((n for n in spec.nvmes if n.name == nvme), None)
+        if found is None or not 1 <= nsid <= len(found.namespaces):
+            raise LabError(f"VM {vm!r} has no NVMe namespace {nvme}/{nsid}",
+                           f"use one of: {', '.join(f'{n.name}/{i}' for n in spec.nvmes for i in range(1, len(n.namespaces) + 1)) or '(none)'}")
+        return self.vms[vm].res.nvme_files[found.drive_id(nsid)]
+
     def plan(self, rundir: Path) -> list[VirtualMachine]:
         """The VMs this lab would run, with their resources; starts nothing."""
         # Nothing needs to be provisioned to plan: the cache paths follow from the recipes.
@@ -175,6 +184,8 @@ class Lab:
                 append=self.kernel.append if self.kernel else "",
                 modules=self.kernel.modules if self.kernel else None,
                 smc_socket=self._smc_socket(rundir, spec.name),
+                nvme_files={n.drive_id(nsid): vmdir / f"{n.drive_id(nsid)}.raw"
+                            for n in spec.nvmes for nsid in range(1, len(n.namespaces) + 1)},
                 tsc_khz=host_tsc_khz(),
                 guest_hz=guest_hz,
             )
@@ -219,6 +230,10 @@ class Lab:
             self._start_smcs()
             for vm in self.plan(self.rundir):
                 vm.res.rundir.mkdir()
+                for nvme in vm.spec.nvmes:   # NVMe namespaces: sparse raw files, zeroed
+                    for nsid, size in enumerate(nvme.namespaces, start=1):
+                        with open(vm.res.nvme_files[nvme.drive_id(nsid)], "wb") as f:
+                            f.truncate(size)
                 for t3 in vm.spec.type3:
                     if t3.persistent:   # the label storage area: private to the device, zeroed
                         with open(vm.res.lsa_file(t3.name), "wb") as f:

@@ -24,7 +24,7 @@ HOST_PACKAGES = ["graphviz"]   # Debian's graphviz: the dot the Python package r
 class Node:
     id: str
     label: str
-    kind: str                   # vm, pcie, port, hb, switch, type3, gpu, window, region, hotplug
+    kind: str                   # vm, pcie, port, hb, switch, type3, gpu, nvme, window, region, hotplug
     children: list["Node"] = field(default_factory=list)
 
 
@@ -50,6 +50,13 @@ def _region_label(topo: Topology, vm: Vm, region) -> str:
             f"{format_size(vm.region_size(region, topo.backends))} [{', '.join(vm.region_order(region))}] -> {use}")
 
 
+def _nvme_node(vm: Vm, nvme) -> Node:
+    spaces = ", ".join(format_size(size) for size in nvme.namespaces)
+    extras = f", CMB {format_size(nvme.cmb)}" if nvme.cmb else ""
+    return Node(f"{vm.name}/{nvme.name}", f"{nvme.name}: NVMe (namespaces {spaces}; {nvme.queue_pairs} queue pairs"
+                f"{extras})", "nvme")
+
+
 def tree(topo: Topology) -> list[Node]:
     """One node per VM, holding its PCIe side, CXL side, windows and regions."""
     vms = []
@@ -71,9 +78,16 @@ def tree(topo: Topology) -> list[Node]:
                     if gpu.at == ds:
                         port.children.append(Node(f"{vm.name}/{gpu.name}",
                                                   f"{gpu.name}: GPU ({format_size(gpu.vram)} VRAM, {gpu.irq})", "gpu"))
+                for nvme in vm.nvmes:
+                    if nvme.at == ds:
+                        port.children.append(_nvme_node(vm, nvme))
                 sw.children.append(port)
             rp = Node(f"{vm.name}/{ps.name}-port", f"{ps.name}-port: root port", "port", [sw])
             pcie.children.append(rp)
+        for nvme in vm.nvmes:   # on root ports of their own, after the switches as in the lab's argv
+            if nvme.at is None:
+                pcie.children.append(Node(f"{vm.name}/{nvme.root_port}", f"{nvme.root_port}: root port", "port",
+                                          [_nvme_node(vm, nvme)]))
         for hp in vm.hotplug_port_ids():
             pcie.children.append(Node(f"{vm.name}/{hp}", f"{hp}: hot-plug root port (pref64 {reserve}, free)",
                                       "hotplug"))
@@ -157,6 +171,7 @@ _STYLE = {
     "switch": {"shape": "box", "style": "filled", "fillcolor": "#e8e8e8"},
     "type3": {"shape": "box3d", "style": "filled", "fillcolor": "#fde9c8"},
     "gpu": {"shape": "component", "style": "filled", "fillcolor": "#d6f0d6"},
+    "nvme": {"shape": "cylinder", "style": "filled", "fillcolor": "#f0e0c0"},
     "smc": {"shape": "component", "style": "filled", "fillcolor": "#f6d6d6"},
     "window": {"shape": "note", "style": "filled", "fillcolor": "#f3e6f7"},
     "region": {"shape": "note", "fontsize": "10"},

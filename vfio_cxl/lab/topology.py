@@ -8,7 +8,7 @@
 The public API is this module's models (pydantic v2, immutable once loaded):
 :class:`Topology` (``backends``, ``gpus``, ``vms``, ``links``, ``smcs``, ``nics``), :class:`Vm`
 (``host_bridges``, ``switches``, ``type3``, ``windows``, ``regions``,
-``pcie_switches``, ``hotplug_ports``), :class:`Gpu` (``owner`` or None,
+``pcie_switches``, ``hotplug_ports``, ``nvmes``: :class:`Nvme`), :class:`Gpu` (``owner`` or None,
 ``at``, ``vram``, ``irq``) and the derived facts the lab needs:
 :meth:`Vm.bus_numbers`, :meth:`Vm.region_order`, :meth:`Vm.hotplug_port_ids`,
 :meth:`Topology.gpus_of`, :meth:`Topology.hotplug_reserve`, :meth:`Topology.smc_of`.
@@ -29,7 +29,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
 from ..errors import LabError
@@ -252,6 +252,77 @@ class Gpu(_Table):
         return f"{self.name}-port"
 
 
+NVME_MAX_QUEUE_PAIRS = 64          # hw/nvme/ctrl.c, QEMU 11.1: max_ioqpairs (default 64)
+NVME_MAX_NAMESPACES = 8            # the lab's limit (QEMU takes 256)
+NVME_PCI_ID = "1b36:0010"          # QEMU's emulated NVMe controller
+
+
+def _nvme_namespace(value: int) -> int:
+    if value % MIB or not MIB <= value <= 64 * GIB:
+        raise ValueError(f"a namespace is a multiple of 1M from 1M to 64G, not {format_size(value)}")
+    return value
+
+
+class Nvme(_Table):
+    """An emulated NVMe controller (QEMU ``nvme``, NVMe 1.4) with namespaces backed by sparse
+    raw files in the lab's run directory, on a root port of its own or behind a PCIe switch."""
+
+    name: Name
+    at: Name | None = None              # a PCIe switch downstream port; default: its own root port
+    namespaces: list[Annotated[Size, AfterValidator(_nvme_namespace)]] = Field(default_factory=lambda: [64 * MIB])
+    queue_pairs: int = 8                # I/O queue pairs the controller offers (max_ioqpairs)
+    cmb: Size = 0                       # controller memory buffer in BAR2 (cmb_size_mb); 0: none
+    # x-max-bounce-buffer-size: what QEMU bounces at once when the controller DMAs into another
+    # device's BAR (a peer's VRAM); QEMU's default, 4K, moves P2P transfers a page at a time.
+    bounce_buffer: Size = MIB
+    # dbcs: Doorbell Buffer Config (shadow doorbells).  Off by default: once configured the
+    # controller takes the SQ tail from the shadow buffer, not from a peer's doorbell write.
+    shadow_doorbells: bool = False
+
+    @field_validator("namespaces")
+    @classmethod
+    def _namespaces(cls, v: list[int]) -> list[int]:
+        if not 1 <= len(v) <= NVME_MAX_NAMESPACES:
+            raise ValueError(f"an NVMe controller has 1 to {NVME_MAX_NAMESPACES} namespaces (NSIDs 1..), "
+                             f"not {len(v)}: write namespaces = [\"64M\"]")
+        return v
+
+    @field_validator("queue_pairs")
+    @classmethod
+    def _queue_pairs(cls, v: int) -> int:
+        if not 1 <= v <= NVME_MAX_QUEUE_PAIRS:
+            raise ValueError(f"queue_pairs is a whole number from 1 to {NVME_MAX_QUEUE_PAIRS} "
+                             f"(QEMU's nvme max_ioqpairs), not {v}")
+        return v
+
+    @field_validator("cmb")
+    @classmethod
+    def _cmb(cls, v: int) -> int:
+        if v % MIB or not 0 <= v <= 1 * GIB:
+            raise ValueError(f"cmb is a multiple of 1M up to 1G (0: no CMB), not {format_size(v)}")
+        return v
+
+    @field_validator("bounce_buffer")
+    @classmethod
+    def _bounce(cls, v: int) -> int:
+        if not _is_power_of_two(v) or not 4096 <= v <= 64 * MIB:
+            raise ValueError(f"bounce_buffer is a power of two from 4K to 64M, not {format_size(v)}")
+        return v
+
+    @property
+    def root_port(self) -> str:
+        """The id of the root port the lab adds for a controller that is not behind a switch."""
+        return f"{self.name}-port"
+
+    @property
+    def serial(self) -> str:
+        """The controller's serial number (Identify Controller SN): how the guest finds it."""
+        return f"vfio-cxl-{self.name}"
+
+    def drive_id(self, nsid: int) -> str:
+        return f"{self.name}-ns{nsid}"
+
+
 NIC_MODELS = {"igb": "8086:10c9"}   # QEMU's emulated NICs the lab offers, and their PCI IDs
 
 
@@ -310,6 +381,7 @@ class Vm(_Table):
     windows: list[Window] = Field([], alias="window")
     regions: list[Region] = Field([], alias="region")
     pcie_switches: list[PcieSwitch] = Field([], alias="pcie_switch")
+    nvmes: list[Nvme] = Field([], alias="nvme")
 
     @field_validator("cpus")
     @classmethod
@@ -367,6 +439,7 @@ class Vm(_Table):
         """``bus_nr`` of each host bridge: above every bus of pcie.0's hierarchy,
         each followed by room for its root ports and switches (plus slack)."""
         pcie0 = 2 * self.hotplug_ports + 8   # generous: root ports for GPUs, hot-plug, PCIe switches
+        pcie0 += len([n for n in self.nvmes if n.at is None])
         for ps in self.pcie_switches:
             pcie0 += 2 + len(ps.downstream_ports)
         bus = max(FIRST_CXL_BUS, pcie0)
@@ -594,6 +667,10 @@ def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
     for nic in topo.nics_of(vm.name):
         claim(nic.name, f"nics.{nic.name}")
         claim(nic.root_port, f"nics.{nic.name}")
+    for n, nvme in enumerate(vm.nvmes):
+        claim(nvme.name, f"{where}.nvme[{n}].name")
+        if nvme.at is None:
+            claim(nvme.root_port, f"{where}.nvme[{n}].name")
 
     root_ports = [rp for hb in vm.host_bridges for rp in hb.root_ports]
     cxl_ds = [ds for sw in vm.switches for ds in sw.downstream_ports]
@@ -645,6 +722,13 @@ def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
                       f"use one of: {', '.join(pcie_ds) or '(none: add a [[vm.pcie_switch]])'}, "
                       "or leave 'at' out for a root port of its own")
             occupy(gpu.at, f"gpus.{gpu.name}.at", f"GPU {gpu.name}")
+    for n, nvme in enumerate(vm.nvmes):
+        if nvme.at is not None:
+            if nvme.at not in pcie_ds:
+                _fail(f"{where}.nvme[{n}].at", f"{nvme.at!r} is not a PCIe switch downstream port of VM {vm.name!r}",
+                      f"use one of: {', '.join(pcie_ds) or '(none: add a [[vm.pcie_switch]])'}, "
+                      "or leave 'at' out for a root port of its own")
+            occupy(nvme.at, f"{where}.nvme[{n}].at", f"NVMe {nvme.name}")
 
     hb_names = [hb.name for hb in vm.host_bridges]
     for w, window in enumerate(vm.windows):
