@@ -5,6 +5,7 @@
     vfio-cxl gpu vram-write|vram-read ...      put / read a tag in VRAM (what the next owner sees)
     vfio-cxl gpu bind [--wait S] [--json]      wait for a (hot-plugged) GPU and bind it to vfio-pci
     vfio-cxl gpu holders [--json]              processes that hold a GPU's VFIO group open
+    vfio-cxl nvme ls|identify|read|write ...   NVMe controllers through the userspace driver (nvme_cli.py)
 
 Every command works right after a hot-plug: a GPU that has no driver yet is
 bound to vfio-pci first (driver_override + drivers_probe).
@@ -209,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", metavar="BDF", help="only those holding this GPU's group")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_holders)
+    from . import nvme_cli
+    nvme_cli.add_parser(sub, parse_size)
     return parser
 
 

@@ -1,0 +1,524 @@
+"""An NVMe controller driven from guest userspace through VFIO: bring-up, queues, I/O, reset.
+
+    with NvmeController.open("0000:03:00.0") as nvme:           # type1 or iommufd, as VFIO picks
+        ns = nvme.namespaces[1]
+        buf = nvme.dma_buffer(1 << 20)                           # guest RAM mapped for the controller
+        nvme.write(1, 0, buf.iova, 1 << 20)                      # bytes; whole blocks
+        nvme.read(1, 0, buf.iova, 1 << 20)
+
+Bring-up, in one place (``_enable``; ``reset`` runs it again): disable (CC.EN = 0, wait for
+CSTS.RDY = 0 within CAP.TO), admin queues (AQA, ASQ, ACQ), enable with 4 KiB pages and 64/16-byte
+entries, wait for CSTS.RDY = 1; then Identify Controller, the active namespace list and each
+namespace, Set Features Number of Queues, and the I/O completion and submission queues (CQ
+first).  Completions are polled (CQ IEN = 0) or signalled by MSI-X (vector q for queue q, 0 for
+the admin queue) on eventfds.
+
+Every wait has a deadline and looks at CSTS on the way: Controller Fatal Status, or a controller
+that reads all ones (gone), fails every outstanding request with ``NvmeFatalError`` at once;
+``reset()`` brings the controller back with its queues empty.  Data pointers are PRPs, or SGLs on
+I/O commands when asked (``sgl=True``) and the controller supports them; each request builds its
+PRP list or SGL segment in a page of its own (``tracker.RequestTracker``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...vfio import DmaMapping, VfioPciDevice, uapi
+from ...vfio.errors import InterruptTimeout
+from . import prp as dptr
+from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeTimeout
+from .iova import IovaWindow
+from .queue import QueuePair
+from .spec import (CC_CSS_NVM, CC_EN, CC_IOCQES_SHIFT, CC_IOSQES_SHIFT, CC_MPS_SHIFT, CSTS_CFS, CSTS_RDY,
+                   CQE_SIZE, FEAT_NUMBER_OF_QUEUES, PAGE, PSDT_PRP, PSDT_SGL, REG_ACQ, REG_AQA, REG_ASQ, REG_CAP,
+                   REG_CC, REG_CSTS, REG_VS, SQE_SIZE, SQES_LOG2, CQES_LOG2, AdminOp, Cap, Cns, ControllerInfo,
+                   IoOp, NamespaceInfo, pack_sqe, status_name)
+from .tracker import Request, RequestTracker
+
+PCI_COMMAND = 0x04
+PCI_COMMAND_MEMORY = 0x2
+PCI_COMMAND_MASTER = 0x4
+PCI_CLASS_NVME = 0x010802
+
+ADMIN_ENTRIES = 32
+ADMIN_TIMEOUT = 5.0           # seconds, per admin command
+IO_TIMEOUT = 10.0             # seconds, per I/O command
+CONTROL_IOVA = 0x0100_0000    # queues, identify page, request pages (below the GPU's areas)
+DATA_IOVA = 0x2000_0000       # dma_buffer(): guest RAM for data
+DATA_WINDOW = 0x2000_0000     # 512 MiB of IOVA space for it
+ALL_ONES = 0xFFFFFFFF
+
+
+def find_controllers(sysfs_root: str = "/sys") -> list[str]:
+    """BDFs of the NVMe controllers (PCI class 01:08:02) in this VM."""
+    found = []
+    for dev in sorted(Path(sysfs_root, "bus/pci/devices").glob("*")):
+        try:
+            if int((dev / "class").read_text(), 16) == PCI_CLASS_NVME:
+                found.append(dev.name)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@dataclass
+class DmaBuffer:
+    """Guest RAM the controller reaches at ``iova`` (``mem`` is the process's view)."""
+
+    mem: mmap.mmap
+    mapping: DmaMapping
+    iova: int
+    size: int
+
+
+class NvmeController:
+    def __init__(self, device: VfioPciDevice, *, io_queues: int = 1, queue_entries: int = 128,
+                 interrupts: bool = False, control_iova: int = CONTROL_IOVA, data_iova: int = DATA_IOVA,
+                 data_window: int = DATA_WINDOW, spare_queues: int = 0):
+        self.device = device
+        self.bdf = device.bdf
+        self.failed: str | None = None          # why the controller is unusable until reset()
+        self.queues: dict[int, QueuePair] = {}
+        self.vectors = None
+        self._buffers: list[DmaBuffer] = []
+        self._io_queue_count = io_queues
+        self.spare_queues = spare_queues    # granted by Set Features, created by their owner (create_io_queue)
+        command = device.config.read16(PCI_COMMAND)
+        device.config.write16(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)
+        self.bar0 = device.bar(0)
+        self.cap = Cap.decode(self.bar0.read32(REG_CAP) | self.bar0.read32(REG_CAP + 4) << 32)
+        self.version = self.bar0.read32(REG_VS)
+        if not self.cap.css_nvm:
+            raise NvmeError(f"{self.bdf}: the controller does not support the NVM command set (CAP.CSS)",
+                            "use an NVMe I/O controller")
+        if self.cap.mpsmin > PAGE:
+            raise NvmeError(f"{self.bdf}: the controller's smallest page is {self.cap.mpsmin} bytes",
+                            f"this driver uses {PAGE}-byte pages")
+        self.queue_entries = queue_entries
+        if queue_entries < 2:
+            raise NvmeError(f"an I/O queue of {queue_entries} entries", "use at least 2 (one stays empty)")
+        if queue_entries > self.cap.max_entries:
+            raise NvmeError(f"an I/O queue of {queue_entries} entries: the controller allows "
+                            f"{self.cap.max_entries} (CAP.MQES + 1)",
+                            f"use at most {self.cap.max_entries} entries (queue depth {self.cap.max_entries - 1})")
+        # Control memory, one mapping: admin SQ, CQ, identify page, admin request pages, then per
+        # I/O queue its SQ, CQ and request pages.
+        self._layout = _Layout(io_queues, self.queue_entries)
+        self._control = mmap.mmap(-1, self._layout.size)
+        self._control_view = memoryview(self._control)
+        self.control_iova = control_iova
+        self._control_dma = device.map_dma(self._control, control_iova)
+        self.data_window = IovaWindow(data_iova, data_window)
+        try:
+            if interrupts:
+                count = device.irq_info(uapi.VFIO_PCI_MSIX_IRQ_INDEX).count
+                if count < 1 + io_queues:
+                    raise NvmeError(f"{self.bdf}: {count} MSI-X vectors for {io_queues} I/O queues + admin",
+                                    f"use at most {max(count - 1, 0)} I/O queues, or polled completions")
+                self.vectors = device.msix(1 + io_queues)
+            self._enable()
+        except BaseException:   # nothing left behind in a caller-owned IOMMU context either
+            if self.vectors is not None:
+                self.vectors.close()
+            self._control_dma.close()
+            raise
+
+    # -- opening and closing -------------------------------------------------
+
+    @classmethod
+    def open(cls, bdf: str, *, backend: str | None = None, container=None, ioas=None, **kwargs) -> "NvmeController":
+        device = VfioPciDevice.open(bdf, backend=backend, container=container, ioas=ioas)
+        try:
+            return cls(device, **kwargs)
+        except BaseException:
+            device.close()
+            raise
+
+    def close(self) -> None:
+        """Delete the I/O queues and disable the controller (best effort when it failed), then
+        release interrupts, mappings and the device."""
+        try:
+            if self.failed is None and self.device.device is not None:
+                try:
+                    for qid in sorted(self.queues, reverse=True):
+                        if qid:
+                            self._admin(AdminOp.DELETE_SQ, cdw10=qid, what=f"delete SQ {qid}")
+                            self._admin(AdminOp.DELETE_CQ, cdw10=qid, what=f"delete CQ {qid}")
+                    self._disable()
+                except NvmeError:
+                    pass
+            for buf in self._buffers:
+                buf.mapping.close()
+            self._buffers.clear()
+            if self.vectors is not None:
+                self.vectors.close()
+                self.vectors = None
+            self._control_dma.close()
+        finally:
+            self.device.close()
+
+    def __enter__(self) -> "NvmeController":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- bring-up ------------------------------------------------------------------
+
+    def _csts(self) -> int:
+        return self.bar0.read32(REG_CSTS)
+
+    def _wait_ready(self, ready: bool, why: str) -> None:
+        deadline = time.monotonic() + max(self.cap.timeout_ms / 1000, 0.5)
+        while True:
+            csts = self._csts()
+            if csts == ALL_ONES:
+                raise self._fatal("reads all ones: it is gone (hot-removed?)")
+            if ready and csts & CSTS_CFS:
+                raise self._fatal("reports Controller Fatal Status (CSTS.CFS) while enabling")
+            if bool(csts & CSTS_RDY) == ready:
+                return
+            if time.monotonic() > deadline:
+                raise NvmeTimeout(f"{self.bdf}: CSTS.RDY did not become {int(ready)} within CAP.TO "
+                                  f"({self.cap.timeout_ms} ms) after {why}",
+                                  "the controller is stuck: reset the PCI function (vfio-cxl nvme ... again)")
+            time.sleep(0.001)   # the spec's own handshake: CC write, then CSTS.RDY within CAP.TO
+
+    def _disable(self) -> None:
+        cc = self.bar0.read32(REG_CC)
+        if cc & CC_EN or self._csts() & CSTS_RDY:
+            self.bar0.write32(REG_CC, cc & ~CC_EN)
+            self._wait_ready(False, "CC.EN = 0")
+
+    def _enable(self) -> None:
+        """Disable, set up the admin queues, enable, identify, create the I/O queues."""
+        self._disable()
+        lay = self._layout
+        self.admin = self._queue(0, ADMIN_ENTRIES, lay.admin_sq, lay.admin_cq, lay.admin_pages, ADMIN_ENTRIES - 1,
+                                 0 if self.vectors else None)
+        self.queues = {0: self.admin}
+        self.bar0.write32(REG_AQA, (ADMIN_ENTRIES - 1) << 16 | (ADMIN_ENTRIES - 1))
+        for reg, offset in ((REG_ASQ, lay.admin_sq), (REG_ACQ, lay.admin_cq)):
+            iova = self.control_iova + offset
+            self.bar0.write32(reg, iova & ALL_ONES)
+            self.bar0.write32(reg + 4, iova >> 32)
+        self.bar0.write32(REG_CC, CC_EN | CC_CSS_NVM | 0 << CC_MPS_SHIFT | SQES_LOG2 << CC_IOSQES_SHIFT
+                          | CQES_LOG2 << CC_IOCQES_SHIFT)
+        self._wait_ready(True, "CC.EN = 1")
+        self.failed = None
+        self.info = ControllerInfo.decode(self.identify(Cns.CONTROLLER), self.cap.mpsmin)
+        self.max_transfer = self.info.mdts or dptr.MAX_PRP_BYTES
+        self.max_transfer = min(self.max_transfer, dptr.MAX_PRP_BYTES)
+        nsids = [n for n in _u32s(self.identify(Cns.ACTIVE_NSIDS)) if n]
+        self.namespaces = {n: NamespaceInfo.decode(n, self.identify(Cns.NAMESPACE, nsid=n)) for n in nsids}
+        want = self._io_queue_count + self.spare_queues
+        got = self._admin(AdminOp.SET_FEATURES, cdw10=FEAT_NUMBER_OF_QUEUES, cdw11=(want - 1) << 16 | (want - 1),
+                          what="Set Features Number of Queues").result
+        granted = min((got & 0xFFFF) + 1, (got >> 16) + 1)
+        if granted < want:
+            raise NvmeError(f"{self.bdf}: the controller grants {granted} I/O queue pairs, {want} asked for",
+                            f"open it with io_queues={granted} or fewer")
+        for qid in range(1, self._io_queue_count + 1):
+            sq, cq, pages = lay.io(qid)
+            self.create_io_queue(qid, self._queue(qid, self.queue_entries, sq, cq, pages, self.queue_entries - 1,
+                                                  qid if self.vectors else None))
+
+    def _queue(self, qid: int, entries: int, sq: int, cq: int, pages: int, depth: int, vector) -> QueuePair:
+        view = self._control_view
+        tracker = RequestTracker(depth, view[pages:pages + depth * PAGE], self.control_iova + pages)
+        return QueuePair(qid, entries, view[sq:sq + entries * SQE_SIZE], self.control_iova + sq,
+                         view[cq:cq + entries * CQE_SIZE], self.control_iova + cq,
+                         self._doorbell(self.cap.sq_doorbell(qid)), self._doorbell(self.cap.cq_doorbell(qid)),
+                         tracker, vector)
+
+    def _doorbell(self, offset: int):
+        bar0 = self.bar0
+        return lambda value: bar0.write32(offset, value)
+
+    def create_io_queue(self, qid: int, queue: QueuePair, *, cq_contiguous: bool = True) -> QueuePair:
+        """Create I/O CQ ``qid`` then SQ ``qid`` over ``queue``'s memory (the CPU's queues, or
+        queues in a peer's memory for GPU-initiated I/O)."""
+        queue.clear()
+        ien = 0 if queue.vector is None else 1
+        iv = queue.vector or 0
+        self._admin(AdminOp.CREATE_CQ, cdw10=(queue.entries - 1) << 16 | qid, cdw11=iv << 16 | ien << 1 | 1,
+                    prp1=queue.cq_iova, what=f"create CQ {qid}")
+        self._admin(AdminOp.CREATE_SQ, cdw10=(queue.entries - 1) << 16 | qid, cdw11=qid << 16 | 1,
+                    prp1=queue.sq_iova, what=f"create SQ {qid}")
+        self.queues[qid] = queue
+        return queue
+
+    def delete_io_queue(self, qid: int) -> None:
+        self._admin(AdminOp.DELETE_SQ, cdw10=qid, what=f"delete SQ {qid}")
+        self._admin(AdminOp.DELETE_CQ, cdw10=qid, what=f"delete CQ {qid}")
+        self.queues.pop(qid, None)
+
+    # -- admin commands --------------------------------------------------------------
+
+    def identify(self, cns: int, nsid: int = 0) -> bytes:
+        req = self.admin.tracker.alloc(f"Identify CNS {cns}", AdminOp.IDENTIFY)
+        try:
+            req.page[:] = bytes(PAGE)
+            self._submit(self.admin, req, pack_sqe(AdminOp.IDENTIFY, req.cid, nsid, dptr=(req.page_iova, 0),
+                                                   cdw10=cns))
+        except BaseException:
+            self.admin.tracker.cancel(req)
+            raise
+        self.admin.ring()
+        self.wait(self.admin, [req], ADMIN_TIMEOUT)
+        self._check(req)
+        return bytes(req.page)
+
+    def _admin(self, op: AdminOp, *, cdw10: int = 0, cdw11: int = 0, prp1: int = 0, nsid: int = 0, what: str):
+        req = self.admin.tracker.alloc(what, op)
+        self._submit(self.admin, req, pack_sqe(op, req.cid, nsid, dptr=(prp1, 0), cdw10=cdw10, cdw11=cdw11))
+        self.admin.ring()
+        self.wait(self.admin, [req], ADMIN_TIMEOUT)
+        self._check(req)
+        return req.completion
+
+    # -- I/O ------------------------------------------------------------------------------
+
+    def namespace(self, nsid: int) -> NamespaceInfo:
+        ns = self.namespaces.get(nsid)
+        if ns is None:
+            raise NvmeError(f"{self.bdf} has no active namespace {nsid}",
+                            f"use one of: {', '.join(map(str, self.namespaces)) or '(none)'}")
+        return ns
+
+    def check_range(self, nsid: int, offset: int, length: int) -> NamespaceInfo:
+        """The namespace, if [offset, offset + length) is whole blocks inside it; else why not."""
+        ns = self.namespace(nsid)
+        if length <= 0:
+            raise NvmeError(f"a transfer of {length} bytes", f"transfer whole {ns.block_size}-byte blocks")
+        if offset % ns.block_size or length % ns.block_size:
+            raise NvmeError(f"offset {offset:#x} / length {length:#x} are not whole blocks of namespace {nsid}",
+                            f"NVMe moves whole logical blocks: make offset and length multiples of "
+                            f"{ns.block_size} bytes")
+        if offset + length > ns.size:
+            raise NvmeError(f"[{offset:#x}, {offset + length:#x}) runs past the end of namespace {nsid} "
+                            f"({ns.size:#x} bytes)", f"stay below {ns.size:#x}")
+        return ns
+
+    def submit_rw(self, queue: QueuePair, op: IoOp, nsid: int, offset: int, length: int, iova: int | None = None,
+                  *, segments: list[tuple[int, int]] | None = None, sgl: bool = False, tag=None) -> Request:
+        """Push one Read or Write of ``length`` bytes at byte ``offset`` of the namespace, data at
+        ``iova`` (contiguous) or ``segments`` (SGL); not rung yet."""
+        self._require_alive()
+        ns = self.check_range(nsid, offset, length)
+        if length > self.max_transfer:
+            raise NvmeError(f"a {length}-byte command is over the controller's limit of {self.max_transfer} "
+                            "bytes (MDTS)", "split it (read()/write() do that)")
+        if segments is not None:
+            sgl = True
+            if sum(n for _, n in segments) != length:
+                raise NvmeError(f"SGL segments of {sum(n for _, n in segments)} bytes for {length}",
+                                "make the segments add up to the transfer length")
+        else:
+            segments = [(iova, length)]
+        if sgl and not self.info.sgl_supported:
+            raise NvmeError(f"{self.bdf} does not support SGLs (Identify Controller SGLS = 0)", "use PRPs")
+        what = f"{op.name.lower()} nsid {nsid} bytes [{offset:#x}, {offset + length:#x})"
+        req = queue.tracker.alloc(what, op, tag)
+        try:
+            if sgl:
+                pointer, psdt = dptr.sgl(segments, req.page, req.page_iova), PSDT_SGL
+            else:
+                pointer, psdt = dptr.prp(iova, length, req.page, req.page_iova), PSDT_PRP
+            slba, nlb = offset // ns.block_size, length // ns.block_size
+            self._submit(queue, req, pack_sqe(op, req.cid, nsid, psdt=psdt, dptr=pointer, cdw10=slba & ALL_ONES,
+                                              cdw11=slba >> 32, cdw12=nlb - 1))
+        except BaseException:
+            queue.tracker.cancel(req)
+            raise
+        req.extra["length"] = length
+        return req
+
+    def submit_flush(self, queue: QueuePair, nsid: int) -> Request:
+        self._require_alive()
+        self.namespace(nsid)
+        req = queue.tracker.alloc(f"flush nsid {nsid}", IoOp.FLUSH)
+        self._submit(queue, req, pack_sqe(IoOp.FLUSH, req.cid, nsid))
+        return req
+
+    def _submit(self, queue: QueuePair, req: Request, sqe: bytes) -> None:
+        queue.push(sqe)
+        req.submitted = time.monotonic()
+
+    def reap(self, queue: QueuePair) -> list[Request]:
+        """The requests that completed since last asked (their ``completion`` set; errors included)."""
+        return [queue.tracker.complete(cqe) for cqe in queue.reap()]
+
+    def wait(self, queue: QueuePair, reqs: list[Request], timeout: float = IO_TIMEOUT) -> None:
+        """Until every request in ``reqs`` has completed (rung before), or one of: the deadline
+        (``NvmeTimeout``), fatal status or a controller gone (``NvmeFatalError``; all fail)."""
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while any(r.completion is None for r in reqs):
+            if self.failed:
+                raise NvmeFatalError(f"{self.bdf}: {self.failed}", "reset the controller (NvmeController.reset())")
+            if self.reap(queue):
+                continue
+            spins += 1
+            if queue.vector is not None and self.vectors is not None:
+                try:
+                    self.vectors.wait(queue.vector, min(0.2, max(deadline - time.monotonic(), 0)))
+                except InterruptTimeout:
+                    pass
+                spins = 256
+            if spins >= 256:          # every 256 empty polls: is the controller still alive?
+                spins = 0
+                csts = self._csts()
+                if csts == ALL_ONES:
+                    raise self._fatal("reads all ones: it is gone (hot-removed?)")
+                if csts & CSTS_CFS:
+                    raise self._fatal("reports Controller Fatal Status (CSTS.CFS)")
+                if not csts & CSTS_RDY:
+                    raise self._fatal("is no longer ready (CSTS.RDY = 0): it was reset or disabled")
+                if time.monotonic() > deadline:
+                    late = next(r for r in reqs if r.completion is None)
+                    raise NvmeTimeout(f"{self.bdf}: {late.what} (CID {late.cid:#x}, queue {queue.qid}) did not "
+                                      f"complete within {timeout:g} s", "reset the controller (reset())")
+
+    def _check(self, req: Request) -> None:
+        c = req.completion
+        if not c.ok:
+            raise NvmeCommandError(f"{self.bdf}: {req.what} failed: {status_name(c.status)} "
+                                   f"(SCT {c.sct:#x} SC {c.sc:#04x})", c.status, _status_fix(c.status))
+
+    def io(self, op: IoOp, nsid: int, offset: int, iova: int, length: int, *, qid: int = 1, sgl: bool = False,
+           depth: int | None = None, timeout: float = IO_TIMEOUT) -> int:
+        """Move ``length`` bytes between namespace bytes at ``offset`` and ``iova`` in pieces of at
+        most MDTS, ``depth`` of them in flight (default: the queue's), one doorbell per batch.
+        Returns how many commands it took; the first error raises once the batch drained."""
+        self.check_range(nsid, offset, length)
+        queue = self.queues[qid]
+        depth = min(depth or queue.tracker.depth, queue.tracker.depth)
+        pieces = [(o, min(self.max_transfer, length - o)) for o in range(0, length, self.max_transfer)]
+        inflight: list[Request] = []
+        error = None
+        while pieces or inflight:
+            while pieces and len(inflight) < depth:
+                o, n = pieces.pop(0)
+                inflight.append(self.submit_rw(queue, op, nsid, offset + o, n, iova + o, sgl=sgl))
+            queue.ring()
+            self.wait(queue, inflight[:1], timeout)
+            for req in [r for r in inflight if r.completion is not None]:
+                inflight.remove(req)
+                if not req.completion.ok and error is None:
+                    error, pieces = req, []
+        if error is not None:
+            self._check(error)
+        return -(-length // self.max_transfer)
+
+    def read(self, nsid: int, offset: int, iova: int, length: int, **kw) -> int:
+        return self.io(IoOp.READ, nsid, offset, iova, length, **kw)
+
+    def write(self, nsid: int, offset: int, iova: int, length: int, **kw) -> int:
+        return self.io(IoOp.WRITE, nsid, offset, iova, length, **kw)
+
+    def flush(self, nsid: int, qid: int = 1) -> None:
+        queue = self.queues[qid]
+        req = self.submit_flush(queue, nsid)
+        queue.ring()
+        self.wait(queue, [req], IO_TIMEOUT)
+        self._check(req)
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def dma_buffer(self, size: int) -> DmaBuffer:
+        """``size`` bytes of guest RAM mapped for the controller (freed by ``free`` or ``close``)."""
+        size = -(-size // PAGE) * PAGE
+        iova = self.data_window.alloc(size)
+        mem = mmap.mmap(-1, size)
+        try:
+            mapping = self.device.map_dma(mem, iova)
+        except BaseException:
+            self.data_window.free(iova, size)
+            mem.close()
+            raise
+        buf = DmaBuffer(mem, mapping, iova, size)
+        self._buffers.append(buf)
+        return buf
+
+    def free(self, buf: DmaBuffer) -> None:
+        buf.mapping.close()
+        self._buffers.remove(buf)
+        self.data_window.free(buf.iova, buf.size)
+
+    # -- failure and reset ---------------------------------------------------------------------
+
+    def _require_alive(self) -> None:
+        if self.failed:
+            raise NvmeFatalError(f"{self.bdf}: {self.failed}", "reset the controller (NvmeController.reset())")
+
+    def _fatal(self, why: str) -> NvmeFatalError:
+        """Mark the controller failed; every outstanding request fails with the returned error."""
+        self.failed = f"the controller {why}"
+        for queue in self.queues.values():
+            for req in queue.tracker.drain():
+                req.extra["error"] = self.failed
+        return NvmeFatalError(f"{self.bdf}: {self.failed}", "reset the controller (NvmeController.reset())")
+
+    def reset(self) -> None:
+        """Controller reset (CC.EN 1 -> 0 -> 1): requests still outstanding fail with
+        ``NvmeFatalError``; the admin and the driver's I/O queues come back empty, as at open.
+        Queues made with ``create_io_queue`` are gone: their owner creates them again."""
+        for queue in self.queues.values():
+            for req in queue.tracker.drain():
+                req.extra["error"] = "the controller was reset under the request"
+        self._enable()
+
+    def describe(self) -> dict:
+        i = self.info
+        return {"bdf": self.bdf, "serial": i.serial, "model": i.model, "firmware": i.firmware,
+                "version": f"{self.version >> 16}.{self.version >> 8 & 0xFF}.{self.version & 0xFF}",
+                "cntlid": i.cntlid, "mdts": self.max_transfer, "sgl": i.sgl_supported,
+                "shadow_doorbells": i.doorbell_buffer_config, "max_queue_entries": self.cap.max_entries,
+                "doorbell_stride": 4 << self.cap.dstrd, "timeout_ms": self.cap.timeout_ms,
+                "io_queues": len(self.queues) - 1, "queue_entries": self.queue_entries,
+                "completions": "msix" if self.vectors else "polled", "vfio_backend": self.device.backend,
+                "namespaces": [{"nsid": n.nsid, "blocks": n.blocks, "block_size": n.block_size, "size": n.size}
+                               for n in self.namespaces.values()]}
+
+
+class _Layout:
+    """Offsets in the control mapping: admin SQ, CQ and request pages, then each I/O queue's."""
+
+    def __init__(self, io_queues: int, entries: int):
+        def pages(n: int) -> int:
+            return -(-n // PAGE) * PAGE
+        self.admin_sq = 0
+        self.admin_cq = pages(ADMIN_ENTRIES * SQE_SIZE)
+        self.admin_pages = self.admin_cq + pages(ADMIN_ENTRIES * CQE_SIZE)
+        at = self.admin_pages + (ADMIN_ENTRIES - 1) * PAGE
+        self._io = {}
+        for qid in range(1, io_queues + 1):
+            sq, cq = at, at + pages(entries * SQE_SIZE)
+            at = cq + pages(entries * CQE_SIZE)
+            self._io[qid] = (sq, cq, at)
+            at += (entries - 1) * PAGE
+        self.size = at
+
+    def io(self, qid: int) -> tuple[int, int, int]:
+        return self._io[qid]
+
+
+def _u32s(data: bytes) -> list[int]:
+    return [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
+
+
+def _status_fix(status: int) -> str:
+    sct, sc = status >> 8, status & 0xFF
+    if (sct, sc) == (0, 0x04):
+        return ("the controller could not DMA the data: is every IOVA of the buffer mapped for it "
+                "(for VRAM: the GPU's BAR2 mapped into the NVMe's IOMMU context)? see dmesg for DMAR faults")
+    if (sct, sc) in ((0, 0x80), (0, 0x81)):
+        return "stay inside the namespace (Identify Namespace NSZE)"
+    if (sct, sc) == (0, 0x0B):
+        return "use an active namespace ID (vfio-cxl nvme identify)"
+    return "see the NVMe base specification's status code tables"
