@@ -117,7 +117,7 @@ class GpuDevice:
     def connect(self, conn) -> None:
         """A client connected: its DMA table and message path become the bus-master port."""
         self.engine.input(Input.CONNECT, DmaPort(conn.table, conn, self.engine.gate, self.peers,
-                                                 self.engine.peer_fast_enabled))
+                                                 self.engine.peer_fast_enabled, self.engine.message_window))
 
     def disconnect(self) -> None:
         self.engine.input(Input.DISCONNECT)

@@ -32,7 +32,8 @@ from typing import Callable
 from ..vfio_user import wire
 from ..vfio_user.dma import DmaAborted, DmaFault, DmaPort, FaultKind
 from . import regs
-from .registers import RING_CONFIG, RegisterFile
+from . import nvme_io
+from .registers import MSG_WINDOW, RING_CONFIG, RegisterFile
 from .regs import Op, Status
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,8 @@ class Engine:
             elif reg in RING_CONFIG:
                 if state is State.IDLE:
                     r.set_ring_config(reg, value, mask)
+            elif reg in MSG_WINDOW:   # any state: transfers started after the write use it
+                r.set_msg_window(reg, value, mask)
             # everything else is read-only: ignored
             return None
         if kind is Input.RESET:
@@ -257,7 +260,16 @@ class Engine:
             return (self.port.peer_bytes >> 10) & 0xFFFFFFFF if self.port else 0
         if reg == regs.REG_P2P_PROOFS:
             return self.port.proofs & 0xFFFFFFFF if self.port else 0
+        if reg == regs.REG_MSGWIN_WRITES:
+            return self.port.window_writes & 0xFFFFFFFF if self.port else 0
+        if reg == regs.REG_MSGWIN_READS:
+            return self.port.window_reads & 0xFFFFFFFF if self.port else 0
         return self.regs.value(reg, self.status(), control)
+
+    def message_window(self) -> tuple[int, int]:
+        """(base, size) of the message window (read without the lock: two ints, one tuple)."""
+        r = self.regs
+        return r.msgwin_base, r.msgwin_size
 
     def peer_fast_enabled(self) -> bool:
         """REG_P2P_CONTROL allows the peer fast path (read without the lock: one int)."""
@@ -324,10 +336,13 @@ class Engine:
             return Status.BAD_FLAGS, 0, 0, 0
         if op == Op.NOP:
             return Status.OK, 0, 0, 0
-        if op not in (Op.VRAM_TO_HOST, Op.HOST_TO_VRAM, Op.FILL_PATTERN, Op.FILL_PRNG, Op.HOST_TO_HOST):
+        if op not in (Op.VRAM_TO_HOST, Op.HOST_TO_VRAM, Op.FILL_PATTERN, Op.FILL_PRNG, Op.HOST_TO_HOST,
+                      Op.NVME_IO):
             return Status.BAD_OPCODE, 0, 0, 0
         if op == Op.HOST_TO_HOST:
             return self._host_copy(src, dst, length, port, stale)
+        if op == Op.NVME_IO:
+            return nvme_io.NvmeBatch(self.vram, self.gate, port, stale).run(src, dst, length)
         vram_off = src if op == Op.VRAM_TO_HOST else dst
         if vram_off + length > self.vram_size:
             return Status.VRAM_RANGE, 0, vram_off, 0

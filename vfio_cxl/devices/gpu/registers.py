@@ -21,6 +21,15 @@ RING_CONFIG = {
 }
 
 
+# message window registers (interface 1.2): offset -> (attribute, bit shift)
+MSG_WINDOW = {
+    regs.REG_MSGWIN_BASE_LO: ("msgwin_base", 0),
+    regs.REG_MSGWIN_BASE_HI: ("msgwin_base", 32),
+    regs.REG_MSGWIN_SIZE_LO: ("msgwin_size", 0),
+    regs.REG_MSGWIN_SIZE_HI: ("msgwin_size", 32),
+}
+
+
 class RegisterFile:
     def __init__(self, vram_size: int):
         self.vram_size = vram_size
@@ -34,6 +43,7 @@ class RegisterFile:
         self.compl_base = self.completed = 0
         self.err_status = self.err_index = self.err_addr = self.err_errno = 0
         self.p2p_control = 0
+        self.msgwin_base = self.msgwin_size = 0
 
     def latch_error(self, status: int, index: int, addr: int, err: int) -> None:
         self.err_status, self.err_index = int(status), index & 0xFFFFFFFF
@@ -41,6 +51,12 @@ class RegisterFile:
 
     def set_ring_config(self, reg: int, value: int, mask: int) -> None:
         attr, shift = RING_CONFIG[reg]
+        old = getattr(self, attr)
+        part = (((old >> shift) & 0xFFFFFFFF) & ~mask) | (value & mask)
+        setattr(self, attr, (old & ~(0xFFFFFFFF << shift)) | (part << shift))
+
+    def set_msg_window(self, reg: int, value: int, mask: int) -> None:
+        attr, shift = MSG_WINDOW[reg]
         old = getattr(self, attr)
         part = (((old >> shift) & 0xFFFFFFFF) & ~mask) | (value & mask)
         setattr(self, attr, (old & ~(0xFFFFFFFF << shift)) | (part << shift))
@@ -83,5 +99,9 @@ class RegisterFile:
             regs.REG_ERR_ADDR_HI: (self.err_addr >> 32) & 0xFFFFFFFF,
             regs.REG_ERR_ERRNO: self.err_errno,
             regs.REG_P2P_CONTROL: self.p2p_control,
+            regs.REG_MSGWIN_BASE_LO: self.msgwin_base & 0xFFFFFFFF,
+            regs.REG_MSGWIN_BASE_HI: self.msgwin_base >> 32,
+            regs.REG_MSGWIN_SIZE_LO: self.msgwin_size & 0xFFFFFFFF,
+            regs.REG_MSGWIN_SIZE_HI: self.msgwin_size >> 32,
         }
         return values.get(reg, 0)

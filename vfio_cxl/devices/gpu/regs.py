@@ -92,8 +92,16 @@ REG_P2P_CONTROL = 0x0A0  # RW  P2P_* bits (peer fast path, docs/gpu-device.md "P
 REG_P2P_PEER_KIB = 0x0A4  # RO  KiB moved by the peer fast path since connect (wraps)
 REG_P2P_PROOFS = 0x0A8  # RO  peer mappings proven since connect (wraps)
 
+# Interface 1.2 (docs/gpu-device.md "Peer MMIO and GPU-initiated NVMe I/O"): 0x200-0x27F
+REG_MSGWIN_BASE_LO = 0x200  # RW  message window: IOVAs reached by DMA_READ/DMA_WRITE messages
+REG_MSGWIN_BASE_HI = 0x204  # RW
+REG_MSGWIN_SIZE_LO = 0x208  # RW  bytes; 0 = no window
+REG_MSGWIN_SIZE_HI = 0x20C  # RW
+REG_MSGWIN_WRITES = 0x210  # RO  DMA_WRITE messages sent into the window since connect (wraps)
+REG_MSGWIN_READS = 0x214  # RO  DMA_READ messages sent into the window since connect (wraps)
+
 ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
-DEVICE_VERSION = 0x00010000  # 1.0
+DEVICE_VERSION = 0x00010002  # 1.2 (1.0 plus the message window and NVME_IO; a 1.0 driver works)
 
 # REG_CONTROL bits
 CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE
@@ -139,6 +147,7 @@ class Op(IntEnum):
     FILL_PATTERN = 3  # src = u64 pattern (its 8 LE bytes repeated), dst = VRAM offset
     FILL_PRNG = 4  # src = u64 seed (prng_bytes stream from 0), dst = VRAM offset
     HOST_TO_HOST = 5  # src = IOVA, dst = IOVA: a copy in host memory through the device (no VRAM)
+    NVME_IO = 16  # src = VRAM offset of an NVMe queue block, dst = VRAM offset of requests, length = count
 
 
 CAPS_OPS = sum(1 << op for op in Op)
@@ -174,6 +183,55 @@ class Status(IntEnum):
     BAD_TAIL = 11  # doorbell value >= RING_SIZE (ERR_ADDR = value written)
     BAD_RING_CONFIG = 12  # ENABLE with bad RING_SIZE / unaligned bases (ERR_ADDR = RING_BASE)
     DMA_IO_ERROR = 13  # memory behind a mapping not accessible, e.g. truncated file (EFAULT)
+    QUEUE_TIMEOUT = 16  # NVME_IO: no completion within the queue block's timeout (ERR_ADDR = request's VRAM offset)
+    BAD_QUEUE = 17  # NVME_IO: bad queue block, request or completion entry (ERR_ADDR = its VRAM offset)
+
+
+# --------------------------------------------------------------------------
+# NVME_IO (interface 1.2): an NVMe queue pair in VRAM, driven by the device
+# --------------------------------------------------------------------------
+#   Queue block (64 bytes at VRAM offset src; the device writes sq_tail, cq_head, phase back):
+#   u64 sq_offset     VRAM offset of the submission queue (entries x 64 bytes)
+#   u64 cq_offset     VRAM offset of the completion queue (entries x 16 bytes)
+#   u64 sq_doorbell   IOVA of the SQ tail doorbell (inside the message window)
+#   u64 cq_doorbell   IOVA of the CQ head doorbell
+#   u16 entries       queue size the NVMe queue was created with, 2..NVME_MAX_ENTRIES
+#   u16 depth         commands in flight at most, 1..min(NVME_MAX_DEPTH, entries - 1)
+#   u32 nsid
+#   u16 sq_tail, u16 cq_head, u8 phase (1 for a new queue): where the queue stands
+#   u8  lba_shift     log2 of the namespace's block size, 9..12
+#   u16 reserved
+#   u32 timeout_ms    longest wait for a completion (0: NVME_DEFAULT_TIMEOUT_MS)
+#   u32 reserved, u64 reserved
+NVME_QUEUE = struct.Struct("<QQQQHHIHHBBHIIQ")
+NVME_QUEUE_SIZE = NVME_QUEUE.size  # 64
+#   Request (32 bytes each at VRAM offset dst):
+#   u8  opcode        NVMe I/O opcode: 1 Write, 2 Read
+#   u8  flags (0)
+#   u16 status        out: NVMe status (SCT << 8 | SC), 0 = success; NVME_REQ_PENDING until completed
+#   u32 length        bytes, a whole number of blocks
+#   u64 slba          starting block
+#   u64 data_iova     the data buffer as the NVMe controller reaches it (e.g. VRAM through its IOMMU)
+#   u32 result        out: completion dword 0
+#   u32 latency_us    out: doorbell to completion seen
+NVME_REQUEST = struct.Struct("<BBHIQQII")
+NVME_REQUEST_SIZE = NVME_REQUEST.size  # 32
+NVME_MAX_ENTRIES = 4096
+NVME_MAX_DEPTH = 64
+NVME_MAX_REQUESTS = 65535  # the request index is the command identifier
+NVME_DEFAULT_TIMEOUT_MS = 10000
+NVME_REQ_PENDING = 0xFFFF
+
+
+def pack_nvme_queue(sq_offset: int, cq_offset: int, sq_doorbell: int, cq_doorbell: int, entries: int,
+                    depth: int, nsid: int, lba_shift: int, *, sq_tail: int = 0, cq_head: int = 0, phase: int = 1,
+                    timeout_ms: int = 0) -> bytes:
+    return NVME_QUEUE.pack(sq_offset, cq_offset, sq_doorbell, cq_doorbell, entries, depth, nsid, sq_tail, cq_head,
+                           phase, lba_shift, 0, timeout_ms, 0, 0)
+
+
+def pack_nvme_request(opcode: int, slba: int, length: int, data_iova: int) -> bytes:
+    return NVME_REQUEST.pack(opcode, 0, NVME_REQ_PENDING, length, slba, data_iova, 0, 0)
 
 
 # --------------------------------------------------------------------------
@@ -195,6 +253,8 @@ def reset_values(vram_size: int = DEFAULT_VRAM_SIZE) -> dict[int, int]:
         REG_RING_TAIL, REG_COMPL_BASE_LO, REG_COMPL_BASE_HI, REG_COMPLETED,
         REG_ERR_STATUS, REG_ERR_DESC_INDEX, REG_ERR_ADDR_LO, REG_ERR_ADDR_HI,
         REG_ERR_ERRNO, REG_P2P_CONTROL, REG_P2P_PEER_KIB, REG_P2P_PROOFS,
+        REG_MSGWIN_BASE_LO, REG_MSGWIN_BASE_HI, REG_MSGWIN_SIZE_LO, REG_MSGWIN_SIZE_HI,
+        REG_MSGWIN_WRITES, REG_MSGWIN_READS,
     ):
         values[reg] = 0
     return values

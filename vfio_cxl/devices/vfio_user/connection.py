@@ -301,15 +301,18 @@ class Connection:
             self._pump(t)  # sends only: the replies come back to this thread
 
     # ------------------------------------------------------------ our DMA requests
-    def dma_write(self, iova: int, data: memoryview, stale: Callable[[], bool] = _never) -> None:
-        """Device -> client memory through DMA_WRITE messages of <= max_write bytes."""
+    def dma_write(self, iova: int, data: memoryview, stale: Callable[[], bool] = _never, *,
+                  unchecked: bool = False) -> None:
+        """Device -> client memory through DMA_WRITE messages of <= max_write bytes.
+        ``unchecked``: no DMA_MAP need cover the range (a device's message window)."""
         self._run(_Transfer(wire.DMA_WRITE, iova, data, self.max_write, self.window,
-                            wire.DMA_MAP_FLAG_WRITE, stale))
+                            0 if unchecked else wire.DMA_MAP_FLAG_WRITE, stale))
 
-    def dma_read(self, iova: int, into: memoryview, stale: Callable[[], bool] = _never) -> None:
+    def dma_read(self, iova: int, into: memoryview, stale: Callable[[], bool] = _never, *,
+                 unchecked: bool = False) -> None:
         """Client memory -> ``into`` through DMA_READ messages of <= max_read bytes."""
         self._run(_Transfer(wire.DMA_READ, iova, into, self.max_read, self.window,
-                            wire.DMA_MAP_FLAG_READ, stale))
+                            0 if unchecked else wire.DMA_MAP_FLAG_READ, stale))
 
     def _run(self, t: _Transfer) -> None:
         """Start a transfer and wait for it; raise DmaFault (``done`` set) on failure."""
@@ -382,7 +385,8 @@ class Connection:
             # before this point stops the message; one after it is ordered after it
             if t.stale():
                 raise DmaAborted()
-            self.table.check(at, n, t.need)
+            if t.need:   # 0: a message-window transfer, which no DMA_MAP covers
+                self.table.check(at, n, t.need)
 
         if self._debug:
             log.debug("-> %s id=%d iova=%#x count=%d", wire.COMMAND_NAMES[t.command], msg_id, at, n)
