@@ -86,6 +86,7 @@ class NvmeController:
         self.vectors = None
         self._buffers: list[DmaBuffer] = []
         self._io_queue_count = io_queues
+        self.io_queues = io_queues          # the driver's own I/O queues: qid 1..io_queues
         self.spare_queues = spare_queues    # granted by Set Features, created by their owner (create_io_queue)
         command = device.config.read16(PCI_COMMAND)
         device.config.write16(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)
@@ -138,19 +139,25 @@ class NvmeController:
             device.close()
             raise
 
+    def shutdown(self) -> None:
+        """Delete the I/O queues and disable the controller (best effort when it failed): after
+        this it DMAs no more, so its mappings can go.  ``close`` does it first if not done."""
+        if self.failed is None and self.device.device is not None:
+            try:
+                for qid in sorted(self.queues, reverse=True):
+                    if qid:
+                        self._admin(AdminOp.DELETE_SQ, cdw10=qid, what=f"delete SQ {qid}")
+                        self._admin(AdminOp.DELETE_CQ, cdw10=qid, what=f"delete CQ {qid}")
+                self._disable()
+            except NvmeError:
+                pass
+        self.failed = self.failed or "was shut down"
+        self.queues = {}
+
     def close(self) -> None:
-        """Delete the I/O queues and disable the controller (best effort when it failed), then
-        release interrupts, mappings and the device."""
+        """``shutdown``, then release interrupts, mappings and the device."""
         try:
-            if self.failed is None and self.device.device is not None:
-                try:
-                    for qid in sorted(self.queues, reverse=True):
-                        if qid:
-                            self._admin(AdminOp.DELETE_SQ, cdw10=qid, what=f"delete SQ {qid}")
-                            self._admin(AdminOp.DELETE_CQ, cdw10=qid, what=f"delete CQ {qid}")
-                    self._disable()
-                except NvmeError:
-                    pass
+            self.shutdown()
             for buf in self._buffers:
                 buf.mapping.close()
             self._buffers.clear()
@@ -361,6 +368,10 @@ class NvmeController:
         while any(r.completion is None for r in reqs):
             if self.failed:
                 raise NvmeFatalError(f"{self.bdf}: {self.failed}", "reset the controller (NvmeController.reset())")
+            dropped = next((r for r in reqs if "error" in r.extra), None)
+            if dropped is not None:   # its queue was torn down under it (reset, fatal status)
+                raise NvmeFatalError(f"{self.bdf}: {dropped.what}: {dropped.extra['error']}",
+                                     "submit it again on the reset controller")
             if self.reap(queue):
                 continue
             spins += 1

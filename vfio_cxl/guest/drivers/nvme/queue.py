@@ -31,6 +31,11 @@ class QueuePair:
         self.doorbells = 0            # SQ tail + CQ head doorbell writes (MMIO) since creation
         self.clear()
 
+    def release(self) -> None:
+        """Let go of the queue memory (a BAR mapping cannot close while views of it live)."""
+        self.sq.release()
+        self.cq.release()
+
     def clear(self) -> None:
         """Empty queues, as the controller sees them after (re)creation."""
         self.sq[:] = bytes(len(self.sq))

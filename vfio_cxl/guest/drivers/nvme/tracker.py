@@ -16,7 +16,7 @@ SLOT_BITS = 11                       # up to 2048 entries (QEMU's CAP.MQES + 1)
 MAX_DEPTH = 1 << SLOT_BITS
 
 
-@dataclass
+@dataclass(eq=False)      # identity: requests are dict keys while in flight
 class Request:
     slot: int
     cid: int

@@ -1,0 +1,12 @@
+"""Storage straight into the GPU, in the guest (docs/storage.md).
+
+``session.StorageSession`` is the cuFile-shaped API: one IOMMU context (a type1 container or an
+iommufd IOAS) for an NVMe controller and a GPU; ``handle_register`` (a namespace is the file),
+``buf_register`` (a range of VRAM), ``read``/``write`` and ``batch_submit``/``Batch.poll``, in
+``p2p`` mode (the NVMe DMAs straight into VRAM: the GPU's BAR2 is mapped into the NVMe's IOMMU
+context) or ``compat`` mode (NVMe -> guest RAM -> a GPU copy descriptor).  ``gpu_initiated``:
+an NVMe queue pair in VRAM that the GPU drives itself (NVME_IO, GPU interface 1.2)."""
+
+from .session import Batch, FileHandle, GpuBuffer, IoParams, StorageError, StorageSession
+
+__all__ = ["Batch", "FileHandle", "GpuBuffer", "IoParams", "StorageError", "StorageSession"]

@@ -1,0 +1,152 @@
+"""In the guest: the storage paths side by side (``scripts/bench storage`` runs this).
+
+    python3 -m vfio_cxl.guest.storage.bench [--quick] [--nvme BDF --gpu BDF] [--backend type1|iommufd]
+
+Cells: path (bounce, p2p, gpu-initiated) x I/O size x queue depth, each reading ``WORK`` bytes
+of the namespace (written once beforehand, a seeded pattern) into VRAM:
+
+* bounce: QEMU's NVMe reads ``depth`` requests into guest RAM (one doorbell), then the GPU copies
+  each into VRAM (HOST_TO_VRAM) -- cuFile's compatibility mode;
+* p2p: the NVMe reads straight into VRAM (its PRPs point at the GPU's BAR2 IOVA), ``depth`` in
+  flight, one doorbell per refill;
+* gpu-initiated: one NVME_IO descriptor; the GPU drives an NVMe queue pair in its VRAM.
+
+Per cell: wall time, per-request latency (submit -> completion seen), guest CPU seconds of this
+process (``os.times``: user + system) per GB, GPU messages per I/O (the driver's RING_TAIL
+writes, each one vfio-user REGION_WRITE, plus the GPU's doorbell DMA_WRITEs counted by
+MSGWIN_WRITES), bytes through guest RAM and bytes QEMU carried into the BAR; and every byte
+read back through the BAR2 mmap and compared.  Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+
+from ...devices.gpu import regs
+from ...devices.gpu.regs import Op
+from ..drivers.nvme import IoOp
+from ..gpu_driver import Transfer
+from .checks import pick, put
+from .gpu_initiated import GpuQueue
+from .session import VRAM_IOVA, StorageSession
+
+SEED = 2026
+FULL = {"sizes": (4096, 65536, 1 << 20), "depths": (1, 8, 32, 64), "work": 16 << 20}
+QUICK = {"cells": [("bounce", 1 << 20, 8), ("p2p", 1 << 20, 8), ("gpu-initiated", 1 << 20, 8),
+                   ("bounce", 4096, 32), ("p2p", 4096, 32), ("gpu-initiated", 4096, 32)],
+         "work": {1 << 20: 16 << 20, 4096: 4 << 20}}
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def percentile(values: list[float], p: int) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, len(ordered) * p // 100)]
+
+
+def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, work: int, data: bytes) -> dict:
+    count = work // size
+    gpu, nvme = s.gpu, s.nvme
+    gpu.vram.view(0, work)[:] = bytes(work)
+    order = list(range(count))
+    random.Random(size * depth).shuffle(order)
+    lat: list[float] = []
+    runs = writes0 = 0
+    writes0 = gpu.bar0.read32(regs.REG_MSGWIN_WRITES)
+    guest_ram = qemu_bar = 0
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    if path == "gpu-initiated":
+        depth_used = min(depth, gq.entries - 1, regs.NVME_MAX_DEPTH)
+        r = gq.run([(order[i] * size, size, i * size) for i in range(count)], depth=depth_used)
+        runs += 1
+        lat = [float(x) for x in r["latency_us"]]
+        ok_status = all(st == 0 for st in r["statuses"])
+        qemu_bar = work
+    else:
+        queue = nvme.queues[1]
+        depth_used = min(depth, queue.tracker.depth)
+        ok_status = True
+        bounce = nvme.dma_buffer(min(work, depth_used * size)) if path == "bounce" else None
+        i = 0
+        while i < count:
+            n = min(depth_used, count - i)
+            reqs = []
+            for k in range(n):
+                if path == "p2p":
+                    iova = VRAM_IOVA + (i + k) * size
+                else:
+                    iova = bounce.iova + k * size
+                reqs.append(nvme.submit_rw(queue, IoOp.READ, 1, order[i + k] * size, size, iova))
+            queue.ring()
+            nvme.wait(queue, reqs, 30)
+            now = time.monotonic()
+            for req in reqs:
+                lat.append((now - req.submitted) * 1e6)
+                ok_status &= req.completion.ok
+            if path == "bounce":
+                copies = [Transfer(Op.HOST_TO_VRAM, src=bounce.iova + k * size, dst=(i + k) * size, length=size)
+                          for k in range(n)]
+                gpu.run(copies, timeout=60)
+                runs += 1
+                guest_ram += n * size
+            else:
+                qemu_bar += n * size
+            i += n
+        if bounce is not None:
+            nvme.free(bounce)
+    seconds = time.perf_counter() - t0
+    cpu = cpu_seconds() - cpu0
+    messages = runs + ((gpu.bar0.read32(regs.REG_MSGWIN_WRITES) - writes0) & 0xFFFFFFFF)
+    vram = gpu.vram.read(0, work)
+    verified = ok_status and all(vram[i * size:(i + 1) * size] == data[order[i] * size:(order[i] + 1) * size]
+                                 for i in range(count))
+    return {"path": path, "io_size": size, "queue_depth": depth_used, "requests": count, "bytes": work,
+            "mb_s": work / seconds / 1e6, "iops": count / seconds, "lat_p50_us": percentile(lat, 50),
+            "lat_p99_us": percentile(lat, 99), "guest_cpu_s": cpu, "guest_cpu_s_per_gb": cpu / (work / 1e9),
+            "gpu_messages_per_io": messages / count, "guest_ram_bytes": guest_ram, "qemu_bar_bytes": qemu_bar,
+            "verified": verified}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.storage.bench")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--nvme")
+    p.add_argument("--gpu")
+    p.add_argument("--backend", default="type1", choices=("type1", "iommufd"))
+    args = p.parse_args(argv)
+    nvme_bdf, gpu_bdf = pick(args.nvme, args.gpu)
+    if args.quick:
+        cells, work_of = QUICK["cells"], QUICK["work"]
+    else:
+        cells = [(path, size, depth) for path in ("bounce", "p2p", "gpu-initiated")
+                 for size in FULL["sizes"] for depth in FULL["depths"]]
+        work_of = {size: FULL["work"] if size >= 65536 else 4 << 20 for size in FULL["sizes"]}
+    work_max = max(work_of.values())
+    data = random.Random(SEED).randbytes(work_max)
+    rows = []
+    with StorageSession.open(nvme_bdf, gpu_bdf, mode="p2p", backend=args.backend) as s:
+        put(s, 0, data)
+        gq = GpuQueue(s, entries=128)
+        try:
+            for path, size, depth in cells:
+                rows.append(run_cell(s, gq, path, size, depth, work_of[size], data[:work_of[size]]))
+        finally:
+            gq.close()
+        bounce = s.nvme.max_transfer
+    print(json.dumps({"nvme": nvme_bdf, "gpu": gpu_bdf, "backend": args.backend, "mdts": bounce,
+                      "data_sha256": hashlib.sha256(data).hexdigest(), "data_bytes": work_max,
+                      "data_seed": SEED, "cells": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

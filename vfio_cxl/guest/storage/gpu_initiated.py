@@ -1,0 +1,130 @@
+"""GPU-initiated NVMe I/O (BaM-style): an NVMe I/O queue pair in VRAM that the GPU drives.
+
+    with StorageSession.open(nvme_bdf, gpu_bdf) as s:
+        q = GpuQueue(s, entries=64)
+        result = q.run([(slba, 4096, vram_offset), ...], depth=32)   # reads; op="write" for writes
+
+The CPU sets up and reads the result only.  Set-up: the GPU's BAR2 is mapped for the NVMe
+(``VRAM_IOVA``), the NVMe's BAR0 for the GPU (``DOORBELL_IOVA``), both in the session's one
+IOMMU context; the SQ and CQ are created with their VRAM IOVAs (Create I/O CQ with IEN = 0:
+the GPU polls); the GPU's message window covers the doorbells, so its doorbell writes go to
+QEMU as DMA_WRITE messages that the vIOMMU translates into the NVMe's BAR0 (docs/gpu-device.md,
+interface 1.2).  Then one NVME_IO descriptor per ``run``: the GPU writes the SQEs into VRAM,
+rings the SQ tail doorbell once per batch, polls the CQ phase tags in VRAM, rings the CQ head
+doorbell, and writes each request's status; the CPU waits for one MSI-X and reads them.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+from ...devices.gpu import regs
+from ...devices.gpu.regs import Op
+from ..drivers.nvme.queue import QueuePair
+from ..gpu_driver import Transfer
+from ..p2p import map_peer_bar
+from .session import DOORBELL_IOVA, VRAM_IOVA, StorageError, StorageSession
+
+QUEUE_AREA = 4 << 20          # the top of VRAM: SQ, CQ, queue block, request list
+NVME_READ, NVME_WRITE = 0x02, 0x01
+
+
+class GpuQueue:
+    def __init__(self, session: StorageSession, *, entries: int = 64, qid: int | None = None,
+                 timeout_ms: int = 5000):
+        nvme, gpu = session.nvme, session.gpu
+        self.session, self.entries, self.timeout_ms = session, entries, timeout_ms
+        self.qid = qid if qid is not None else nvme.io_queues + 1
+        if not 2 <= entries <= min(regs.NVME_MAX_ENTRIES, nvme.cap.max_entries):
+            raise StorageError(f"a GPU queue of {entries} entries",
+                               f"use 2 to {min(regs.NVME_MAX_ENTRIES, nvme.cap.max_entries)}")
+        if not nvme.io_queues < self.qid <= nvme.io_queues + nvme.spare_queues:
+            raise StorageError(f"queue {self.qid} was not granted by Set Features Number of Queues",
+                               "open the session with spare_queues >= 1")
+        base = gpu.vram_size - QUEUE_AREA
+        self.sq_off, self.cq_off = base, base + entries * 64
+        self.block_off = base + (1 << 20)
+        self.requests_off = self.block_off + 4096
+        self.max_requests = (QUEUE_AREA - (1 << 20) - 4096) // regs.NVME_REQUEST_SIZE
+        session.map_vram()
+        self.doorbells = map_peer_bar(gpu, nvme, DOORBELL_IOVA, region=0, size=nvme.bar0.size,
+                                      notes=session.kernel)
+        self._views = (gpu.vram.view(self.sq_off, entries * 64), gpu.vram.view(self.cq_off, entries * 16))
+        self.queue = QueuePair(self.qid, entries, self._views[0], VRAM_IOVA + self.sq_off,
+                               self._views[1], VRAM_IOVA + self.cq_off, _cpu_never, _cpu_never, None, None)
+        nvme.create_io_queue(self.qid, self.queue)
+        self.state = (0, 0, 1)        # sq_tail, cq_head, phase: the GPU writes them back
+        self._set_window()
+
+    def _set_window(self) -> None:
+        """The GPU's message window over the NVMe's doorbells (again after any GPU reset)."""
+        bar0 = self.session.gpu.bar0
+        bar0.write32(regs.REG_MSGWIN_BASE_LO, DOORBELL_IOVA & 0xFFFFFFFF)
+        bar0.write32(regs.REG_MSGWIN_BASE_HI, DOORBELL_IOVA >> 32)
+        bar0.write32(regs.REG_MSGWIN_SIZE_LO, self.session.nvme.bar0.size & 0xFFFFFFFF)
+        bar0.write32(regs.REG_MSGWIN_SIZE_HI, self.session.nvme.bar0.size >> 32)
+
+    def run(self, requests: list[tuple[int, int, int]], *, depth: int = 32, op: str = "read",
+            timeout: float = 120) -> dict:
+        """``requests``: (file byte offset, length, VRAM offset); one NVME_IO descriptor."""
+        s, gpu, nvme = self.session, self.session.gpu, self.session.nvme
+        ns = nvme.namespace(1)
+        if not 1 <= depth <= min(regs.NVME_MAX_DEPTH, self.entries - 1):
+            raise StorageError(f"queue depth {depth}", f"use 1 to {min(regs.NVME_MAX_DEPTH, self.entries - 1)} "
+                               f"(at most 64, and one less than the queue's {self.entries} entries)")
+        if not 1 <= len(requests) <= self.max_requests:
+            raise StorageError(f"{len(requests)} requests in one run", f"use 1 to {self.max_requests}")
+        table = bytearray()
+        for offset, length, vram in requests:
+            nvme.check_range(1, offset, length)
+            if vram < 0 or vram + length > gpu.vram_size - QUEUE_AREA or vram % 4:
+                raise StorageError(f"VRAM [{vram:#x}, {vram + length:#x}) for a request",
+                                   f"use 4-byte aligned ranges below {gpu.vram_size - QUEUE_AREA:#x} "
+                                   "(the top 4 MiB hold the queues)")
+            table += regs.pack_nvme_request(NVME_READ if op == "read" else NVME_WRITE, offset // ns.block_size,
+                                            length, VRAM_IOVA + vram)
+        sq_tail, cq_head, phase = self.state
+        gpu.vram.view(self.block_off, regs.NVME_QUEUE_SIZE)[:] = regs.pack_nvme_queue(
+            self.sq_off, self.cq_off, DOORBELL_IOVA + nvme.cap.sq_doorbell(self.qid),
+            DOORBELL_IOVA + nvme.cap.cq_doorbell(self.qid), self.entries, depth, 1,
+            ns.block_size.bit_length() - 1, sq_tail=sq_tail, cq_head=cq_head, phase=phase,
+            timeout_ms=self.timeout_ms)
+        gpu.vram.view(self.requests_off, len(table))[:] = table
+        writes0 = gpu.bar0.read32(regs.REG_MSGWIN_WRITES)
+        t0 = time.perf_counter()
+        try:
+            (done,) = gpu.run([Transfer(Op.NVME_IO, src=self.block_off, dst=self.requests_off,
+                                        length=len(requests))], timeout=timeout)
+        finally:
+            self.state = struct.unpack_from("<HHB", gpu.vram.read(self.block_off + 40, 5))
+            self._set_window()        # a failed descriptor resets the GPU (and its window)
+        seconds = time.perf_counter() - t0
+        out = gpu.vram.read(self.requests_off, len(table))
+        statuses, latencies = [], []
+        for i in range(len(requests)):
+            _o, _f, status, _l, _s, _d, _r, lat = regs.NVME_REQUEST.unpack_from(out, i * regs.NVME_REQUEST_SIZE)
+            statuses.append(status)
+            latencies.append(lat)
+        s.stats["p2p_bytes"] += done["bytes_done"]
+        return {"seconds": seconds, "bytes": done["bytes_done"], "statuses": statuses, "latency_us": latencies,
+                "doorbell_messages": (gpu.bar0.read32(regs.REG_MSGWIN_WRITES) - writes0) & 0xFFFFFFFF,
+                "device_ns": done["duration_ns"]}
+
+    def close(self) -> None:
+        nvme = self.session.nvme
+        try:
+            if nvme.failed is None and nvme.queues.get(self.qid) is self.queue:
+                nvme.delete_io_queue(self.qid)
+        finally:
+            nvme.queues.pop(self.qid, None)
+            self.queue.release()
+            for view in self._views:
+                view.release()
+            self.doorbells.close()
+        for reg in (regs.REG_MSGWIN_SIZE_LO, regs.REG_MSGWIN_SIZE_HI):
+            self.session.gpu.bar0.write32(reg, 0)
+
+
+def _cpu_never(value: int) -> None:
+    raise StorageError("the CPU rang a doorbell of a GPU-driven queue", "only the GPU rings this queue")

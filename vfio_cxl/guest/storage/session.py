@@ -1,0 +1,258 @@
+"""The cuFile-shaped API: NVMe namespaces read into and written from GPU VRAM.
+
+    with StorageSession.open(nvme_bdf, gpu_bdf, mode="p2p") as s:     # or mode="compat"
+        fh = s.handle_register(nsid=1)                  # cuFileHandleRegister
+        buf = s.buf_register(0, 16 << 20)               # cuFileBufRegister(devPtr, len): a VRAM range
+        n = s.read(fh, buf, 1 << 20, file_offset=0, buf_offset=0)     # cuFileRead -> bytes
+        batch = s.batch_submit([IoParams("read", fh, buf, 4096, 0, 0), ...])
+        events = batch.poll(timeout=10)                 # cuFileBatchIOGetStatus
+
+Both devices share one IOMMU context, so one set of IOVAs means the same to both:
+
+* ``p2p``: the GPU's BAR2 (its VRAM) is DMA-mapped into the context at ``VRAM_IOVA``; the NVMe's
+  data pointers point at ``VRAM_IOVA + offset``.  QEMU carries the controller's DMA into the
+  BAR through its bounce buffer (``x-max-bounce-buffer-size``: the topology's ``bounce_buffer``).
+* ``compat``: the controller reads into a guest-RAM buffer (``BOUNCE`` bytes at a time), then
+  the GPU copies it into VRAM with a HOST_TO_VRAM descriptor (writes: VRAM_TO_HOST, then the
+  NVMe write).
+
+``stats`` says which path the bytes took and how many: ``p2p_bytes`` (through QEMU's bounce
+buffer into or out of the BAR), ``bounced_bytes`` (through guest RAM), NVMe commands and
+doorbells.  Alignment rules: ``file_offset`` and ``size`` are whole blocks of the namespace,
+``buf_offset`` a multiple of 4 (NVMe data pointers are dword aligned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from ...devices.gpu.regs import Op
+from ..drivers.nvme import IoOp, NvmeController, NvmeError
+from ..gpu_driver import GpuDriver, Transfer
+from ..p2p import PEER_BAR_IOVA, map_peer_bar, open_context
+from ..vfio.errors import VfioError
+
+VRAM_IOVA = PEER_BAR_IOVA          # the GPU's BAR2, as the NVMe reaches it
+DOORBELL_IOVA = 0x20_0000_0000     # the NVMe's BAR0, as the GPU reaches it (GPU-initiated I/O)
+BOUNCE = 4 << 20                   # compat mode's guest-RAM buffer
+MODES = ("p2p", "compat")
+
+
+class StorageError(VfioError):
+    """A storage call was given something it cannot do; the message names the rule."""
+
+
+@dataclass(frozen=True)
+class FileHandle:
+    nsid: int
+    size: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class GpuBuffer:
+    offset: int                    # in VRAM
+    length: int
+
+
+@dataclass
+class IoParams:
+    op: str                        # "read" | "write"
+    fh: FileHandle
+    buf: GpuBuffer
+    size: int
+    file_offset: int
+    buf_offset: int
+    cookie: object = None
+
+
+@dataclass
+class Batch:
+    """Requests of one ``batch_submit``; ``poll`` reaps, ``events`` holds (cookie, status, bytes)."""
+
+    session: "StorageSession"
+    pending: dict = field(default_factory=dict)      # request -> (index, params)
+    events: list = field(default_factory=list)
+    failed: list = field(default_factory=list)       # pieces failed (status, what)
+    _sizes: dict = field(default_factory=dict)       # index -> bytes still owed
+
+    def poll(self, timeout: float = 10.0) -> list[tuple]:
+        """Wait until every request of the batch completed (or failed); -> [(cookie, status, bytes)]
+        with status "ok" or the error's text; a controller that dies fails them all at once."""
+        s = self.session
+        queue = s.nvme.queues[1]
+        try:
+            while self.pending:
+                s.nvme.wait(queue, [next(iter(self.pending))], timeout)
+                self._settle()
+        except NvmeError as err:
+            for req, (index, params) in list(self.pending.items()):
+                self.pending.pop(req)
+                self._finish(index, params, req.extra.get("error") or err.what)
+        return self.events
+
+    def _settle(self) -> None:
+        for req in [r for r in self.pending if r.completion is not None]:
+            index, params = self.pending.pop(req)
+            ok = req.completion.ok
+            self._finish(index, params, "ok" if ok else f"NVMe status {req.completion.status:#x}",
+                         req.extra["length"] if ok else 0)
+
+    def _finish(self, index: int, params: IoParams, status: str, moved: int = 0) -> None:
+        owed = self._sizes[index]
+        if status != "ok":
+            self.failed.append((index, status))
+        owed[0] -= 1
+        owed[1] += moved
+        if owed[0] == 0:
+            bad = [st for i, st in self.failed if i == index]
+            self.events.append((params.cookie, bad[0] if bad else "ok", owed[1]))
+
+
+class StorageSession:
+    def __init__(self, nvme: NvmeController, gpu: GpuDriver, context, mode: str, backend: str,
+                 stack: contextlib.ExitStack):
+        self.nvme, self.gpu, self.context, self.mode, self.backend = nvme, gpu, context, mode, backend
+        self._stack = stack
+        self.vram_mapping = None
+        self.bounce = None
+        self.kernel: dict[str, str] = {}
+        self.stats = {"p2p_bytes": 0, "bounced_bytes": 0, "commands": 0, "gpu_copies": 0}
+
+    @classmethod
+    def open(cls, nvme_bdf: str, gpu_bdf: str, *, mode: str = "p2p", backend: str = "type1",
+             queue_entries: int = 128, interrupts: bool = True, spare_queues: int = 1) -> "StorageSession":
+        if mode not in MODES:
+            raise StorageError(f"unknown mode {mode!r}", f"use one of {', '.join(MODES)}")
+        with contextlib.ExitStack() as stack:
+            context = open_context(backend)
+            stack.callback(context.close)
+            shared = {"container": context} if backend == "type1" else {"ioas": context}
+            gpu = GpuDriver.open(gpu_bdf, **shared)
+            stack.callback(gpu.close)
+            nvme = NvmeController.open(nvme_bdf, queue_entries=queue_entries, interrupts=interrupts,
+                                       spare_queues=spare_queues, **shared)
+            stack.callback(nvme.close)
+            stack.callback(context.unmap_all)   # type1: mappings go before the devices leave
+            self = cls(nvme, gpu, context, mode, backend, stack)
+            if mode == "p2p":
+                self.map_vram()
+            else:
+                self.bounce = nvme.dma_buffer(BOUNCE)
+            stack.pop_all()
+        return self
+
+    def map_vram(self) -> None:
+        """The GPU's BAR2 into the shared IOMMU context at VRAM_IOVA (the NVMe may DMA there)."""
+        if self.vram_mapping is None:
+            self.vram_mapping = map_peer_bar(self.nvme, self.gpu, VRAM_IOVA, notes=self.kernel)
+
+    def unmap_vram(self) -> None:
+        if self.vram_mapping is not None:
+            self.vram_mapping.close()
+            self.vram_mapping = None
+
+    def close(self) -> None:
+        """The controller stops DMA first (queues deleted, disabled), then the mappings go,
+        then the devices leave the context."""
+        stack, self._stack = self._stack, contextlib.ExitStack()
+        try:
+            self.nvme.shutdown()
+        finally:
+            self.unmap_vram()
+            stack.close()
+
+    def __enter__(self) -> "StorageSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- registration ------------------------------------------------------------
+    def handle_register(self, nsid: int = 1) -> FileHandle:
+        ns = self.nvme.namespace(nsid)
+        return FileHandle(nsid, ns.size, ns.block_size)
+
+    def buf_register(self, offset: int, length: int) -> GpuBuffer:
+        if length <= 0 or offset < 0 or offset + length > self.gpu.vram_size:
+            raise StorageError(f"VRAM buffer [{offset:#x}, {offset + length:#x}) is outside the GPU's "
+                               f"{self.gpu.vram_size:#x} bytes of VRAM", "register a range inside VRAM")
+        if offset % 4:
+            raise StorageError(f"VRAM buffer offset {offset:#x} is not 4-byte aligned",
+                               "NVMe data pointers are dword aligned: register at a multiple of 4 (a page is best)")
+        return GpuBuffer(offset, length)
+
+    def _check(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int, buf_offset: int) -> int:
+        if not isinstance(buf, GpuBuffer):
+            raise StorageError(f"{buf!r} is not a registered VRAM buffer", "register it with buf_register()")
+        if buf_offset < 0 or buf_offset + size > buf.length:
+            raise StorageError(f"{size} bytes at buf_offset {buf_offset:#x} do not fit the registered "
+                               f"{buf.length:#x}-byte buffer", "register a larger buffer or move less")
+        if (buf.offset + buf_offset) % 4:
+            raise StorageError(f"buf_offset {buf_offset:#x} is not 4-byte aligned",
+                               "NVMe data pointers are dword aligned: use a multiple of 4")
+        self.nvme.check_range(fh.nsid, file_offset, size)   # whole blocks, inside the namespace
+        return buf.offset + buf_offset
+
+    # -- I/O -------------------------------------------------------------------------------
+    def read(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int = 0, buf_offset: int = 0) -> int:
+        vram = self._check(fh, buf, size, file_offset, buf_offset)
+        if self.mode == "p2p":
+            self.stats["commands"] += self.nvme.read(fh.nsid, file_offset, VRAM_IOVA + vram, size)
+            self.stats["p2p_bytes"] += size
+            return size
+        for done in range(0, size, BOUNCE):
+            n = min(BOUNCE, size - done)
+            self.stats["commands"] += self.nvme.read(fh.nsid, file_offset + done, self.bounce.iova, n)
+            self.gpu.run([Transfer(Op.HOST_TO_VRAM, src=self.bounce.iova, dst=vram + done, length=n)])
+            self.stats["bounced_bytes"] += n
+            self.stats["gpu_copies"] += 1
+        return size
+
+    def write(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int = 0, buf_offset: int = 0) -> int:
+        vram = self._check(fh, buf, size, file_offset, buf_offset)
+        if self.mode == "p2p":
+            self.stats["commands"] += self.nvme.write(fh.nsid, file_offset, VRAM_IOVA + vram, size)
+            self.stats["p2p_bytes"] += size
+            return size
+        for done in range(0, size, BOUNCE):
+            n = min(BOUNCE, size - done)
+            self.gpu.run([Transfer(Op.VRAM_TO_HOST, src=vram + done, dst=self.bounce.iova, length=n)])
+            self.stats["commands"] += self.nvme.write(fh.nsid, file_offset + done, self.bounce.iova, n)
+            self.stats["bounced_bytes"] += n
+            self.stats["gpu_copies"] += 1
+        return size
+
+    def batch_submit(self, params: list[IoParams]) -> Batch:
+        """p2p: every request's NVMe commands on the queue, one doorbell, reaped by ``poll``.
+        compat: each request runs through the bounce buffer now; ``poll`` returns the results."""
+        batch = Batch(self)
+        queue = self.nvme.queues[1]
+        checked = [self._check(p.fh, p.buf, p.size, p.file_offset, p.buf_offset) for p in params]
+        if self.mode == "compat":
+            for i, p in enumerate(params):
+                batch._sizes[i] = [1, 0]
+                try:
+                    n = (self.read if p.op == "read" else self.write)(p.fh, p.buf, p.size, p.file_offset,
+                                                                      p.buf_offset)
+                    batch._finish(i, p, "ok", n)
+                except VfioError as err:
+                    batch._finish(i, p, err.what)
+            return batch
+        step = self.nvme.max_transfer
+        pieces = [(i, p, o) for i, p in enumerate(params) for o in range(0, p.size, step)]
+        if len(pieces) > queue.tracker.free:
+            raise StorageError(f"a batch of {len(pieces)} NVMe commands, the queue has room for "
+                               f"{queue.tracker.free}", f"submit at most {queue.tracker.depth} commands "
+                               f"(requests of up to {step} bytes each) per batch")
+        for i, p, o in pieces:
+            batch._sizes.setdefault(i, [0, 0])[0] += 1
+            op = IoOp.READ if p.op == "read" else IoOp.WRITE
+            req = self.nvme.submit_rw(queue, op, p.fh.nsid, p.file_offset + o, min(step, p.size - o),
+                                      VRAM_IOVA + checked[i] + o)
+            batch.pending[req] = (i, p)
+            self.stats["commands"] += 1
+            self.stats["p2p_bytes"] += min(step, p.size - o)
+        queue.ring()
+        return batch
