@@ -144,10 +144,14 @@ def test_nvme_to_vram_and_back_verified_through_the_bar(storage_lab, mode):
 
 def test_isolation_nvme_dma_to_unmapped_vram_faults_and_vram_is_unchanged(storage_lab):
     out = storage_check(storage_lab, "isolation")
-    assert out["error"] is not None, out
-    assert out["error"]["status"] == 0x004, out          # Data Transfer Error
-    assert "IOMMU context" in out["error"]["fix"]
-    assert out["vram_unchanged"] and out["mapped_read_match"]
+    # Nothing reached VRAM (the BAR mmap shows the canary), and the vIOMMU said so: a DMAR fault
+    # in the guest's log, or the command failed (QEMU 11.1.3 completes it successfully: its DMA
+    # helpers drop the bytes after a failed translation; docs/storage.md).
+    assert out["vram_unchanged"], out
+    assert out["dmar_faults"] > 0 or out["error"] is not None, out
+    if out["error"] is not None:
+        assert "IOMMU context" in out["error"]["fix"]
+    assert out["mapped_read_match"]                           # mapped again, the same read lands
 
 
 def test_gpu_initiated_reads_4k_x_1024_at_qd32(storage_lab):
