@@ -61,6 +61,7 @@
 #define GPU_OP_FILL_PATTERN	3
 #define GPU_OP_FILL_PRNG	4
 #define GPU_OP_HOST_TO_HOST	5
+#define GPU_OP_NVME_IO		16	/* interface 1.2: the selftests do not use it */
 
 #define GPU_DESC_FLAG_INTERRUPT	(1U << 0)
 

@@ -1,6 +1,6 @@
 """Storage straight into the GPU, every path side by side in one run (boots ``storage``).
 
-    scripts/bench storage [--quick] [--json] [--backend type1|iommufd]
+    scripts/bench storage [--quick] [--json] [--backend type1|iommufd] [--kernel distro|lab]
 
 Paths (docs/storage.md): bounce (NVMe -> guest RAM -> GPU copy: cuFile's compatibility mode),
 p2p (NVMe -> VRAM through the GPU's BAR2 mapped in the NVMe's IOMMU context), gpu-initiated (the
@@ -75,22 +75,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--backend", choices=("type1", "iommufd"), default="type1")
+    parser.add_argument("--kernel", choices=("distro", "lab"), default="distro",
+                        help="the guest kernel: Debian's 6.12 (no IOMMUFD) or the lab kernel (7.3)")
     args = parser.parse_args(argv)
+    kernel = None
+    if args.kernel == "lab":
+        from ..lab.kernel import lab_kernel
+        kernel = lab_kernel(provision=False)   # an error naming the provision command if not built
     load = os.getloadavg()[0]
     topo = topology.load("storage")
-    with Lab(topo, log=lambda *_: None) as lab:
+    with Lab(topo, kernel=kernel, log=lambda *_: None) as lab:
         out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.storage.bench --backend {args.backend}"
                                           + (" --quick" if args.quick else ""), timeout=3600).stdout)
         host_mb_s, host_sha = host_odirect(lab.nvme_file("host0", "nvme0"), out["data_bytes"])
     nvme0 = topo.vm("host0").nvmes[0]
-    result = {"backend": args.backend, "quick": args.quick, "load_average_1min": load,
+    result = {"backend": args.backend, "kernel": args.kernel, "quick": args.quick, "load_average_1min": load,
               "bounce_buffer": nvme0.bounce_buffer, "host_odirect_mb_s": host_mb_s,
               "host_sha256_match": host_sha == out["data_sha256"], "cells": out["cells"],
               "targets": targets(out["cells"])}
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"storage, TCG guest, {args.backend} backend, QEMU bounce buffer {nvme0.bounce_buffer >> 10} KiB; "
+    print(f"storage, TCG guest, {args.kernel} kernel, {args.backend} backend, QEMU bounce buffer {nvme0.bounce_buffer >> 10} KiB; "
           f"host load average {load:.2f} at the start")
     print(f"{'path':14} {'size':>7} {'QD':>3} {'MB/s':>8} {'IOPS':>8} {'p50 us':>8} {'p99 us':>8} "
           f"{'CPU s/GB':>9} {'msg/IO':>7} {'guestRAM':>9} {'QEMU BAR':>9} ok")

@@ -40,7 +40,7 @@ SEED = 2026
 FULL = {"sizes": (4096, 65536, 1 << 20), "depths": (1, 8, 32, 64), "work": 16 << 20}
 QUICK = {"cells": [("bounce", 1 << 20, 8), ("p2p", 1 << 20, 8), ("gpu-initiated", 1 << 20, 8),
                    ("bounce", 4096, 32), ("p2p", 4096, 32), ("gpu-initiated", 4096, 32)],
-         "work": {1 << 20: 16 << 20, 4096: 4 << 20}}
+         "work": {1 << 20: 16 << 20, 4096: 16 << 20}}
 
 
 def cpu_seconds() -> float:
@@ -64,16 +64,20 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
     writes0 = gpu.bar0.read32(regs.REG_MSGWIN_WRITES)
     guest_ram = qemu_bar = 0
     cpu0, t0 = cpu_seconds(), time.perf_counter()
+    step = nvme.max_transfer                       # a request of more than MDTS is several commands
+    pieces = -(-size // step)
     if path == "gpu-initiated":
         depth_used = min(depth, gq.entries - 1, regs.NVME_MAX_DEPTH)
-        r = gq.run([(order[i] * size, size, i * size) for i in range(count)], depth=depth_used)
+        cmds = [(order[i] * size + o, min(step, size - o), i * size + o) for i in range(count)
+                for o in range(0, size, step)]
+        r = gq.run(cmds, depth=min(depth_used * pieces, gq.entries - 1, regs.NVME_MAX_DEPTH))
         runs += 1
-        lat = [float(x) for x in r["latency_us"]]
+        lat = [float(max(r["latency_us"][i * pieces:(i + 1) * pieces])) for i in range(count)]
         ok_status = all(st == 0 for st in r["statuses"])
         qemu_bar = work
     else:
         queue = nvme.queues[1]
-        depth_used = min(depth, queue.tracker.depth)
+        depth_used = max(1, min(depth, queue.tracker.depth // pieces))
         ok_status = True
         bounce = nvme.dma_buffer(min(work, depth_used * size)) if path == "bounce" else None
         i = 0
@@ -81,17 +85,16 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
             n = min(depth_used, count - i)
             reqs = []
             for k in range(n):
-                if path == "p2p":
-                    iova = VRAM_IOVA + (i + k) * size
-                else:
-                    iova = bounce.iova + k * size
-                reqs.append(nvme.submit_rw(queue, IoOp.READ, 1, order[i + k] * size, size, iova))
+                base = VRAM_IOVA + (i + k) * size if path == "p2p" else bounce.iova + k * size
+                for o in range(0, size, step):
+                    reqs.append(nvme.submit_rw(queue, IoOp.READ, 1, order[i + k] * size + o, min(step, size - o),
+                                               base + o))
             queue.ring()
             nvme.wait(queue, reqs, 30)
             now = time.monotonic()
-            for req in reqs:
-                lat.append((now - req.submitted) * 1e6)
-                ok_status &= req.completion.ok
+            for k in range(n):
+                lat.append((now - reqs[k * pieces].submitted) * 1e6)
+            ok_status &= all(req.completion.ok for req in reqs)
             if path == "bounce":
                 copies = [Transfer(Op.HOST_TO_VRAM, src=bounce.iova + k * size, dst=(i + k) * size, length=size)
                           for k in range(n)]

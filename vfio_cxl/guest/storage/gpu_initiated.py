@@ -78,6 +78,9 @@ class GpuQueue:
         table = bytearray()
         for offset, length, vram in requests:
             nvme.check_range(1, offset, length)
+            if length > nvme.max_transfer:
+                raise StorageError(f"a {length}-byte request is over the controller's limit of "
+                                   f"{nvme.max_transfer} bytes (MDTS)", "split it into requests of at most MDTS")
             if vram < 0 or vram + length > gpu.vram_size - QUEUE_AREA or vram % 4:
                 raise StorageError(f"VRAM [{vram:#x}, {vram + length:#x}) for a request",
                                    f"use 4-byte aligned ranges below {gpu.vram_size - QUEUE_AREA:#x} "

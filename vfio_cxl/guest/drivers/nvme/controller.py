@@ -1,6 +1,6 @@
 """An NVMe controller driven from guest userspace through VFIO: bring-up, queues, I/O, reset.
 
-    with NvmeController.open("0000:03:00.0") as nvme:           # type1 or iommufd, as VFIO picks
+    with NvmeController.open("0000:04:00.0") as nvme:           # type1 or iommufd, as VFIO picks
         ns = nvme.namespaces[1]
         buf = nvme.dma_buffer(1 << 20)                           # guest RAM mapped for the controller
         nvme.write(1, 0, buf.iova, 1 << 20)                      # bytes; whole blocks
