@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ from vfio_cxl.lab.fm.client import FmClient
 from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning, wait_gone
 from vfio_cxl.paths import REPO_ROOT
 
-FAKE = Path(__file__).with_name("fm_fake_lab.py")
+from fm_harness import FakeFm, env, raw_exchange  # noqa: F401 (env: a fixture)
 
 
 # -- the protocol, message by message ------------------------------------------------------
@@ -44,6 +42,13 @@ FAKE = Path(__file__).with_name("fm_fake_lab.py")
     (b'{"version": 1, "op": "events", "since": "3"}', "field 'since' must be int"),
     (b'{"version": 1, "op": "events", "since": true}', "field 'since' must be int"),
     (b'{"version": 1, "op": "ssh_info"}', "op 'ssh_info' needs field 'vm'"),
+    (b"[" * 100_000, "request is nested too deeply to parse"),
+    (b'{"version": 1, "op": []}', "unknown op []"),
+    (b'{"version": 1, "op": {"a": 1}}', "unknown op {'a': 1}"),
+    (b'{"version": 1, "op": "status", "x": "' + b"y" * 5000 + b'"}', "op 'status' has no field 'x'"),
+    (b'{"version": 1, "op": "events", "since": "' + b"9" * 5000 + b'"}', "(5002 characters)"),
+    (b'{"version": 1, "op": "ssh_info", "vm": ' + b"[" * 900 + b"]" * 900 + b"}", "field 'vm' must be str"),
+    (b'{"version": 1, "op": "status"}\xff', "request is not JSON"),
 ])
 def test_bad_requests_name_what_is_wrong_and_what_to_do(line, what):
     with pytest.raises(protocol.ProtocolError) as err:
@@ -59,55 +64,6 @@ def test_a_good_request_round_trips():
 
 
 # -- a real manager process over a fake lab ------------------------------------------------
-@pytest.fixture
-def env(monkeypatch):
-    """A private cache (registry, logs) and run-directory parent, short enough for socket paths."""
-    root = Path(tempfile.mkdtemp(prefix="fmt-", dir="/tmp"))
-    monkeypatch.setenv("VFIO_CXL_CACHE", str(root / "cache"))
-    monkeypatch.setenv("VFIO_CXL_RUNDIR", str(root / "run"))
-    yield root
-    for record in registry.records():
-        if record.fm_alive():
-            os.kill(record.fm["pid"], signal.SIGKILL)
-            wait_gone([record.fm_id()], 10)
-        down(record, log=lambda text: None)
-    shutil.rmtree(root, ignore_errors=True)
-
-
-class FakeFm:
-    def __init__(self, *extra: str):
-        self.name, self.logdir = registry.reserve_name("fake")
-        self.proc = subprocess.Popen([sys.executable, str(FAKE), self.name, str(self.logdir), *extra],
-                                     stdout=subprocess.PIPE, stderr=open(self.logdir / "fm.log", "ab"),
-                                     text=True, cwd=REPO_ROOT, start_new_session=True)
-        lines = []
-        for line in self.proc.stdout:
-            lines.append(line)
-            if line.startswith("ready: "):
-                break
-        else:
-            raise AssertionError(f"fake FM did not get ready: {lines} {(self.logdir / 'fm.log').read_text()}")
-        self.record = registry.find(self.name)
-
-    def client(self) -> FmClient:
-        return FmClient(self.record.socket, lab=self.name, timeout=10).connect()
-
-    def wait(self) -> int:
-        return self.proc.wait(30)
-
-
-def raw_exchange(path: Path, data: bytes) -> list[dict]:
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(10)
-        sock.connect(str(path))
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    return [json.loads(line) for line in received.splitlines()]
-
-
 def test_status_over_the_socket(env):
     fm = FakeFm()
     with fm.client() as client:

@@ -713,6 +713,12 @@ class FabricManager:
             except LabError as err:
                 self._send(client, protocol.encode(protocol.error(err.what, err.fix)))
                 continue
+            except Exception as err:   # whatever a client sends, the lab stays up
+                self.log(f"internal error parsing a request: {traceback.format_exc()}")
+                self._send(client, protocol.encode(protocol.error(
+                    f"fabric manager could not parse the request: {type(err).__name__}",
+                    'send one JSON object per line, e.g. {"version": 1, "op": "status"}')))
+                continue
             if request["op"] in SLOW_OPS and self._worker is not None:
                 client.busy = True
                 self._jobs.put(("op", client, request))

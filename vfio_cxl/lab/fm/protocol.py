@@ -66,10 +66,23 @@ def request(op: str, **fields) -> dict:
     return {"version": VERSION, "op": op, **fields}
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """repr of a client's value for an error message, cut to ``limit`` characters: an answer
+    never grows with what a client sent."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"a {type(value).__name__} nested too deeply to show"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def parse_request(line: bytes) -> dict:
     """A checked request, or ProtocolError naming what is wrong with it."""
     try:
         message = json.loads(line)
+    except RecursionError:
+        raise ProtocolError("request is nested too deeply to parse",
+                            'send one flat JSON object per line, e.g. {"version": 1, "op": "status"}') from None
     except (ValueError, UnicodeDecodeError) as err:
         raise ProtocolError(f"request is not JSON: {err}",
                             'send one JSON object per line, e.g. {"version": 1, "op": "status"}') from None
@@ -78,22 +91,22 @@ def parse_request(line: bytes) -> dict:
                             'send e.g. {"version": 1, "op": "status"}')
     version = message.get("version")
     if version != VERSION:
-        raise ProtocolError(f"protocol version {version!r} is not supported (this fabric manager speaks {VERSION})",
+        raise ProtocolError(f"protocol version {_short(version)} is not supported (this fabric manager speaks {VERSION})",
                             f'send "version": {VERSION}; use the vfio-cxl that started the lab')
     op = message.get("op")
-    if op not in OPS:
-        raise ProtocolError(f"unknown op {op!r}", f"ops: {', '.join(OPS)}")
+    if not isinstance(op, str) or op not in OPS:
+        raise ProtocolError(f"unknown op {_short(op)}", f"ops: {', '.join(OPS)}")
     fields = OPS[op]
     for name, value in message.items():
         if name in ("version", "op"):
             continue
         if name not in fields:
-            raise ProtocolError(f"op {op!r} has no field {name!r}",
+            raise ProtocolError(f"op {op!r} has no field {_short(name)}",
                                 f"fields of {op!r}: {', '.join(fields) or 'none'}")
         kind = fields[name][0]
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
             kind_name = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
-            raise ProtocolError(f"op {op!r}: field {name!r} must be {kind_name}, not {value!r}",
+            raise ProtocolError(f"op {op!r}: field {name!r} must be {kind_name}, not {_short(value)}",
                                 "fix the request")
     for name, (_, required) in fields.items():
         if required and name not in message:
@@ -104,10 +117,10 @@ def parse_request(line: bytes) -> dict:
 def parse_response(line: bytes) -> dict:
     try:
         message = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
         raise ProtocolError(f"fabric manager sent a line that is not JSON: {err}",
                             "is the socket a vfio-cxl fabric manager's?") from None
     if not isinstance(message, dict) or message.get("version") != VERSION:
-        raise ProtocolError(f"fabric manager answered with protocol {message!r}",
+        raise ProtocolError(f"fabric manager answered with protocol {_short(message)}",
                             "use the vfio-cxl that started the lab")
     return message
