@@ -130,8 +130,10 @@ def attach_parts(t_add_sent: float, t_add_done: float, seen: dict) -> dict:
 class _Client:
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.inbuf = b""
-        self.outbuf = b""
+        self.inbuf = bytearray()
+        self.scanned = 0            # inbuf[:scanned] has no newline
+        self.outbuf = bytearray()
+        self.events = 0             # what the loop's selector waits for on it (0: not registered)
         self.follow = False
         self.close_after_flush = False
         self.busy = False           # a slow op of this connection runs: its later requests wait
@@ -688,7 +690,7 @@ class FabricManager:
         sock.setblocking(False)
         client = _Client(sock)
         self.clients[sock.fileno()] = client
-        self.sel.register(sock, selectors.EVENT_READ, ("client", client))
+        self._interest(client)
 
     def _read(self, client: _Client) -> None:
         try:
@@ -700,14 +702,27 @@ class FabricManager:
         if not data:
             self._drop(client)
             return
-        client.inbuf += data
+        client.inbuf += data   # a bytearray: appending does not copy what is there
         self._serve_lines(client)
 
     def _serve_lines(self, client: _Client) -> None:
         """Answer the complete request lines of a connection, in order; a slow op goes to the
-        worker, and the connection's next requests wait for its answer."""
-        while b"\n" in client.inbuf and not client.close_after_flush and not client.busy:
-            line, client.inbuf = client.inbuf.split(b"\n", 1)
+        worker, and the connection's next requests wait for its answer.
+
+        What a connection may have buffered is bounded: past MAX_LINE bytes not yet served the
+        loop stops reading it (the client's writes block) until its slow op ends, and a line
+        longer than MAX_LINE is refused and the connection closed."""
+        buf, start = client.inbuf, 0
+        while not client.close_after_flush and not client.busy and client.sock.fileno() >= 0:
+            end = buf.find(b"\n", max(start, client.scanned))
+            if end < 0:
+                client.scanned = len(buf)
+                break
+            if end - start > protocol.MAX_LINE:
+                client.scanned = end   # refused below, as a line without its newline
+                break
+            line = bytes(buf[start:end])
+            start = end + 1
             try:
                 request = protocol.parse_request(line)
             except LabError as err:
@@ -722,14 +737,38 @@ class FabricManager:
             if request["op"] in SLOW_OPS and self._worker is not None:
                 client.busy = True
                 self._jobs.put(("op", client, request))
-                return
+                break
             self._send(client, protocol.encode(self._run_op(client, request)))
-        if len(client.inbuf) > protocol.MAX_LINE and not client.busy:
-            client.inbuf = b""
+        del buf[:start]   # once per call, not once per line
+        client.scanned = max(client.scanned - start, 0)
+        if client.sock.fileno() < 0:
+            return   # dropped while answering (a follower that does not read)
+        if client.close_after_flush:
+            buf.clear()
+        elif not client.busy and client.scanned > protocol.MAX_LINE:
+            buf.clear()
+            client.scanned = 0
             client.close_after_flush = True
             self._send(client, protocol.encode(protocol.error(
                 f"request longer than {protocol.MAX_LINE} bytes without a newline",
                 "end each JSON request with a newline")))
+            return
+        self._interest(client)
+
+    def _interest(self, client: _Client) -> None:
+        """Read a connection unless it has a full request line's worth waiting (backpressure);
+        write to it while it has output."""
+        reading = len(client.inbuf) <= protocol.MAX_LINE and not client.close_after_flush
+        events = (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
+        # events == 0: nothing to do until its slow op ends (a hang-up is seen when it answers)
+        if events != client.events:
+            if client.events == 0:
+                self.sel.register(client.sock, events, ("client", client))
+            elif events == 0:
+                self.sel.unregister(client.sock)
+            else:
+                self.sel.modify(client.sock, events, ("client", client))
+            client.events = events
 
     def _send(self, client: _Client, data: bytes) -> None:
         client.outbuf += data
@@ -743,7 +782,7 @@ class FabricManager:
         try:
             while client.outbuf:
                 sent = client.sock.send(client.outbuf)
-                client.outbuf = client.outbuf[sent:]
+                del client.outbuf[:sent]
         except BlockingIOError:
             pass
         except OSError:
@@ -752,12 +791,12 @@ class FabricManager:
         if not client.outbuf and client.close_after_flush:
             self._drop(client)
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbuf else 0)
-        self.sel.modify(client.sock, events, ("client", client))
+        self._interest(client)
 
     def _drop(self, client: _Client) -> None:
-        if self.clients.pop(client.sock.fileno(), None) is not None:
+        if self.clients.pop(client.sock.fileno(), None) is not None and client.events:
             self.sel.unregister(client.sock)
+        client.events = 0
         client.sock.close()
 
     # -- requests ------------------------------------------------------------------------
