@@ -174,12 +174,28 @@ def fm_events(args) -> int:
 
     with FmClient.for_lab(args.lab) as client:
         if args.follow:
-            for ev in client.follow_events():
+            events = client.follow_events()
+            _say_dropped(client.dropped)
+            for ev in events:
                 _print_event(ev, args.json)
         else:
-            for ev in client.events():
-                _print_event(ev, args.json)
+            page = client.events_page()
+            _say_dropped(page["dropped"])
+            while True:
+                for ev in page["events"]:
+                    _print_event(ev, args.json)
+                if not page["more"] or not page["events"]:
+                    break
+                page = client.events_page(since=page["events"][-1]["seq"])
     return 0
+
+
+def _say_dropped(count: int) -> None:
+    from .lab.fm.manager import EVENT_HISTORY
+
+    if count:
+        print(f"({count} older events are no longer kept: the fabric manager keeps the newest "
+              f"{EVENT_HISTORY}; its fm.log has them all)", file=sys.stderr, flush=True)
 
 
 def _fabric_call(args, op: str, **fields) -> int:

@@ -10,7 +10,8 @@ Nothing here boots QEMU; the VM tests do that.
 runs a fabric manager over a FakeLab, speaking the same stdout protocol as
 ``python -m vfio_cxl.lab.fm serve``.  ``--orphan`` adds a process that does
 NOT die with the manager (as a child forked in the instant the manager died
-would), for the cleanup test.  ``--fabric`` gives it fake hot-plug (FakeFabricLab).
+would), for the cleanup test.  ``--fabric`` gives it fake hot-plug (FakeFabricLab);
+``--auto-release`` makes its guests let go of a GPU at once (no file to wait for).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class FakeLab:
     def children(self) -> list[Child]:
         found = [Child("vm", vm, self.procs[("vm", vm)], ssh_port=22000 + i, files={})
                  for i, vm in enumerate(self.VMS)]
-        found += [Child("gpu", gpu, self.procs[("gpu", gpu)], owner=owner, files={})
+        found += [Child("gpu", gpu, self.procs[("gpu", gpu)], owner=owner,
+                        files={"socket": str(self.rundir / f"{gpu}.sock")})
                   for gpu, owner in self.GPUS.items()]
         found += [Child("smc", smc, self.procs[("smc", smc)], hosts=hosts, files={})
                   for smc, hosts in self.SMCS.items()]
@@ -100,6 +102,7 @@ class FakeFabricLab(FakeLab):
     stays in progress as long as the test wants; "GPU servers" are sleeping processes."""
 
     GPUS = {"gpu0": "a", "gpu1": "b"}
+    auto_release = False
 
     def gpu_specs(self) -> dict:
         # gpu0 has the topology's restart = "on-failure" with max_restarts = 1; gpu1 none
@@ -125,7 +128,7 @@ class FakeFabricLab(FakeLab):
 
     def wait_deleted(self, vm: str, dev_id: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while not (self.rundir / f"deleted-{dev_id}").exists():
+        while not self.auto_release and not (self.rundir / f"deleted-{dev_id}").exists():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)   # the fake's stand-in for QEMU's event; polling a file
@@ -151,8 +154,9 @@ def main(argv: list[str]) -> int:
     record = LabRecord(name=name, topology="fake", rundir=str(rundir), logdir=str(logdir),
                        fm=ProcessId.of(os.getpid()).to_json(), created=time.time())
     record.save()
-    kind = FakeFabricLab if "--fabric" in argv else FakeLab
-    return FabricManager(kind(rundir, logdir, orphan="--orphan" in argv), record, progress=sys.stdout).run()
+    lab = (FakeFabricLab if "--fabric" in argv else FakeLab)(rundir, logdir, orphan="--orphan" in argv)
+    lab.auto_release = "--auto-release" in argv
+    return FabricManager(lab, record, progress=sys.stdout).run()
 
 
 if __name__ == "__main__":

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from vfio_cxl.lab.fm import protocol
+from vfio_cxl.lab.fm.manager import EVENT_HISTORY
+from vfio_cxl.paths import REPO_ROOT
 
 from fm_harness import FakeFm, env, raw_exchange  # noqa: F401 (env: a fixture)
 
@@ -71,4 +75,44 @@ def test_a_client_streaming_bytes_while_its_slow_op_runs_is_held_back(env):
             assert reader.readline() == b""
         except ConnectionResetError:
             pass
+    assert fm.alive()
+
+
+def vfio_cxl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vfio_cxl", *args], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=timeout)
+
+
+def test_events_and_follow_work_after_2000_moves(env):
+    """FAKE hot-plug whose guests let go at once: 2,000 moves (4,000 events) later `fm events` and
+    `fm events --follow` still work, page by page, from the history the manager keeps: issue 23,
+    item 4 (the whole history on one line broke the client past 1 MiB)."""
+    fm = FakeFm("--fabric", "--auto-release")
+    with fm.client() as client:
+        for i in range(2000):
+            client.assign("gpu0", "b" if i % 2 == 0 else "a", keep_vram=True)
+        latest = client.events_page(limit=1)["latest"]
+        page = client.events_page(since=latest - 5, limit=2)
+        assert [ev["seq"] for ev in page["events"]] == [latest - 4, latest - 3] and page["more"]
+        everything = client.events()
+    assert latest > 4000
+    assert [ev["seq"] for ev in everything] == list(range(latest - EVENT_HISTORY + 1, latest + 1))
+    result = vfio_cxl("fm", "events", "--json")
+    assert result.returncode == 0, result.stderr
+    printed = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [ev["seq"] for ev in printed] == [ev["seq"] for ev in everything]
+    assert f"{latest - EVENT_HISTORY} older events are no longer kept" in result.stderr
+    follower = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "fm", "events", "--follow", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT)
+    try:
+        for expected in range(latest - EVENT_HISTORY + 1, latest + 1):   # the kept past, in order
+            assert json.loads(follower.stdout.readline())["seq"] == expected
+        with fm.client() as client:
+            client.assign("gpu0", "b", keep_vram=True)   # then live ones
+        released, attached = (json.loads(follower.stdout.readline()) for _ in range(2))
+        assert (released["kind"], attached["kind"]) == ("gpu-released", "gpu-attached")
+        assert attached["seq"] == latest + 2
+    finally:
+        follower.kill()
+        follower.wait()
     assert fm.alive()

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
@@ -46,6 +47,11 @@ GPU_STATES = ("attached", "free", "moving", "failed", "stopped")
 RELEASE_TIMEOUT = 15.0   # s for the guest to let go of a GPU (DEVICE_DELETED)
 BIND_TIMEOUT = 30.0
 MAX_OUTBUF = 4 << 20   # a follower that reads slower than this is dropped
+EVENT_HISTORY = 1000   # events kept for `events` (older ones are dropped, and counted)
+EVENT_PAGE = 100       # events per `events` answer by default ...
+EVENT_PAGE_MAX = 1000  # ... and at most
+EVENT_PAGE_BYTES = 256 << 10   # and at most this much JSON (an answer stays far below MAX_LINE)
+EVENT_MESSAGE_MAX = 2000       # characters of an event's message (it may quote a guest)
 SLOW_OPS = ("assign", "release", "restart")   # run by the op worker; the loop stays live meanwhile
 
 
@@ -133,10 +139,11 @@ class _Client:
         self.inbuf = bytearray()
         self.scanned = 0            # inbuf[:scanned] has no newline
         self.outbuf = bytearray()
-        self.events = 0             # what the loop's selector waits for on it (0: not registered)
+        self.mask = 0               # what the loop's selector waits for on it (0: not registered)
         self.follow = False
         self.close_after_flush = False
         self.busy = False           # a slow op of this connection runs: its later requests wait
+        self.backlog: list[bytes] = []   # `event` lines owed to a new follower after its answer
 
 
 class FabricManager:
@@ -149,7 +156,10 @@ class FabricManager:
         self.vms: dict[str, Child] = {}
         self.gpus: dict[str, Child] = {}
         self.smcs: dict[str, Child] = {}
-        self.events: list[dict] = []
+        # The newest EVENT_HISTORY events, each with its encoded `event` line (its size is known,
+        # and the line is what a follower gets); seq counts every event of the lab's life.
+        self.history: deque[tuple[dict, bytes]] = deque(maxlen=EVENT_HISTORY)
+        self.seq = 0
         self.clients: dict[int, _Client] = {}
         self.stop_requested = False
         self.sel: selectors.BaseSelector | None = None
@@ -185,11 +195,14 @@ class FabricManager:
                 self.progress = None   # the CLI went away; the lab carries on
 
     def event(self, kind: str, message: str, **fields) -> dict:
-        ev = {"seq": len(self.events) + 1, "time": time.time(), "monotonic": time.monotonic(),
+        if len(message) > EVENT_MESSAGE_MAX:
+            message = message[:EVENT_MESSAGE_MAX] + f"... ({len(message)} characters)"
+        self.seq += 1
+        ev = {"seq": self.seq, "time": time.time(), "monotonic": time.monotonic(),
               "kind": kind, "message": message, **fields}
-        self.events.append(ev)
-        self.log(f"event {kind}: {message}")
         line = protocol.encode(protocol.event(ev))
+        self.history.append((ev, line))
+        self.log(f"event {kind}: {message}")
         if self._in_worker():
             self._post(None, line)   # the loop sends it (sockets are the loop's)
             return ev
@@ -197,6 +210,27 @@ class FabricManager:
             if client.follow:
                 self._send(client, line)
         return ev
+
+    @property
+    def events(self) -> list[dict]:
+        """The events still kept, oldest first."""
+        return [ev for ev, _ in self.history]
+
+    def events_page(self, since: int, limit: int) -> tuple[dict, list[bytes]]:
+        """Events after ``since``: the answer's page (at most ``limit`` events and
+        EVENT_PAGE_BYTES of JSON), and the `event` lines of the kept ones after it."""
+        oldest = self.history[0][0]["seq"] if self.history else self.seq + 1
+        page, size, rest = [], 0, []
+        for ev, line in self.history:
+            if ev["seq"] <= since:
+                continue
+            if rest or len(page) >= limit or (page and size + len(line) > EVENT_PAGE_BYTES):
+                rest.append(line)
+                continue
+            page.append(ev)
+            size += len(line)
+        return {"events": page, "more": bool(rest), "oldest": oldest, "latest": self.seq,
+                "dropped": max(oldest - 1 - max(since, 0), 0)}, rest
 
     # -- the op worker -------------------------------------------------------------------
     def _in_worker(self) -> bool:
@@ -460,7 +494,7 @@ class FabricManager:
             self._fresh_server(gpu)
         self._set_child_state(gpu, "moving")
         port = ports[0]
-        dev_id = f"{gpu.name}-{gpu.generation}-{len(self.events)}"
+        dev_id = f"{gpu.name}-{gpu.generation}-{self.seq}"
         t0 = time.monotonic()
         try:
             self._unlocked(fabric.device_add, vm, dev_id, port, gpu.files["socket"])
@@ -739,6 +773,12 @@ class FabricManager:
                 self._jobs.put(("op", client, request))
                 break
             self._send(client, protocol.encode(self._run_op(client, request)))
+            if client.backlog:
+                backlog, client.backlog = client.backlog, []
+                for line in backlog:
+                    if client.sock.fileno() < 0:
+                        break
+                    self._send(client, line)
         del buf[:start]   # once per call, not once per line
         client.scanned = max(client.scanned - start, 0)
         if client.sock.fileno() < 0:
@@ -761,14 +801,14 @@ class FabricManager:
         reading = len(client.inbuf) <= protocol.MAX_LINE and not client.close_after_flush
         events = (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
         # events == 0: nothing to do until its slow op ends (a hang-up is seen when it answers)
-        if events != client.events:
-            if client.events == 0:
+        if events != client.mask:
+            if client.mask == 0:
                 self.sel.register(client.sock, events, ("client", client))
             elif events == 0:
                 self.sel.unregister(client.sock)
             else:
                 self.sel.modify(client.sock, events, ("client", client))
-            client.events = events
+            client.mask = events
 
     def _send(self, client: _Client, data: bytes) -> None:
         client.outbuf += data
@@ -794,9 +834,9 @@ class FabricManager:
         self._interest(client)
 
     def _drop(self, client: _Client) -> None:
-        if self.clients.pop(client.sock.fileno(), None) is not None and client.events:
+        if self.clients.pop(client.sock.fileno(), None) is not None and client.mask:
             self.sel.unregister(client.sock)
-        client.events = 0
+        client.mask = 0
         client.sock.close()
 
     # -- requests ------------------------------------------------------------------------
@@ -820,8 +860,16 @@ class FabricManager:
 
     def op_events(self, client, request) -> dict:
         since = request.get("since", 0)
-        client.follow = bool(request.get("follow", False))
-        return {"events": [ev for ev in self.events if ev["seq"] > since]}
+        limit = request.get("limit", EVENT_PAGE)
+        if not 1 <= limit <= EVENT_PAGE_MAX:
+            raise LabError(f"events limit {limit} is out of range", f"give 1 <= limit <= {EVENT_PAGE_MAX}")
+        result, rest = self.events_page(since, limit)
+        if request.get("follow", False):
+            # The rest of the history, then every new event, as `event` lines after this answer:
+            # sent in this loop turn, so none is missed or repeated.
+            client.follow = True
+            client.backlog = rest
+        return result
 
     def op_ssh_info(self, client, request) -> dict:
         vm = self._vm(request["vm"])

@@ -28,7 +28,7 @@ MAX_LINE = 1 << 20
 OPS: dict[str, dict[str, tuple[type, bool]]] = {
     "hello": {},
     "status": {},
-    "events": {"since": (int, False), "follow": (bool, False)},
+    "events": {"since": (int, False), "limit": (int, False), "follow": (bool, False)},
     "ssh_info": {"vm": (str, True)},
     "stop": {},
     "restart": {"gpu": (str, True)},
