@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -376,3 +377,32 @@ def test_a_lab_that_fails_to_start_leaves_nothing_but_its_logs(env):
     assert "start failed" in (logdir / "fm.log").read_text()
     assert registry.records() == []
     assert list(Path(os.environ["VFIO_CXL_RUNDIR"]).iterdir()) == []
+
+
+@pytest.mark.parametrize("stem, name", [
+    ("fabric", "fabric-1"), ("my_lab", "my-lab-1"), ("Fabric", "fabric-1"), ("lab.v2", "lab-v2-1"),
+    ("2x", "lab-2x-1"), ("__", "lab-1"), ("é", "lab-1"), ("a" * 100, "a" * 40 + "-1"),
+])
+def test_lab_names_come_from_any_topology_stem(env, stem, name):
+    """A topology file's stem outside [a-z][a-z0-9-]* made reserve_name retry the same mkdir
+    forever (`vm up my_lab.toml --detach` never answered): issue 23, item 3."""
+    done = []
+    thread = threading.Thread(target=lambda: done.append(registry.reserve_name(stem)), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert done, f"reserve_name({stem!r}) did not return within 10 s"
+    assert done[0][0] == name and done[0][1].is_dir()
+    second = registry.reserve_name(stem)[0]   # the second lab of that topology: the case that hung
+    assert second == name[:-1] + "2"
+
+
+def test_vm_up_detach_of_a_topology_file_with_any_stem(env, tmp_path):
+    """The same through the CLI, up to where the lab fails for a taken SSH port (before QEMU)."""
+    topo = tmp_path / "my_lab.toml"
+    topo.write_text((REPO_ROOT / "qemu/topologies/single.toml").read_text())
+    registry.reserve_name("my_lab")   # an earlier lab's logs
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        result = vfio_cxl("vm", "up", str(topo), "--detach", "--ssh-port", str(taken.getsockname()[1]))
+    assert result.returncode == 1
+    assert f"(logs: {registry.logs_root() / 'my-lab-2'})" in result.stderr, result.stderr
