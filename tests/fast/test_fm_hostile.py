@@ -9,6 +9,8 @@ memory it spends on a connection.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from vfio_cxl.paths import REPO_ROOT
 from fm_harness import FakeFm, env, raw_exchange  # noqa: F401 (env: a fixture)
 
 HELLO = b'{"version": 1, "op": "hello"}\n'
+HOLDER = Path(__file__).with_name("fm_holder.py")
 
 
 def test_nested_json_gets_an_error_and_the_connection_stays_usable(env):
@@ -115,4 +118,93 @@ def test_events_and_follow_work_after_2000_moves(env):
     finally:
         follower.kill()
         follower.wait()
+    assert fm.alive()
+
+
+# -- a hostile guest (FAKE guest: the FM's real guest scripts and parsers on a fake sysfs) ---
+def hold(fm: FakeFm, name: str, vm: str = "a", gpu: str = "gpu0") -> subprocess.Popen:
+    """A real process named ``name`` that holds ``gpu``'s node in the fake guest's tree."""
+    tree = Path(fm.record.rundir) / f"guest-{vm}"
+    bdf = {"gpu0": "0000:02:00.0", "gpu1": "0000:02:00.0"}[gpu]
+    group = os.readlink(tree / "sys/bus/pci/devices" / bdf / "iommu_group").rsplit("/", 1)[1]
+    proc = subprocess.Popen([sys.executable, str(HOLDER), name, str(tree / "dev/vfio" / group)],
+                            stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"holding\n"
+    return proc
+
+
+def test_a_holder_named_to_forge_fields_is_killed_and_pid_1_never_aimed_at(env):
+    """Guest processes named '","pid":1,"":"' and 'a<newline>holder 1 ...' hold the GPU: release
+    names them (quoted), --force kills exactly them, never pid 1: issue 23, item 7."""
+    fm = FakeFm("--fabric")
+    crafted = [hold(fm, '","pid":1,"":"'), hold(fm, "a\nholder 1 /dev")]
+    default = int((Path(fm.record.rundir) / "holder.pid").read_text())
+    with fm.client() as client:
+        with pytest.raises(protocol.RemoteError) as err:
+            client.release("gpu0", timeout=0.2)
+        assert f'pid {crafted[0].pid} ("\\",\\"pid\\":1,\\"\\":\\"") on /dev/vfio/11' in err.value.what
+        assert f"pid {crafted[1].pid} (a) on /dev/vfio/11" in err.value.what
+        assert "pid 1 " not in err.value.what
+        since = client.events_page(limit=1)["latest"]
+        with pytest.raises(protocol.RemoteError):
+            client.release("gpu0", timeout=0.2, force=True)
+        force = next(ev for ev in client.events(since) if ev["kind"] == "gpu-force")
+    assert sorted(force["pids"]) == sorted([default, *(p.pid for p in crafted)])
+    for proc in crafted:
+        assert proc.wait(10) == -signal.SIGKILL
+    assert fm.alive()
+
+
+@pytest.mark.parametrize("hostile, what", [
+    ("yes 'holder 1 /dev/vfio/11 x' | head -c 3000000", "printed more than 65536 bytes"),
+    ("echo 'group /dev/vfio/11'; echo '{\"pid\": 1, \"comm\": \"x\"}'", "line 2 not in its format"),
+    ("echo 'group /dev/vfio/11'; echo 'holder 1 /dev/vfio/12 x'", "line 2 not in its format"),
+    ("for i in $(seq 300); do echo \"holder $((i+1)) /dev/vfio/11 x\"; done | sed '1i group /dev/vfio/11'",
+     "more than 256 processes hold the GPU"),
+])
+def test_a_guest_whose_holders_answer_is_flooded_or_malformed(env, hostile, what):
+    """The guest's holders script is replaced: release fails saying what the guest printed, kills
+    nothing, the GPU stays attached: issue 23, item 6."""
+    fm = FakeFm("--fabric")
+    (Path(fm.record.rundir) / "guest-a" / "hostile-holders").write_text(hostile)
+    before = fm.rss_kib()
+    with fm.client() as client:
+        with pytest.raises(protocol.RemoteError) as err:
+            client.release("gpu0", timeout=0.2, force=True)
+        assert what in err.value.what
+        assert client.status()["gpus"]["gpu0"]["state"] == "attached"
+    assert not (Path(fm.record.rundir) / "killed").exists()
+    assert fm.rss_kib() - before < 16 << 10
+    assert fm.alive()
+
+
+@pytest.mark.parametrize("hostile, what", [
+    ("yes | head -c 3000000", "printed more than 65536 bytes"),
+    ('echo \'{"bdf": "0000:03:00.0", "driver": "vfio-pci", "gpus": 2, "guest": {"start": "x", "seen": 1, '
+     '"bound": 1, "first_scan": true}}\'', "has no guest times"),
+    ('echo \'{"driver": "vfio-pci", "gpus": 2, "guest": {}}\'', "does not have the fields"),
+    ('echo \'{"bdf": "../../x", "driver": "vfio-pci", "gpus": 2, "guest": {}}\'', "has no PCI address"),
+    ("echo '" + "[" * 5000 + "'", "is not JSON"),
+    ("printf 'x%.0s' $(seq 50000)", "is not JSON"),
+])
+def test_a_guest_whose_bind_answer_is_flooded_or_malformed(env, hostile, what):
+    """The guest's bind check is replaced: assign fails saying what the guest printed, the GPU is
+    `failed` (not `moving`) in that VM with an event saying so, and `fm restart` recovers it once
+    the guest behaves: issue 23, item 6."""
+    fm = FakeFm("--fabric", "--auto-release")
+    hostile_file = Path(fm.record.rundir) / "guest-b" / "hostile-bind"
+    hostile_file.write_text(hostile)
+    with fm.client() as client:
+        since = client.events_page(limit=1)["latest"]
+        with pytest.raises(protocol.RemoteError) as err:
+            client.assign("gpu0", "b")
+        assert what in err.value.what
+        gpu = client.status()["gpus"]["gpu0"]
+        assert (gpu["state"], gpu["owner"]) == ("failed", "b")
+        failed = [ev for ev in client.events(since) if ev["kind"] == "gpu-attach-failed"]
+        assert len(failed) == 1 and what in failed[0]["message"] and "fm restart gpu0" in failed[0]["message"]
+        hostile_file.unlink()
+        client.restart("gpu0")
+        gpu = client.status()["gpus"]["gpu0"]
+        assert (gpu["state"], gpu["owner"]) == ("attached", "b")
     assert fm.alive()

@@ -171,23 +171,26 @@ def test_deaths_are_reported_and_status_answered_while_a_release_waits(env):
 
 
 def test_release_timeout_names_the_holder_and_force_kills_it(env):
-    """FAKE guest: nothing lets go; release fails naming the holder; --force kills it (the fake
-    records the kill) and still fails honestly when the guest does not let go after that."""
+    """FAKE guest (the real holders and kill scripts on a fake sysfs, real processes): nothing lets
+    go; release fails naming the holder; --force kills it and still fails honestly when the guest
+    does not let go after that."""
     fm = FakeFm("--fabric")
+    holder = int((Path(fm.record.rundir) / "holder.pid").read_text())
+    holder_id = ProcessId.of(holder)
     with fm.client() as client:
         with pytest.raises(protocol.RemoteError) as err:
             client.release("gpu0", timeout=0.2)
-        assert "pid 4242 (holder) on /dev/vfio/13" in err.value.what and "--force" in err.value.fix
+        assert f"pid {holder} (holder) on /dev/vfio/11" in err.value.what and "--force" in err.value.fix
         assert client.status()["gpus"]["gpu0"]["state"] == "attached"   # back as it was
         with pytest.raises(protocol.RemoteError) as err:
             client.release("gpu0", timeout=0.2, force=True)
-        assert (Path(fm.record.rundir) / "killed").read_text() == "4242"
+        assert (Path(fm.record.rundir) / "killed").read_text() == str(holder)
+        assert wait_gone([holder_id], 10) == []   # really killed
         assert "could not be killed" in err.value.fix
         with pytest.raises(protocol.RemoteError, match="out of range"):
             client.release("gpu0", timeout=0)
         client.stop()
     assert fm.wait() == 0
-
 
 def test_restart_on_failure_brings_the_gpu_back_at_most_max_restarts_times(env):
     """FAKE hot-plug; gpu0 has restart = "on-failure", max_restarts = 1."""

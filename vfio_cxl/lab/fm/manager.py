@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import selectors
 import signal
 import socket
@@ -113,7 +114,10 @@ def describe_exit(returncode: int | None) -> str:
 
 
 def describe_holders(holders: list[dict]) -> str:
-    return ", ".join(f"pid {h['pid']} ({h['comm']}) on {h['path']}" for h in holders) or \
+    """Guest processes for a message; a name with anything but plain characters is quoted (JSON)."""
+    def name(comm: str) -> str:
+        return comm if re.fullmatch(r"[\w.+:@/-]+", comm, re.A) else json.dumps(comm)
+    return ", ".join(f"pid {h['pid']} ({name(h['comm'])}) on {h['path']}" for h in holders) or \
         "no process (the kernel itself?)"
 
 
@@ -442,16 +446,20 @@ class FabricManager:
                 self._unlocked(fabric.device_del, vm, dev_id)
             deleted = self._unlocked(fabric.wait_deleted, vm, dev_id, timeout)
             if not deleted:
-                holders, known = self._holders(vm, dev_id)
-                if force and holders:
+                holders, known, bdf = self._holders(vm, dev_id)
+                if force and known and holders:
                     pids = [h["pid"] for h in holders]
                     self.event("gpu-force", f"GPU {gpu.name}: VM {vm} did not let go within {timeout:g} s; "
                                f"killing what holds it: {describe_holders(holders)}", gpu=gpu.name, vm=vm,
                                pids=pids)
-                    self._unlocked(fabric.kill_in_guest, vm, pids)
+                    killed, skipped = self._unlocked(fabric.kill_in_guest, vm, bdf, pids)
+                    if skipped:
+                        self.event("gpu-force-skipped", f"GPU {gpu.name}: VM {vm}: not killed: " + ", ".join(
+                            f"pid {p} ({why})" for p, why in skipped.items()), gpu=gpu.name, vm=vm,
+                            killed=killed, skipped=skipped)
                     deleted = self._unlocked(fabric.wait_deleted, vm, dev_id, timeout)
                     if not deleted:
-                        holders, known = self._holders(vm, dev_id)
+                        holders, known, bdf = self._holders(vm, dev_id)
             if not deleted:
                 what = describe_holders(holders) if known else f"unknown ({holders})"
                 raise LabError(f"VM {vm} did not release GPU {gpu.name} within {timeout:g} s "
@@ -474,15 +482,16 @@ class FabricManager:
         return {"gpu": gpu.name, "vm": vm, "release_s": t_release, "scrub_s": t_scrub, "scrubbed": gpu.scrubbed}
 
     def _holders(self, vm: str, dev_id: str) -> tuple:
-        """(holders, True): the guest processes that hold dev_id's VFIO group; (reason, False) if
-        that cannot be found out."""
+        """(holders, True, bdf): the guest processes that hold dev_id's VFIO nodes; (reason, False,
+        bdf) if that cannot be found out."""
+        bdf = None
         try:
             bdf = self._unlocked(self.lab.guest_bdf, vm, dev_id)
             if bdf is None:
-                return f"QEMU of VM {vm} does not list {dev_id}", False
-            return self._unlocked(self.lab.holders, vm, bdf), True
+                return f"QEMU of VM {vm} does not list {dev_id}", False, None
+            return self._unlocked(self.lab.holders, vm, bdf), True, bdf
         except Exception as err:
-            return str(err), False
+            return str(err), False, bdf
 
     def attach(self, gpu: Child, vm: str) -> dict:
         fabric = self._fabric()
@@ -502,17 +511,22 @@ class FabricManager:
             t_add = time.monotonic() - t0
             count = sum(1 for g in self.gpus.values() if g.owner == vm)   # this one included
             seen = self._unlocked(fabric.bind_in_guest, vm, count, BIND_TIMEOUT)
-        except BaseException:
+            t_attach = time.monotonic() - t0
+            parts = attach_parts(t0, t0 + t_add, seen)
+            message = (f"GPU {gpu.name} attached to VM {vm} on {port} as {dev_id}, bound to "
+                       f"{seen['driver']} at {seen['bdf']} in {t_attach * 1e3:.0f} ms ("
+                       + ", ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in parts.items()) + ")")
+        except BaseException as err:
             self._set_child_state(gpu, "failed")
+            if gpu.dev_id == dev_id:   # it is in the VM; what the guest did is the error
+                reason = f"{err.what} ({err.fix})" if isinstance(err, LabError) else repr(err)
+                self.event("gpu-attach-failed", f"GPU {gpu.name}: in VM {vm} as {dev_id}, but the guest's "
+                           f"check failed: {reason}; vfio-cxl fm restart {gpu.name} or fm release "
+                           f"{gpu.name} --force takes it back", gpu=gpu.name, vm=vm, dev_id=dev_id)
             raise
-        t_attach = time.monotonic() - t0
-        parts = attach_parts(t0, t0 + t_add, seen)
         self._set_child_state(gpu, "attached")
-        self.event("gpu-attached", f"GPU {gpu.name} attached to VM {vm} on {port} as {dev_id}, bound to "
-                   f"{seen['driver']} at {seen['bdf']} in {t_attach * 1e3:.0f} ms ("
-                   + ", ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in parts.items()) + ")",
-                   gpu=gpu.name, vm=vm, port=port, dev_id=dev_id, bdf=seen["bdf"], attach_s=t_attach,
-                   device_add_s=t_add, attach_parts=parts)
+        self.event("gpu-attached", message, gpu=gpu.name, vm=vm, port=port, dev_id=dev_id, bdf=seen["bdf"],
+                   attach_s=t_attach, device_add_s=t_add, attach_parts=parts)
         return {"gpu": gpu.name, "vm": vm, "port": port, "bdf": seen["bdf"], "attach_s": t_attach,
                 "device_add_s": t_add, "attach_parts": parts, "scrubbed": gpu.scrubbed}
 

@@ -16,6 +16,8 @@ from ..gpu_process import GpuServerProcess
 from ..lab import Lab, gpu_server_args
 from ..ssh import ShellSession
 from ..logs import archive_logs
+from .guestscripts import (BIND_OUTPUT_MAX, BIND_SCRIPT, HOLDERS_OUTPUT_MAX, HOLDERS_SCRIPT, KILL_OUTPUT_MAX,
+                           KILL_SCRIPT, PREPARE_SCRIPT, parse_bind, parse_holders, parse_kills, show)
 from .manager import Child
 
 
@@ -23,67 +25,6 @@ def gpu_names(lab: Lab) -> dict[str, str]:
     """GPU name -> the VM it is plugged into, for the GPUs the lab started a server for
     (the topology's ``[gpus.NAME]`` with an owner)."""
     return {name: lab.topology.gpus[name].owner for name in lab.gpu_servers}
-
-
-# Once per VM at lab start: vfio-pci loaded and told the GPU's ID (new_id), so the guest kernel
-# binds every GPU it enumerates -- at boot and at hot-add -- itself, in its own hot-plug path: no
-# guest command has to bind a moved GPU.  (EEXIST when the ID is already there: fine.)
-PREPARE_SCRIPT = r"""[ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci || exit 1
-echo 0601 1991 > /sys/bus/pci/drivers/vfio-pci/new_id 2>/dev/null
-[ -d /sys/bus/pci/drivers/vfio-pci ]
-"""
-
-# After device_add, one guest command on the FM's open SSH connection: wait until the VM has $1
-# GPUs, each bound to vfio-pci (the kernel binds them: PREPARE_SCRIPT), at most $2 s.  POSIX sh
-# builtins in the loop (a guest Python start costs seconds and every fork tens of ms under TCG);
-# the guest has no udev daemon, so it polls sysfs every 20 ms.  A GPU still unbound after 2 s
-# (a kernel without the new_id, say) is bound here with driver_override + drivers_probe.
-# Prints JSON: the new GPU's BDF and guest uptimes (s) when the script started, first saw the new
-# GPU, saw it bound; first_scan: it was there at the first scan already (so it appeared during
-# the SSH exec).  The guest's clock can run off the host's under TCG load: only differences of
-# guest times are used.  Scripts go to the guest as `sh -c` arguments, never on stdin: invoke
-# feeds stdin a byte at a time with a 10 ms sleep (a 1.5 KB script took 16 s).
-BIND_SCRIPT = r"""want=$1; limit=$2; tries=$(( limit * 50 )); n=0; first=false
-read t_start _ < /proc/uptime; t_seen=""; new=""
-while :; do
-  set --; unbound=""
-  for d in /sys/bus/pci/devices/*; do
-    read v < $d/vendor; read i < $d/device
-    if [ "$v:$i" = 0x0601:0x1991 ]; then
-      b=${d##*/}; set -- "$@" "$b"
-      [ -e /sys/bus/pci/drivers/vfio-pci/$b ] || unbound="$unbound $b"
-    fi
-  done
-  if [ $# -ge $want ] && [ -z "$t_seen" ]; then read t_seen _ < /proc/uptime; new=$b; [ $n = 0 ] && first=true; fi
-  [ $# -ge $want ] && [ -z "$unbound" ] && break
-  n=$(( n + 1 ))
-  if [ -n "$unbound" ] && [ $n -eq 100 ]; then
-    [ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci
-    for b in $unbound; do
-      echo vfio-pci > /sys/bus/pci/devices/$b/driver_override && echo $b > /sys/bus/pci/drivers_probe
-    done
-  fi
-  [ $n -ge $tries ] && { echo "$# GPU(s) after $limit s, expected $want; not bound to vfio-pci:$unbound" >&2; exit 1; }
-  sleep 0.02
-done
-read t_bound _ < /proc/uptime
-echo "{\"bdf\": \"$new\", \"driver\": \"vfio-pci\", \"gpus\": $#, \"guest\": {\"start\": $t_start, \"seen\": $t_seen, \"bound\": $t_bound, \"first_scan\": $first}}"
-"""
-
-
-# The processes holding a GPU's IOMMU group ($1: its BDF) open, one JSON object per line: what
-# `vfio-cxl gpu holders --gpu BDF` prints, in sh with one fork (ls) instead of a guest Python start
-# (seconds under TCG).  ls -l lines: "lrwx------ 1 root root 64 Nov 23 15:00 5 -> /dev/vfio/13".
-HOLDERS_SCRIPT = r"""g=$(readlink /sys/bus/pci/devices/$1/iommu_group) || exit 1
-want=/dev/vfio/${g##*/}
-ls -l /proc/[0-9]*/fd 2>/dev/null | while read -r a b c d e f g h i j k; do
-  case "$a" in /proc/*/fd:) pid=${a#/proc/}; pid=${pid%/fd:}; continue ;; esac
-  if [ "$j" = "->" ] && [ "$k" = "$want" ]; then
-    { read comm < /proc/$pid/comm; } 2>/dev/null || comm=?
-    echo "{\"pid\": $pid, \"comm\": \"$comm\", \"path\": \"$want\"}"
-  fi
-done
-"""
 
 
 class RealLab:
@@ -273,15 +214,22 @@ class RealLab:
         return None
 
     def holders(self, vm: str, bdf: str) -> list[dict]:
-        """The guest processes holding the IOMMU group of the GPU at bdf."""
-        status, out = self._session(vm).run(HOLDERS_SCRIPT, [bdf], 60)
+        """The guest processes holding the GPU at bdf (its IOMMU group or its iommufd cdev)."""
+        status, out = self._session(vm).run(HOLDERS_SCRIPT, [bdf], 60, limit=HOLDERS_OUTPUT_MAX)
         if status != 0:
-            raise LabError(f"VM {vm}: no IOMMU group for {bdf}: {out.strip()[-300:]}", "see vfio-cxl gpu ls there")
-        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            raise LabError(f"VM {vm}: no IOMMU group for {bdf}: {show(out.strip()[-300:])}",
+                           "see vfio-cxl gpu ls there")
+        return parse_holders(vm, out)
 
-    def kill_in_guest(self, vm: str, pids: list[int]) -> None:
-        """SIGKILL to guest processes (those holding a GPU the FM must take back)."""
-        self._session(vm).run('kill -9 "$@"', [str(int(p)) for p in pids], 30)
+    def kill_in_guest(self, vm: str, bdf: str, pids: list[int]) -> tuple[list[int], dict[str, str]]:
+        """SIGKILL to those of ``pids`` that hold the GPU at bdf at the moment of the kill (checked
+        in the guest), never pid 1; (killed, pid -> why skipped)."""
+        status, out = self._session(vm).run(KILL_SCRIPT, [bdf, *(str(int(p)) for p in pids)], 30,
+                                            limit=KILL_OUTPUT_MAX)
+        if status != 0:
+            raise LabError(f"VM {vm}: could not check what holds {bdf}: {show(out.strip()[-300:])}",
+                           "see vfio-cxl gpu ls there")
+        return parse_kills(vm, out)
 
     def _session(self, vm: str) -> ShellSession:
         if vm not in self.sessions or self.sessions[vm].shell is not self.lab.vms[vm].shell:
@@ -291,12 +239,13 @@ class RealLab:
     def bind_in_guest(self, vm: str, count: int, timeout: float) -> dict:
         """Wait until VM has ``count`` GPUs, all bound to vfio-pci; the new one's BDF."""
         t0 = time.monotonic()
-        status, out = self._session(vm).run(BIND_SCRIPT, [str(count), f"{timeout:.0f}"], timeout + 30)
+        status, out = self._session(vm).run(BIND_SCRIPT, [str(count), f"{timeout:.0f}"], timeout + 30,
+                                            limit=BIND_OUTPUT_MAX)
         t1 = time.monotonic()
         if status != 0:
-            raise LabError(f"VM {vm}: the hot-plugged GPU is not bound to vfio-pci: {out.strip()[-500:]}",
+            raise LabError(f"VM {vm}: the hot-plugged GPU is not bound to vfio-pci: {show(out.strip()[-500:], 500)}",
                            f"see VM {vm}'s dmesg (vfio-cxl vm ssh {vm} -- dmesg) and its console log")
-        answer = json.loads(out.strip().splitlines()[-1])
+        answer = parse_bind(vm, out)
         answer["host"] = {"exec": t0, "returned": t1}
         return answer
 
