@@ -223,6 +223,9 @@ class FakeFabricLab(FakeLab):
         return proc, {"socket": str(self.rundir / f"{gpu}.sock")}
 
     def device_add(self, vm: str, dev_id: str, port: str, socket: str) -> None:
+        (self.rundir / "device-add-started").touch()
+        while (self.rundir / "hold-device-add").exists():   # the test decides when QEMU answers
+            time.sleep(0.02)
         self.guests[vm].plug(dev_id)
 
     def device_del(self, vm: str, dev_id: str) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from vfio_cxl.lab.fm import protocol
 from vfio_cxl.lab.fm.manager import EVENT_HISTORY
+from vfio_cxl.lab.fm.reallab import RealLab
 from vfio_cxl.paths import REPO_ROOT
 
 from fm_harness import FakeFm, env, raw_exchange  # noqa: F401 (env: a fixture)
@@ -208,3 +209,70 @@ def test_a_guest_whose_bind_answer_is_flooded_or_malformed(env, hostile, what):
         gpu = client.status()["gpus"]["gpu0"]
         assert (gpu["state"], gpu["owner"]) == ("attached", "b")
     assert fm.alive()
+
+
+def test_a_vm_that_dies_during_device_add_frees_the_gpu(env):
+    """The GPU is owned from before device_add: a VM death handled while QEMU has not answered
+    frees it (gpu-freed), never leaves it to a dead VM: issue 23, item 2."""
+    fm = FakeFm("--fabric", "--auto-release")
+    rundir = Path(fm.record.rundir)
+    (rundir / "hold-device-add").touch()
+    follower = fm.client()
+    events = follower.follow_events(timeout=10)
+    while next(events)["kind"] != "lab-ready":
+        pass
+    mover = fm.client(timeout=30)
+    mover.send_raw(protocol.encode(protocol.request("assign", gpu="gpu0", vm="b", keep_vram=True)))
+    while not (rundir / "device-add-started").exists():
+        time.sleep(0.02)   # polling the fake's file: its stand-in for "QEMU got device_add"
+    with fm.client() as client:
+        os.kill(client.status()["vms"]["b"]["pid"], signal.SIGKILL)
+    while (event := next(events))["kind"] != "vm-died":
+        pass
+    (rundir / "hold-device-add").unlink()
+    mover.read_message()   # the assign's answer, whatever it is
+    while (event := next(events))["kind"] != "gpu-freed" or event["gpu"] != "gpu0":
+        pass   # (gpu1, b's own GPU, is freed too)
+    assert event["vm"] == "b"
+    with fm.client() as client:
+        gpu = client.status()["gpus"]["gpu0"]
+    assert (gpu["state"], gpu["owner"]) == ("free", None)
+    mover.close()
+    follower.close()
+
+
+class FakeQmp:
+    """FAKE QMP connection: queued events, and the devices QEMU has (qom-list)."""
+
+    def __init__(self, events, present):
+        self.events, self.present = list(events), set(present)
+
+    def get_events(self, wait=False):
+        events, self.events = self.events, []
+        return events
+
+    def pull_event(self, wait=False):
+        if self.events:
+            return self.events.pop(0)
+        raise TimeoutError
+
+    def cmd(self, name, **args):
+        assert (name, args) == ("qom-list", {"path": "/machine/peripheral"})
+        return [{"name": dev, "type": "child<vfio-user-pci>"} for dev in self.present]
+
+
+def deleted(dev):
+    return {"event": "DEVICE_DELETED", "data": {"device": dev, "path": f"/machine/peripheral/{dev}"}}
+
+
+def test_waiting_for_one_device_keeps_the_others_deleted_events():
+    """gpu1's DEVICE_DELETED arrives while the FM waits for gpu0's: kept for gpu1's wait (it was
+    cleared); a device QEMU no longer has counts as deleted (its event went with a dropped
+    connection); one it still has times out: issue 23, item 2."""
+    lab = RealLab.__new__(RealLab)
+    lab.deleted = {"a": set()}
+    qmp = FakeQmp([deleted("gpu1-2-9"), deleted("gpu0-1-8")], present={"gpu1-2-9", "gpu0-1-8"})
+    assert lab._wait_deleted("a", qmp, "gpu0-1-8", 1.0) is True
+    assert lab._wait_deleted("a", qmp, "gpu1-2-9", 0.1) is True   # from the kept event
+    assert lab._wait_deleted("a", FakeQmp([], present=set()), "gpu0-3-12", 5.0) is True
+    assert lab._wait_deleted("a", FakeQmp([], present={"gpu0-3-12"}), "gpu0-3-12", 0.2) is False

@@ -505,9 +505,16 @@ class FabricManager:
         port = ports[0]
         dev_id = f"{gpu.name}-{gpu.generation}-{self.seq}"
         t0 = time.monotonic()
+        # Owned from before device_add: a VM death handled meanwhile frees the GPU (its free_gpu
+        # job finds it owned by the dead VM) instead of leaving it to a dead owner.
+        gpu.owner, gpu.dev_id, gpu.port = vm, dev_id, port
         try:
-            self._unlocked(fabric.device_add, vm, dev_id, port, gpu.files["socket"])
-            gpu.owner, gpu.dev_id, gpu.port = vm, dev_id, port
+            try:
+                self._unlocked(fabric.device_add, vm, dev_id, port, gpu.files["socket"])
+            except BaseException:
+                if self.vms[vm].state == "running":   # QEMU refused it: not in the VM
+                    gpu.owner, gpu.dev_id, gpu.port = None, None, None
+                raise
             t_add = time.monotonic() - t0
             count = sum(1 for g in self.gpus.values() if g.owner == vm)   # this one included
             seen = self._unlocked(fabric.bind_in_guest, vm, count, BIND_TIMEOUT)
@@ -517,8 +524,9 @@ class FabricManager:
                        f"{seen['driver']} at {seen['bdf']} in {t_attach * 1e3:.0f} ms ("
                        + ", ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in parts.items()) + ")")
         except BaseException as err:
-            self._set_child_state(gpu, "failed")
-            if gpu.dev_id == dev_id:   # it is in the VM; what the guest did is the error
+            alive = gpu.popen is not None and gpu.popen.poll() is None
+            self._set_child_state(gpu, "free" if gpu.owner is None and alive else "failed")
+            if gpu.dev_id == dev_id and self.vms[vm].state == "running":   # in the VM: the guest's check failed
                 reason = f"{err.what} ({err.fix})" if isinstance(err, LabError) else repr(err)
                 self.event("gpu-attach-failed", f"GPU {gpu.name}: in VM {vm} as {dev_id}, but the guest's "
                            f"check failed: {reason}; vfio-cxl fm restart {gpu.name} or fm release "

@@ -36,6 +36,8 @@ class RealLab:
         self._qmp_locks: dict[str, threading.Lock] = {vm.name: threading.Lock() for vm in lab.topology.vms}
         self.standby: dict[str, GpuServerProcess] = {}   # GPU -> its next server, started ahead
         self.sessions: dict[str, ShellSession] = {}        # VM -> the FM's guest shell (op worker only)
+        # VM -> ids of devices QEMU reported DEVICE_DELETED for and no wait has taken yet
+        self.deleted: dict[str, set[str]] = {vm.name: set() for vm in lab.topology.vms}
 
     def start(self, log: Callable[[str], None]) -> None:
         self.lab.log = log
@@ -84,9 +86,15 @@ class RealLab:
         try:
             qmp = machine.connect_qmp(timeout=2)
             qmp.settimeout(2)
-            return str(qmp.cmd("query-status")["status"])
+            state = str(qmp.cmd("query-status")["status"])
+            self._note_events(vm, qmp)
+            return state
         except Exception as err:   # a broken connection is dropped, never reused
             if machine.qmp is not None:
+                try:
+                    self._note_events(vm, machine.qmp)   # what it had received is kept
+                except Exception:
+                    pass
                 try:
                     machine.qmp.close()
                 except Exception:
@@ -154,7 +162,13 @@ class RealLab:
         with self._qmp_locks[vm]:
             qmp = self.lab.vms[vm].connect_qmp(timeout=5)
             qmp.settimeout(10)
-            yield qmp
+            try:
+                yield qmp
+            finally:
+                try:
+                    self._note_events(vm, qmp)
+                except Exception:
+                    pass   # a broken connection: what it had queued is lost (see _wait_deleted)
 
     def device_add(self, vm: str, dev_id: str, port: str, socket: str) -> None:
         with self._qmp(vm) as qmp:
@@ -173,26 +187,41 @@ class RealLab:
                            f"see {self.lab.vms[vm].qemu_log}")
 
     def wait_deleted(self, vm: str, dev_id: str, timeout: float) -> bool:
-        """True once QEMU reports DEVICE_DELETED for dev_id (the guest let go), False on timeout."""
+        """True once dev_id is out of QEMU: its DEVICE_DELETED seen now or earlier on any of the
+        VM's QMP connections, or QEMU no longer has it (an event lost with a connection that was
+        dropped); False on timeout."""
         with self._qmp(vm) as qmp:
-            return self._wait_deleted(qmp, dev_id, timeout)
+            return self._wait_deleted(vm, qmp, dev_id, timeout)
+
+    def _note_events(self, vm: str, qmp) -> None:
+        """Keep every DEVICE_DELETED the connection has queued, per device (a wait for one
+        device must not lose another's)."""
+        for event in qmp.get_events(wait=False):
+            if event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device"):
+                self.deleted[vm].add(event["data"]["device"])
 
     @staticmethod
-    def _wait_deleted(qmp, dev_id: str, timeout: float) -> bool:
+    def _present(qmp, dev_id: str) -> bool:
+        """Does QEMU still have a device with id dev_id (/machine/peripheral/<id>)?"""
+        return any(child.get("name") == dev_id for child in qmp.cmd("qom-list", path="/machine/peripheral"))
+
+    def _wait_deleted(self, vm: str, qmp, dev_id: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        for event in qmp.get_events(wait=False):
-            if event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
-                qmp.clear_events()
-                return True
-        qmp.clear_events()
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                event = qmp.pull_event(wait=left)
-            except Exception:   # timeout
+        self._note_events(vm, qmp)
+        while dev_id not in self.deleted[vm]:
+            if not self._present(qmp, dev_id):
+                break   # gone: its event went with a connection that was dropped
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            if event and event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
-                return True
-        return False
+            try:
+                event = qmp.pull_event(wait=min(left, 1.0))
+            except Exception:   # this slice's timeout: look again
+                continue
+            if event and event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device"):
+                self.deleted[vm].add(event["data"]["device"])
+        self.deleted[vm].discard(dev_id)
+        return True
 
     def guest_bdf(self, vm: str, dev_id: str) -> str | None:
         """The guest's PCI address of QEMU device dev_id (QMP query-pci: bus numbers as the guest
