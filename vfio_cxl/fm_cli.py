@@ -201,7 +201,7 @@ def _say_dropped(count: int) -> None:
 def _fabric_call(args, op: str, **fields) -> int:
     from .lab.fm.client import FmClient
 
-    with FmClient.for_lab(args.lab, timeout=180) as client:
+    with FmClient.for_lab(args.lab) as client:   # waits for a slow op as long as the FM may take
         result = getattr(client, op)(**fields)
     if args.json:
         print(json.dumps(result))
@@ -272,7 +272,7 @@ def add_fm_parser(sub: argparse._SubParsersAction) -> None:
                          help="if the guest does not let go within the timeout: kill the guest processes "
                               "that hold the GPU, then wait again")
     release.add_argument("--timeout", type=float, metavar="S",
-                         help="seconds the guest gets to let go (default 15)")
+                         help="seconds the guest gets to let go (default 15, at most 600); the command waits as long as the fabric manager may take")
     release.add_argument("--keep-vram", action="store_true", help="keep VRAM for the next owner")
     release.add_argument("gpu")
     release.set_defaults(func=fm_release)

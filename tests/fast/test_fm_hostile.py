@@ -276,3 +276,16 @@ def test_waiting_for_one_device_keeps_the_others_deleted_events():
     assert lab._wait_deleted("a", qmp, "gpu1-2-9", 0.1) is True   # from the kept event
     assert lab._wait_deleted("a", FakeQmp([], present=set()), "gpu0-3-12", 5.0) is True
     assert lab._wait_deleted("a", FakeQmp([], present={"gpu0-3-12"}), "gpu0-3-12", 0.2) is False
+
+
+def test_the_client_waits_as_long_as_the_fm_may_work_on_the_op(env):
+    """A client whose own timeout (1 s) is shorter than the release's (2 s) still gets the FM's
+    answer, not "no answer" while the op goes on: issue 23, item 9."""
+    fm = FakeFm("--fabric")
+    with fm.client(timeout=1) as client:
+        t0 = time.monotonic()
+        with pytest.raises(protocol.RemoteError, match="did not release GPU gpu0 within 2 s"):
+            client.release("gpu0", timeout=2)
+        assert time.monotonic() - t0 >= 2
+        assert client.status()["gpus"]["gpu0"]["state"] == "attached"   # the connection is fine
+    assert protocol.op_timeout("release", {"timeout": 600, "force": True}) >= 2 * 600

@@ -99,8 +99,11 @@ class FmClient:
         return protocol.parse_response(line)
 
     def call(self, op: str, **fields) -> dict:
+        """One request and its answer.  A slow op's answer is awaited as long as the manager may
+        work on it (protocol.op_timeout), never less than this client's timeout."""
         self.send_raw(protocol.encode(protocol.request(op, **fields)))
-        answer = self.read_message()
+        bound = protocol.op_timeout(op, fields)
+        answer = self.read_message(-1 if bound is None else max(bound, self.timeout))
         if answer is None:
             self.poisoned = True
             raise LabError(f"lab {self.lab}'s fabric manager closed the connection during {op!r}",

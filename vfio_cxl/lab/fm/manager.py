@@ -45,8 +45,8 @@ from .registry import LabRecord
 LAB_STATES = ("starting", "running", "degraded", "stopping", "stopped")
 VM_STATES = ("running", "dead", "stopped")
 GPU_STATES = ("attached", "free", "moving", "failed", "stopped")
-RELEASE_TIMEOUT = 15.0   # s for the guest to let go of a GPU (DEVICE_DELETED)
-BIND_TIMEOUT = 30.0
+# s for the guest to let go of a GPU (DEVICE_DELETED), and to bind one: see protocol.op_timeout
+RELEASE_TIMEOUT, BIND_TIMEOUT = protocol.RELEASE_TIMEOUT, protocol.BIND_TIMEOUT
 MAX_OUTBUF = 4 << 20   # a follower that reads slower than this is dropped
 EVENT_HISTORY = 1000   # events kept for `events` (older ones are dropped, and counted)
 EVENT_PAGE = 100       # events per `events` answer by default ...
@@ -466,6 +466,8 @@ class FabricManager:
                                f"(no DEVICE_DELETED for {dev_id}); holding it: {what}",
                                f"stop that process in VM {vm}, or vfio-cxl fm release {gpu.name} --force "
                                f"(kills it)" if not force else
+                               f"the guest did not say what holds it; see VM {vm}'s console log and "
+                               f"vfio-cxl vm ssh {vm} -- dmesg" if not known else
                                f"the process could not be killed (state D: stuck in the kernel?); see VM {vm}'s "
                                f"dmesg (vfio-cxl vm ssh {vm} -- dmesg)")
         except BaseException:
@@ -565,8 +567,9 @@ class FabricManager:
 
     def op_release(self, client, request) -> dict:
         timeout = float(request.get("timeout", RELEASE_TIMEOUT))
-        if not 0 < timeout <= 600:
-            raise LabError(f"release timeout {timeout:g} s is out of range", "give 0 < timeout <= 600 seconds")
+        if not 0 < timeout <= protocol.RELEASE_TIMEOUT_MAX:
+            raise LabError(f"release timeout {timeout:g} s is out of range",
+                           f"give 0 < timeout <= {protocol.RELEASE_TIMEOUT_MAX:g} seconds")
         return self.release(self._gpu(request["gpu"]), force=bool(request.get("force", False)),
                             keep_vram=bool(request.get("keep_vram", False)), timeout=timeout)
 
@@ -918,7 +921,7 @@ class FabricManager:
         t0 = time.monotonic()
         if gpu.dev_id is not None:
             self._check_removable(gpu)
-            self.release(gpu, force=True, keep_vram=False, timeout=10)
+            self.release(gpu, force=True, keep_vram=False, timeout=protocol.RESTART_RELEASE_TIMEOUT)
         elif gpu.popen is None or gpu.popen.poll() is not None or not gpu.scrubbed:
             self._fresh_server(gpu)
             self._set_child_state(gpu, "free")

@@ -38,6 +38,29 @@ OPS: dict[str, dict[str, tuple[type, bool]]] = {
 }
 
 
+# How long the fabric manager may take for a slow op, so a client waits at least that long
+# (seconds).  Its waits on the guest -- DEVICE_DELETED (a release's timeout, twice with force:
+# before and after the kill) and the bind check -- plus STEP_BUDGET for its other steps, each
+# bounded on its own: QMP commands (10 s), the holders and kill scripts (60 s, 30 s), a fresh GPU
+# server.  An op queued behind another waits for that one first.
+RELEASE_TIMEOUT = 15.0      # default of release's `timeout`
+RELEASE_TIMEOUT_MAX = 600.0
+RESTART_RELEASE_TIMEOUT = 10.0
+BIND_TIMEOUT = 30.0
+STEP_BUDGET = 300.0
+
+
+def op_timeout(op: str, fields: dict) -> float | None:
+    """The longest the fabric manager may work on ``op`` with ``fields``; None for a fast op."""
+    if op == "release":
+        return 2 * float(fields.get("timeout", RELEASE_TIMEOUT)) + STEP_BUDGET
+    if op == "assign":
+        return 2 * RELEASE_TIMEOUT + BIND_TIMEOUT + STEP_BUDGET
+    if op == "restart":
+        return 2 * RESTART_RELEASE_TIMEOUT + BIND_TIMEOUT + STEP_BUDGET
+    return None
+
+
 class ProtocolError(LabError):
     """A request or response that breaks the protocol."""
 
