@@ -161,7 +161,7 @@ class FakeGuest:
         (dev / "vendor").write_text("0x0601\n")
         (dev / "device").write_text("0x1991\n")
         (self.root / "sys/kernel/iommu_groups" / str(group)).mkdir(exist_ok=True)
-        (dev / "iommu_group").symlink_to(f"../../../kernel/iommu_groups/{group}")
+        (dev / "iommu_group").symlink_to(f"../../../../kernel/iommu_groups/{group}")
         (self.root / "sys/bus/pci/drivers/vfio-pci" / bdf).symlink_to(f"../../devices/{bdf}")
         (self.root / "dev/vfio" / str(group)).touch()
         self.bdfs[dev_id] = bdf

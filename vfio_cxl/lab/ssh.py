@@ -174,7 +174,8 @@ class ShellSession:
                 received += chunk
         except Exception as err:
             self.close()   # poisoned: never reused
-            raise LabError(f"[{self.shell.vm_name}] guest script failed: {err}", "see the VM's console log") from None
+            raise LabError(f"[{self.shell.vm_name}] guest script failed: {err or type(err).__name__}",
+                           "see the VM's console log") from None
         try:
             status = int(received[end + len(marker):].split()[0])
         except (ValueError, IndexError):

@@ -3,6 +3,7 @@
 A guest is not trusted: any process in it picks its own name (``comm``, 15 bytes, any byte but
 NUL, newlines included) and names the files it opens; a guest root may replace any tool.  So:
 
+* the holders and kill scripts run sh builtins only (no tool a guest root could replace);
 * the scripts print fields that no guest-chosen text can forge: a holder's pid comes from the
   kernel's own ``/proc/PID`` directory name, its link to the GPU's VFIO node is checked with the
   shell's ``-ef`` (same inode; no link text is parsed), its name is printed last on its line,
@@ -77,8 +78,9 @@ echo "{\"bdf\": \"$new\", \"driver\": \"vfio-pci\", \"gpus\": $#, \"guest\": {\"
 # The GPU's VFIO nodes ($1: its BDF): its group's /dev/vfio/N and, if the kernel made one, its
 # iommufd cdev /dev/vfio/devices/vfioM; holds PID: does PID have one of them open (same inode).
 _NODES = r"""R=${VFIO_CXL_SYSROOT-}; d=$R/sys/bus/pci/devices/$1
-g=$(readlink "$d/iommu_group") || { echo "no IOMMU group for $1"; exit 1; }
-group=/dev/vfio/${g##*/}; cdev=
+g=; for n in "$R"/sys/kernel/iommu_groups/*; do [ "$d/iommu_group" -ef "$n" ] && g=${n##*/}; done
+[ -n "$g" ] || { echo "no IOMMU group for $1"; exit 1; }
+group=/dev/vfio/$g; cdev=
 for c in "$d"/vfio-dev/vfio*; do [ -e "$c" ] && cdev=/dev/vfio/devices/${c##*/}; done
 holds() {
   for fd in "$R/proc/$1/fd/"*; do
