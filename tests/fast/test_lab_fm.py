@@ -24,7 +24,7 @@ from vfio_cxl.errors import LabError
 from vfio_cxl.fm_cli import lab_summary
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.fm import protocol, registry
-from vfio_cxl.lab.fm.cleanup import down
+from vfio_cxl.lab.fm.cleanup import down, remove_leftovers
 from vfio_cxl.lab.fm.client import FmClient
 from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning, wait_gone
 from vfio_cxl.paths import REPO_ROOT
@@ -409,3 +409,49 @@ def test_vm_up_detach_of_a_topology_file_with_any_stem(env, tmp_path):
         result = vfio_cxl("vm", "up", str(topo), "--detach", "--ssh-port", str(taken.getsockname()[1]))
     assert result.returncode == 1
     assert f"(logs: {registry.logs_root() / 'my-lab-2'})" in result.stderr, result.stderr
+
+
+def test_vm_down_by_a_user_skips_another_users_process_and_says_so(env, monkeypatch):
+    """`vm down` run by a user (not root) meets a matching process of another user: it skips it
+    with a message instead of stopping with PermissionError: issue 23, item 10."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as two users")
+    tmp_path = env / "shared"
+    tmp_path.mkdir()
+    os.chmod(env, 0o755)
+    for d in ("cache", "run", "logs"):
+        (tmp_path / d).mkdir(mode=0o777)
+        os.chmod(tmp_path / d, 0o777)
+    os.chmod(tmp_path, 0o755)
+    monkeypatch.setenv("VFIO_CXL_CACHE", str(tmp_path / "cache"))
+    rundir = tmp_path / "run" / "vfio-cxl-x"
+    rundir.mkdir(mode=0o777)
+    os.chmod(rundir, 0o777)
+    record = registry.LabRecord(name="fake-1", topology="fake", rundir=str(rundir), logdir=str(tmp_path / "logs"),
+                                fm={"pid": 2 ** 22 + 1, "start": 1}, created=0)
+    theirs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "vfio_cxl", str(rundir)])
+    try:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:   # a user (nobody) runs vm down's sweep
+            os.close(read)
+            try:
+                os.setresgid(65534, 65534, 65534)
+                os.setresuid(65534, 65534, 65534)
+                messages = []
+                remove_leftovers(record, log=messages.append)
+                os.write(write, json.dumps(messages).encode())
+                os._exit(0)
+            except BaseException as err:
+                os.write(write, f"{type(err).__name__}: {err}".encode())
+                os._exit(1)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            said = pipe.read()
+        assert os.waitpid(child, 0)[1] == 0, said
+        assert f"skipping pid {theirs.pid}" in said and "not yours to signal" in said
+        assert theirs.poll() is None   # left alone
+        assert not rundir.exists()
+    finally:
+        theirs.kill()
+        theirs.wait()
