@@ -289,3 +289,98 @@ def test_the_client_waits_as_long_as_the_fm_may_work_on_the_op(env):
         assert time.monotonic() - t0 >= 2
         assert client.status()["gpus"]["gpu0"]["state"] == "attached"   # the connection is fine
     assert protocol.op_timeout("release", {"timeout": 600, "force": True}) >= 2 * 600
+
+
+def test_pipelined_bad_and_good_lines_are_each_answered_in_order(env):
+    """One write: invalid UTF-8, wrong types in every field of every op, unknown ops and fields,
+    good requests between them; one answer per line, in order, the good ones ok."""
+    fm = FakeFm("--fabric")
+    lines, expect = [], []
+    good = {"hello": {}, "status": {}, "events": {"since": 0, "limit": 5, "follow": False},
+            "ssh_info": {"vm": "a"}, "assign": {"gpu": "gpu9", "vm": "a", "keep_vram": True},
+            "release": {"gpu": "gpu9", "force": False, "keep_vram": False, "timeout": 1},
+            "restart": {"gpu": "gpu9"}}
+    for op, fields in good.items():
+        for name in fields:
+            for junk in (None, [], {}, "1" if not isinstance(fields[name], str) else 1, [[[[]]]]):
+                lines.append(json.dumps({"version": 1, "op": op, **fields, name: junk}).encode())
+                expect.append(f"field {name!r} must be")
+        lines.append(json.dumps({"version": 1, "op": op, **fields}).encode())
+        expect.append(None if op in ("hello", "status", "events", "ssh_info") else "no GPU 'gpu9'")
+    lines += [b'{"version": 1, "op": "status", "\xff": 1}', b"\xc3\x28", b"", b"   ", b'{"version": 1, "op": "fly"}']
+    expect += ["not JSON", "not JSON", "not JSON", "not JSON", "unknown op 'fly'"]
+    answers = raw_exchange(fm.record.socket, b"".join(line + b"\n" for line in lines) + HELLO)
+    assert len(answers) == len(lines) + 1
+    for line, answer, what in zip(lines, answers, expect):
+        if what is None:
+            assert answer["ok"], (line, answer)
+        else:
+            assert not answer["ok"] and what in answer["error"]["what"], (line, answer)
+    assert answers[-1]["ok"] and fm.alive()
+
+
+def test_a_follower_that_never_reads_is_dropped_and_costs_bounded_memory(env):
+    """A follower stops reading while events flow (GPU moves): the FM keeps at most 4 MiB for it,
+    then drops it; everyone else is served."""
+    fm = FakeFm("--fabric", "--auto-release")
+    sleeper = socket.socket(socket.AF_UNIX)
+    sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sleeper.connect(str(fm.record.socket))
+    sleeper.sendall(protocol.encode(protocol.request("events", follow=True)))
+    before = fm.rss_kib()
+    with fm.client() as client:
+        for i in range(50):
+            client.assign("gpu0", "b" if i % 2 == 0 else "a", keep_vram=True)
+            if i == 10:   # and asks for more than 4 MiB of answers it does not read
+                sleeper.sendall(b'{"version": 1, "op": "status"}\n' * 4000)
+        assert client.status()["state"] == "running"
+    assert fm.rss_kib() - before < 24 << 10
+    log = (fm.logdir / "fm.log").read_text()
+    assert "dropping a client that does not read its events" in log
+    sleeper.close()
+
+
+def test_a_client_that_leaves_mid_op_does_not_stop_the_op_or_the_fm(env):
+    fm = FakeFm("--fabric")
+    with socket.socket(socket.AF_UNIX) as leaver:
+        leaver.connect(str(fm.record.socket))
+        leaver.sendall(protocol.encode(protocol.request("release", gpu="gpu0", timeout=30)))
+        with fm.client() as client:
+            while client.status()["gpus"]["gpu0"]["state"] != "moving":
+                pass
+    (Path(fm.record.rundir) / "deleted-gpu0").touch()   # the guest lets go after the client left
+    with fm.client() as client:
+        follow = client.follow_events(timeout=10)
+        while next(follow)["kind"] != "gpu-released":
+            pass
+    with fm.client() as client:
+        gpu = client.status()["gpus"]["gpu0"]
+        assert (gpu["state"], gpu["owner"]) == ("free", None)
+
+
+def test_many_clients_at_once(env):
+    """100 connections, each with pipelined requests, all open at once: every one answered."""
+    fm = FakeFm()
+    socks = []
+    for _ in range(100):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(str(fm.record.socket))   # blocking: waits while the backlog is full
+        sock.settimeout(30)
+        sock.sendall(HELLO + b'{"version": 1, "op": "status"}\n{"version": 1, "op": "events", "limit": 3}\n')
+        socks.append(sock)
+    for sock in socks:
+        with sock, sock.makefile("rb") as reader:
+            answers = [json.loads(reader.readline()) for _ in range(3)]
+        assert [a["ok"] for a in answers] == [True, True, True]
+    assert fm.alive()
+
+
+def test_fm_fuzz_with_a_small_count():
+    """scripts/bench fm-fuzz as a user runs it (the full run: 10,000 requests, see docs)."""
+    result = subprocess.run([str(REPO_ROOT / "scripts" / "bench"), "fm-fuzz", "--requests", "600", "--seed", "7",
+                             "--json"], capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["violation"] is None and report["requests"] >= 600
+    assert report["answered"] > 500 and report["kinds"]["valid"] > 100
+    assert report["rss_max_mib"] - report["rss_start_mib"] < report["rss_limit_mib"]

@@ -148,6 +148,7 @@ class _Client:
         self.close_after_flush = False
         self.busy = False           # a slow op of this connection runs: its later requests wait
         self.backlog: list[bytes] = []   # `event` lines owed to a new follower after its answer
+        self.eof = False            # the client shut its side: no more requests
 
 
 class FabricManager:
@@ -673,7 +674,7 @@ class FabricManager:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         os.chmod(path, 0o600)
-        self.listener.listen(16)
+        self.listener.listen(128)
         self.listener.setblocking(False)
         self.sel.register(self.listener, selectors.EVENT_READ, ("listen", None))
         # Signals wake the loop through this pair (PEP 475 would otherwise resume select()).
@@ -758,8 +759,9 @@ class FabricManager:
             return
         except OSError:
             data = b""
-        if not data:
-            self._drop(client)
+        if not data:   # the client sends no more: answer what it sent, then close
+            client.eof = True
+            self._serve_lines(client)
             return
         client.inbuf += data   # a bytearray: appending does not copy what is there
         self._serve_lines(client)
@@ -808,6 +810,10 @@ class FabricManager:
         client.scanned = max(client.scanned - start, 0)
         if client.sock.fileno() < 0:
             return   # dropped while answering (a follower that does not read)
+        if client.eof and not client.busy and not client.close_after_flush:
+            client.close_after_flush = True   # a partial last line is dropped
+            self._flush(client)
+            return
         if client.close_after_flush:
             buf.clear()
         elif not client.busy and client.scanned > protocol.MAX_LINE:
@@ -823,7 +829,7 @@ class FabricManager:
     def _interest(self, client: _Client) -> None:
         """Read a connection unless it has a full request line's worth waiting (backpressure);
         write to it while it has output."""
-        reading = len(client.inbuf) <= protocol.MAX_LINE and not client.close_after_flush
+        reading = len(client.inbuf) <= protocol.MAX_LINE and not client.close_after_flush and not client.eof
         events = (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
         # events == 0: nothing to do until its slow op ends (a hang-up is seen when it answers)
         if events != client.mask:
