@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import socket
 import subprocess
 import sys
@@ -384,3 +385,11 @@ def test_fm_fuzz_with_a_small_count():
     assert report["violation"] is None and report["requests"] >= 600
     assert report["answered"] > 500 and report["kinds"]["valid"] > 100
     assert report["rss_max_mib"] - report["rss_start_mib"] < report["rss_limit_mib"]
+
+
+def test_the_control_socket_is_the_users_alone(env):
+    """docs/fabric-manager.md: the control socket is mode 0600 (only the lab's user connects)."""
+    fm = FakeFm()
+    mode = os.stat(fm.record.socket).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    assert os.stat(fm.record.socket).st_uid == os.getuid()
