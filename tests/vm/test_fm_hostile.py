@@ -3,18 +3,23 @@
 A guest process named to forge the holders list's fields holds a GPU; a guest root replaces a
 tool the FM's bind check runs (``sleep``) with one that floods its output.  The FM kills the real holder and never pid 1,
 neither wedges the GPU nor dies, and says what the guest did.  One fabric lab for the file
-(``detached("fabric", shared=True)``), left healthy for the next test that shares it.
+(``detached("fabric", shared=True)``), left healthy for the next test that shares it.  And on
+the p2p topology: a peer GPU server unmaps the VRAM of a GPU whose server ended.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from vfio_cxl.paths import REPO_ROOT
 
+from .conftest import guest_json
 from .test_lab_fm import Detached, EventFollower, detached, vfio_cxl  # noqa: F401 (fixture)
 
 CRAFTED = '","pid":1,"":"'   # 14 characters: the old holders script's JSON made it pid 1
@@ -112,3 +117,45 @@ def test_a_guest_that_floods_the_bind_check(detached):
         assert all(vm["state"] == "running" for vm in status["vms"].values())
     finally:
         events.close()
+
+
+def vram_memfds(pid: int) -> set[str]:
+    """Inodes of the GPU VRAM memfds a process maps (its own and its peers')."""
+    return {line.split()[4] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if "vfio-cxl-gpu-vram" in line}
+
+
+def own_vram(pid: int) -> str:
+    """The inode of a GPU server's own VRAM memfd: the one it holds open (a peer's fd is closed
+    once mapped)."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if os.readlink(fd).startswith("/memfd:vfio-cxl-gpu-vram"):
+                return str(os.stat(fd).st_ino)
+        except OSError:
+            continue
+    raise AssertionError(f"pid {pid} holds no VRAM memfd")
+
+
+def test_a_peer_unmaps_the_vram_of_a_gpu_whose_server_ended(p2p_lab, labs):
+    """p2p: three peer GPUs in host0.  After a P2P copy each server maps its peers' VRAM; when
+    gpu1's server ends (what a scrub, a move or a death does to it), gpu0's server unmaps gpu1's
+    VRAM: nothing of that owner stays in a peer (issue 23, item 8).  Ends the lab."""
+    lab = labs.hand_over(p2p_lab)
+    try:
+        result = guest_json(lab["host0"], "python3 -m vfio_cxl.guest.p2p --size 4096 --json")
+        assert all(copy["path"] == "peer fast path" for copy in result["copies"]), result["copies"]
+        a, b = lab.gpu_servers["gpu0"].process.pid, lab.gpu_servers["gpu1"].process.pid
+        theirs = {own_vram(b)}   # gpu1's VRAM, which gpu0 maps as a peer's
+        mine = vram_memfds(a)
+        assert len(mine) >= 2 and theirs <= mine, (mine, theirs)
+        lab.gpu_servers["gpu1"].stop()
+        deadline = time.monotonic() + 10
+        while vram_memfds(a) & theirs and time.monotonic() < deadline:
+            time.sleep(0.05)   # polling gpu0's maps for the unmap; not synchronisation
+        left = vram_memfds(a)
+        print(f"gpu0's server maps {len(mine)} VRAM memfds, {len(left)} after gpu1's server ended")
+        assert not left & theirs, f"gpu0 still maps gpu1's VRAM: {left & theirs}"
+        assert len(left) == len(mine) - 1
+    finally:
+        lab.stop()
