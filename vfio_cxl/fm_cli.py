@@ -174,18 +174,34 @@ def fm_events(args) -> int:
 
     with FmClient.for_lab(args.lab) as client:
         if args.follow:
-            for ev in client.follow_events():
+            events = client.follow_events()
+            _say_dropped(client.dropped)
+            for ev in events:
                 _print_event(ev, args.json)
         else:
-            for ev in client.events():
-                _print_event(ev, args.json)
+            page = client.events_page()
+            _say_dropped(page["dropped"])
+            while True:
+                for ev in page["events"]:
+                    _print_event(ev, args.json)
+                if not page["more"] or not page["events"]:
+                    break
+                page = client.events_page(since=page["events"][-1]["seq"])
     return 0
+
+
+def _say_dropped(count: int) -> None:
+    from .lab.fm.manager import EVENT_HISTORY
+
+    if count:
+        print(f"({count} older events are no longer kept: the fabric manager keeps the newest "
+              f"{EVENT_HISTORY}; its fm.log has them all)", file=sys.stderr, flush=True)
 
 
 def _fabric_call(args, op: str, **fields) -> int:
     from .lab.fm.client import FmClient
 
-    with FmClient.for_lab(args.lab, timeout=180) as client:
+    with FmClient.for_lab(args.lab) as client:   # waits for a slow op as long as the FM may take
         result = getattr(client, op)(**fields)
     if args.json:
         print(json.dumps(result))
@@ -256,7 +272,7 @@ def add_fm_parser(sub: argparse._SubParsersAction) -> None:
                          help="if the guest does not let go within the timeout: kill the guest processes "
                               "that hold the GPU, then wait again")
     release.add_argument("--timeout", type=float, metavar="S",
-                         help="seconds the guest gets to let go (default 15)")
+                         help="seconds the guest gets to let go (default 15, at most 600); the command waits as long as the fabric manager may take")
     release.add_argument("--keep-vram", action="store_true", help="keep VRAM for the next owner")
     release.add_argument("gpu")
     release.set_defaults(func=fm_release)

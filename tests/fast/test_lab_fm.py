@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -25,12 +24,12 @@ from vfio_cxl.errors import LabError
 from vfio_cxl.fm_cli import lab_summary
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.fm import protocol, registry
-from vfio_cxl.lab.fm.cleanup import down
+from vfio_cxl.lab.fm.cleanup import down, remove_leftovers
 from vfio_cxl.lab.fm.client import FmClient
 from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning, wait_gone
 from vfio_cxl.paths import REPO_ROOT
 
-FAKE = Path(__file__).with_name("fm_fake_lab.py")
+from fm_harness import FakeFm, env, raw_exchange  # noqa: F401 (env: a fixture)
 
 
 # -- the protocol, message by message ------------------------------------------------------
@@ -44,6 +43,13 @@ FAKE = Path(__file__).with_name("fm_fake_lab.py")
     (b'{"version": 1, "op": "events", "since": "3"}', "field 'since' must be int"),
     (b'{"version": 1, "op": "events", "since": true}', "field 'since' must be int"),
     (b'{"version": 1, "op": "ssh_info"}', "op 'ssh_info' needs field 'vm'"),
+    (b"[" * 100_000, "request is nested too deeply to parse"),
+    (b'{"version": 1, "op": []}', "unknown op []"),
+    (b'{"version": 1, "op": {"a": 1}}', "unknown op {'a': 1}"),
+    (b'{"version": 1, "op": "status", "x": "' + b"y" * 5000 + b'"}', "op 'status' has no field 'x'"),
+    (b'{"version": 1, "op": "events", "since": "' + b"9" * 5000 + b'"}', "(5002 characters)"),
+    (b'{"version": 1, "op": "ssh_info", "vm": ' + b"[" * 900 + b"]" * 900 + b"}", "field 'vm' must be str"),
+    (b'{"version": 1, "op": "status"}\xff', "request is not JSON"),
 ])
 def test_bad_requests_name_what_is_wrong_and_what_to_do(line, what):
     with pytest.raises(protocol.ProtocolError) as err:
@@ -59,55 +65,6 @@ def test_a_good_request_round_trips():
 
 
 # -- a real manager process over a fake lab ------------------------------------------------
-@pytest.fixture
-def env(monkeypatch):
-    """A private cache (registry, logs) and run-directory parent, short enough for socket paths."""
-    root = Path(tempfile.mkdtemp(prefix="fmt-", dir="/tmp"))
-    monkeypatch.setenv("VFIO_CXL_CACHE", str(root / "cache"))
-    monkeypatch.setenv("VFIO_CXL_RUNDIR", str(root / "run"))
-    yield root
-    for record in registry.records():
-        if record.fm_alive():
-            os.kill(record.fm["pid"], signal.SIGKILL)
-            wait_gone([record.fm_id()], 10)
-        down(record, log=lambda text: None)
-    shutil.rmtree(root, ignore_errors=True)
-
-
-class FakeFm:
-    def __init__(self, *extra: str):
-        self.name, self.logdir = registry.reserve_name("fake")
-        self.proc = subprocess.Popen([sys.executable, str(FAKE), self.name, str(self.logdir), *extra],
-                                     stdout=subprocess.PIPE, stderr=open(self.logdir / "fm.log", "ab"),
-                                     text=True, cwd=REPO_ROOT, start_new_session=True)
-        lines = []
-        for line in self.proc.stdout:
-            lines.append(line)
-            if line.startswith("ready: "):
-                break
-        else:
-            raise AssertionError(f"fake FM did not get ready: {lines} {(self.logdir / 'fm.log').read_text()}")
-        self.record = registry.find(self.name)
-
-    def client(self) -> FmClient:
-        return FmClient(self.record.socket, lab=self.name, timeout=10).connect()
-
-    def wait(self) -> int:
-        return self.proc.wait(30)
-
-
-def raw_exchange(path: Path, data: bytes) -> list[dict]:
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(10)
-        sock.connect(str(path))
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
-        received = b""
-        while chunk := sock.recv(65536):
-            received += chunk
-    return [json.loads(line) for line in received.splitlines()]
-
-
 def test_status_over_the_socket(env):
     fm = FakeFm()
     with fm.client() as client:
@@ -214,23 +171,26 @@ def test_deaths_are_reported_and_status_answered_while_a_release_waits(env):
 
 
 def test_release_timeout_names_the_holder_and_force_kills_it(env):
-    """FAKE guest: nothing lets go; release fails naming the holder; --force kills it (the fake
-    records the kill) and still fails honestly when the guest does not let go after that."""
+    """FAKE guest (the real holders and kill scripts on a fake sysfs, real processes): nothing lets
+    go; release fails naming the holder; --force kills it and still fails honestly when the guest
+    does not let go after that."""
     fm = FakeFm("--fabric")
+    holder = int((Path(fm.record.rundir) / "holder.pid").read_text())
+    holder_id = ProcessId.of(holder)
     with fm.client() as client:
         with pytest.raises(protocol.RemoteError) as err:
             client.release("gpu0", timeout=0.2)
-        assert "pid 4242 (holder) on /dev/vfio/13" in err.value.what and "--force" in err.value.fix
+        assert f"pid {holder} (holder) on /dev/vfio/11" in err.value.what and "--force" in err.value.fix
         assert client.status()["gpus"]["gpu0"]["state"] == "attached"   # back as it was
         with pytest.raises(protocol.RemoteError) as err:
             client.release("gpu0", timeout=0.2, force=True)
-        assert (Path(fm.record.rundir) / "killed").read_text() == "4242"
+        assert (Path(fm.record.rundir) / "killed").read_text() == str(holder)
+        assert wait_gone([holder_id], 10) == []   # really killed
         assert "could not be killed" in err.value.fix
         with pytest.raises(protocol.RemoteError, match="out of range"):
             client.release("gpu0", timeout=0)
         client.stop()
     assert fm.wait() == 0
-
 
 def test_restart_on_failure_brings_the_gpu_back_at_most_max_restarts_times(env):
     """FAKE hot-plug; gpu0 has restart = "on-failure", max_restarts = 1."""
@@ -420,3 +380,78 @@ def test_a_lab_that_fails_to_start_leaves_nothing_but_its_logs(env):
     assert "start failed" in (logdir / "fm.log").read_text()
     assert registry.records() == []
     assert list(Path(os.environ["VFIO_CXL_RUNDIR"]).iterdir()) == []
+
+
+@pytest.mark.parametrize("stem, name", [
+    ("fabric", "fabric-1"), ("my_lab", "my-lab-1"), ("Fabric", "fabric-1"), ("lab.v2", "lab-v2-1"),
+    ("2x", "lab-2x-1"), ("__", "lab-1"), ("é", "lab-1"), ("a" * 100, "a" * 40 + "-1"),
+])
+def test_lab_names_come_from_any_topology_stem(env, stem, name):
+    """A topology file's stem outside [a-z][a-z0-9-]* made reserve_name retry the same mkdir
+    forever (`vm up my_lab.toml --detach` never answered): issue 23, item 3."""
+    done = []
+    thread = threading.Thread(target=lambda: done.append(registry.reserve_name(stem)), daemon=True)
+    thread.start()
+    thread.join(10)
+    assert done, f"reserve_name({stem!r}) did not return within 10 s"
+    assert done[0][0] == name and done[0][1].is_dir()
+    second = registry.reserve_name(stem)[0]   # the second lab of that topology: the case that hung
+    assert second == name[:-1] + "2"
+
+
+def test_vm_up_detach_of_a_topology_file_with_any_stem(env, tmp_path):
+    """The same through the CLI, up to where the lab fails for a taken SSH port (before QEMU)."""
+    topo = tmp_path / "my_lab.toml"
+    topo.write_text((REPO_ROOT / "qemu/topologies/single.toml").read_text())
+    registry.reserve_name("my_lab")   # an earlier lab's logs
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        result = vfio_cxl("vm", "up", str(topo), "--detach", "--ssh-port", str(taken.getsockname()[1]))
+    assert result.returncode == 1
+    assert f"(logs: {registry.logs_root() / 'my-lab-2'})" in result.stderr, result.stderr
+
+
+def test_vm_down_by_a_user_skips_another_users_process_and_says_so(env, monkeypatch):
+    """`vm down` run by a user (not root) meets a matching process of another user: it skips it
+    with a message instead of stopping with PermissionError: issue 23, item 10."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as two users")
+    tmp_path = env / "shared"
+    tmp_path.mkdir()
+    os.chmod(env, 0o755)
+    for d in ("cache", "run", "logs"):
+        (tmp_path / d).mkdir(mode=0o777)
+        os.chmod(tmp_path / d, 0o777)
+    os.chmod(tmp_path, 0o755)
+    monkeypatch.setenv("VFIO_CXL_CACHE", str(tmp_path / "cache"))
+    rundir = tmp_path / "run" / "vfio-cxl-x"
+    rundir.mkdir(mode=0o777)
+    os.chmod(rundir, 0o777)
+    record = registry.LabRecord(name="fake-1", topology="fake", rundir=str(rundir), logdir=str(tmp_path / "logs"),
+                                fm={"pid": 2 ** 22 + 1, "start": 1}, created=0)
+    theirs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "vfio_cxl", str(rundir)])
+    try:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:   # a user (nobody) runs vm down's sweep
+            os.close(read)
+            try:
+                os.setresgid(65534, 65534, 65534)
+                os.setresuid(65534, 65534, 65534)
+                messages = []
+                remove_leftovers(record, log=messages.append)
+                os.write(write, json.dumps(messages).encode())
+                os._exit(0)
+            except BaseException as err:
+                os.write(write, f"{type(err).__name__}: {err}".encode())
+                os._exit(1)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            said = pipe.read()
+        assert os.waitpid(child, 0)[1] == 0, said
+        assert f"skipping pid {theirs.pid}" in said and "not yours to signal" in said
+        assert theirs.poll() is None   # left alone
+        assert not rundir.exists()
+    finally:
+        theirs.kill()
+        theirs.wait()

@@ -3,8 +3,10 @@ DMA_UNMAP, the switch-off.  The *client* here is a fake standing in for QEMU (it
 translates DMA_WRITE/READ messages to a peer's VRAM memfd or to plain memory):
 what is under test is our own proof logic; the VM test drives real QEMU."""
 
+import gc
 import mmap
 import os
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +132,25 @@ def test_fast_disable_keeps_everything_on_messages(rig):
     port.write(BAR_IOVA, b"m" * MIB)
     assert peer[8 * MIB: 9 * MIB] == b"m" * MIB
     assert port.peer_bytes == 0 and port.probes == 0 and client.messages == 1
+
+
+def peer_vram_maps() -> int:
+    return Path("/proc/self/maps").read_text().count("peer-vram")
+
+
+def test_a_peer_whose_owner_is_gone_is_unmapped_and_its_proofs_dropped(rig, tmp_path):
+    """The peer's server stops (a scrub starts a fresh one, a move, a death): its share's
+    connection ends, the peer set unmaps that memory at once (nothing of the old owner stays in
+    this process) and proven mappings into it go back to messages: issue 23, item 8."""
+    port, table, client, peer, ram, _ = rig
+    port.write(BAR_IOVA, b"p" * MIB)
+    assert port.proofs == 1 and port.peer_bytes == MIB
+    assert peer_vram_maps() == 2               # the test's own view, and the peer set's
+    [share] = [o for o in gc.get_objects() if isinstance(o, MemoryShare)]   # the rig's
+    share.close()                              # the owner's server goes away
+    assert port.peers.wait_retired(1, 10)
+    assert peer_vram_maps() == 1               # only the test's own view is left
+    messages = client.messages
+    port.write(BAR_IOVA, b"q" * MIB)           # no fast path into memory that is gone
+    assert port.peer_bytes == MIB and client.messages > messages
+    assert peer[8 * MIB: 9 * MIB] == b"q" * MIB   # (the message path still reaches it)

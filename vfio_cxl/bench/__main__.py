@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "routes": "vfio_cxl.bench.routes",
     "share": "vfio_cxl.bench.share",
     "chaos": "vfio_cxl.bench.chaos",
+    "fm-fuzz": "vfio_cxl.bench.fm_fuzz",
     "supervision": "vfio_cxl.bench.supervision",
     "channel": "vfio_cxl.bench.channel",
     "p2p": "vfio_cxl.bench.p2p",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import secrets
 import shlex
 import time
 
@@ -122,6 +123,7 @@ class ShellSession:
     ``run`` opens a new one."""
 
     MARK = "@@vfio-cxl-exit"
+    OUTPUT_MAX = 1 << 20   # bytes a script may print (the guest is not trusted)
 
     def __init__(self, shell: GuestShell):
         self.shell = shell
@@ -136,19 +138,32 @@ class ShellSession:
         channel.exec_command("exec sh")
         return channel
 
-    def run(self, script: str, args: list[str], timeout: float) -> tuple[int, str]:
-        """(exit status, stdout and stderr merged) of ``script`` run as ``sh -c script sh args``."""
+    def run(self, script: str, args: list[str], timeout: float, limit: int | None = None) -> tuple[int, str]:
+        """(exit status, stdout and stderr merged) of ``script`` run as ``sh -c script sh args``.
+
+        At most ``limit`` bytes of output (default OUTPUT_MAX) are read: a script that prints
+        more fails (and the session is closed), so a guest cannot make the host buffer or scan
+        without bound.  The end marker carries a random nonce: output cannot fake the exit status."""
+        limit = self.OUTPUT_MAX if limit is None else limit
         if self.channel is None:
             self.channel = self._open()
         self.count += 1
-        mark = f"{self.MARK} {self.count} "
+        mark = f"{self.MARK} {self.count} {secrets.token_hex(8)} "
         quoted = " ".join(shlex.quote(a) for a in args)
         line = (f"( set -- {quoted}\n{script}\n) </dev/null 2>&1; printf '\\n%s%s\\n' {shlex.quote(mark)} $?\n")
         deadline = time.monotonic() + timeout
-        received = b""
+        received, marker = bytearray(), mark.encode()
+        end, scanned = -1, 0
         try:
             self.channel.sendall(line.encode())
-            while (end := received.find(mark.encode())) < 0 or not received.endswith(b"\n"):
+            while True:
+                if end < 0:   # look for the marker line ("\n" MARK STATUS "\n") in what is new
+                    end = received.find(marker, max(scanned - len(marker), 0))
+                    scanned = len(received)
+                if end >= 0 and received.find(b"\n", end) == len(received) - 1:
+                    break
+                if len(received) > limit + len(marker) + 16:
+                    raise OverflowError(f"the script printed more than {limit} bytes")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"no answer within {timeout:.0f} s")
@@ -159,8 +174,14 @@ class ShellSession:
                 received += chunk
         except Exception as err:
             self.close()   # poisoned: never reused
-            raise LabError(f"[{self.shell.vm_name}] guest script failed: {err}", "see the VM's console log") from None
-        status = int(received[end + len(mark):].split()[0])
+            raise LabError(f"[{self.shell.vm_name}] guest script failed: {err or type(err).__name__}",
+                           "see the VM's console log") from None
+        try:
+            status = int(received[end + len(marker):].split()[0])
+        except (ValueError, IndexError):
+            self.close()
+            raise LabError(f"[{self.shell.vm_name}] guest script ended without an exit status",
+                           "see the VM's console log") from None
         return status, received[:end].decode(errors="replace").rstrip("\n")
 
     def close(self) -> None:

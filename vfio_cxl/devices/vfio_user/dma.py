@@ -497,6 +497,8 @@ class DmaPort:
             guess = hoff + (m.iova - hiova)
             if any(p is hpeer for p in peers) and holds(hpeer, guess):
                 return hpeer, guess
+            if hpeer.retired:
+                self._hint = None   # holds no retired peer's memory
         for peer in peers:
             idx = peer.mm.find(n1)
             while idx != -1:
@@ -544,14 +546,20 @@ class DmaPort:
                     if m.peer is not None and self.peer_enabled():
                         n = min(room, DIRECT_CHUNK)
                         off = m.peer_offset + (at - m.iova)
-                        if to_host:
-                            m.peer.view[off:off + n] = buf[pos:pos + n]
+                        peer = m.peer
+                        with peer.lock:   # not retired while it copies
+                            if not peer.retired:
+                                if to_host:
+                                    peer.view[off:off + n] = buf[pos:pos + n]
+                                else:
+                                    buf[pos:pos + n] = peer.view[off:off + n]
+                        if peer.retired:   # its owner is gone: the proof with it
+                            m.peer, m.probed = None, False
                         else:
-                            buf[pos:pos + n] = m.peer.view[off:off + n]
-                        self.peer_bytes += n
-                        pos += n
-                        done[0] = pos
-                        continue
+                            self.peer_bytes += n
+                            pos += n
+                            done[0] = pos
+                            continue
             # message path, outside the locks: the replies come via the reader thread
             if self.messages is None:
                 raise DmaFault(FaultKind.CLOSED, at, errno.ENOTCONN, "no client connected")

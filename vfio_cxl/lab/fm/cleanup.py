@@ -53,18 +53,33 @@ def down(record: LabRecord, *, timeout: float = 60, log=print) -> None:
             wait_gone([fm], 10)
     else:
         log(f"lab {record.name}: its fabric manager (pid {fm.pid}) is gone; cleaning up after it")
-    remove_leftovers(record)
+    remove_leftovers(record, log=log)
 
 
-def remove_leftovers(record: LabRecord) -> None:
+def owner(pid: int) -> int | None:
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid
+    except OSError:
+        return None
+
+
+def remove_leftovers(record: LabRecord, log=print) -> None:
     """Kill what is left of a lab whose manager is gone; keep its logs; remove its files."""
     fm = record.fm_id()
     if fm.alive():
         raise LabError(f"lab {record.name}'s fabric manager (pid {fm.pid}) is still running",
                        f"stop it first: vfio-cxl vm down {record.name}")
-    leftovers = lab_processes(record)
+    leftovers, skipped = lab_processes(record), []
     for ident in leftovers:
-        kill(ident)
+        try:
+            kill(ident)
+        except PermissionError:   # another user's process (vm down run by a user, not root)
+            skipped.append(ident)
+    for ident in skipped:
+        log(f"lab {record.name}: skipping pid {ident.pid} ({comm(ident.pid)}, uid {owner(ident.pid)}): "
+            f"it names the lab's run directory but is not yours to signal; vm down as its owner "
+            f"or root stops it")
+    leftovers = [p for p in leftovers if p not in skipped]
     stuck = wait_gone(leftovers, 10)
     if stuck:
         raise LabError(f"lab {record.name}: processes {', '.join(str(p.pid) for p in stuck)} survived SIGKILL",

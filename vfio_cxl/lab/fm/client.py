@@ -27,6 +27,7 @@ class FmClient:
         self.sock: socket.socket | None = None
         self.reader = None
         self.poisoned = False
+        self.dropped = 0   # follow_events: past events the manager no longer kept
 
     @classmethod
     def for_lab(cls, name: str | None = None, timeout: float = 30) -> "FmClient":
@@ -98,8 +99,11 @@ class FmClient:
         return protocol.parse_response(line)
 
     def call(self, op: str, **fields) -> dict:
+        """One request and its answer.  A slow op's answer is awaited as long as the manager may
+        work on it (protocol.op_timeout), never less than this client's timeout."""
         self.send_raw(protocol.encode(protocol.request(op, **fields)))
-        answer = self.read_message()
+        bound = protocol.op_timeout(op, fields)
+        answer = self.read_message(-1 if bound is None else max(bound, self.timeout))
         if answer is None:
             self.poisoned = True
             raise LabError(f"lab {self.lab}'s fabric manager closed the connection during {op!r}",
@@ -116,19 +120,34 @@ class FmClient:
     def status(self) -> dict:
         return self.call("status")
 
+    def events_page(self, since: int = 0, limit: int | None = None) -> dict:
+        """One page of the events after ``since``: ``events``, ``more`` (a later page has more),
+        ``oldest`` and ``latest`` (the seqs the manager keeps) and ``dropped`` (events after
+        ``since`` it no longer keeps)."""
+        return self.call("events", since=since, **({"limit": limit} if limit is not None else {}))
+
     def events(self, since: int = 0) -> list[dict]:
-        return self.call("events", since=since)["events"]
+        """Every event after ``since`` the manager still keeps, page by page."""
+        found = []
+        while True:
+            page = self.events_page(since)
+            found += page["events"]
+            if not page["more"] or not page["events"]:
+                return found
+            since = page["events"][-1]["seq"]
 
     def follow_events(self, since: int = 0, timeout: float | None = None) -> Iterator[dict]:
-        """Past events after ``since``, then each new one as it happens, until the lab stops.
+        """Past events after ``since`` (those the manager still keeps), then each new one as it
+        happens, until the lab stops.
 
         Subscribed when this returns (not at the first ``next``), so nothing that
         happens after the call is missed.  ``timeout``: seconds to wait for the
         next event before raising LabError (None: forever)."""
-        past = self.call("events", since=since, follow=True)["events"]
+        first = self.call("events", since=since, follow=True)
+        self.dropped = first["dropped"]
 
         def stream():
-            yield from past
+            yield from first["events"]
             while True:
                 message = self.read_message(timeout)
                 if message is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import selectors
 import signal
 import socket
@@ -30,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from subprocess import Popen
@@ -43,9 +45,14 @@ from .registry import LabRecord
 LAB_STATES = ("starting", "running", "degraded", "stopping", "stopped")
 VM_STATES = ("running", "dead", "stopped")
 GPU_STATES = ("attached", "free", "moving", "failed", "stopped")
-RELEASE_TIMEOUT = 15.0   # s for the guest to let go of a GPU (DEVICE_DELETED)
-BIND_TIMEOUT = 30.0
+# s for the guest to let go of a GPU (DEVICE_DELETED), and to bind one: see protocol.op_timeout
+RELEASE_TIMEOUT, BIND_TIMEOUT = protocol.RELEASE_TIMEOUT, protocol.BIND_TIMEOUT
 MAX_OUTBUF = 4 << 20   # a follower that reads slower than this is dropped
+EVENT_HISTORY = 1000   # events kept for `events` (older ones are dropped, and counted)
+EVENT_PAGE = 100       # events per `events` answer by default ...
+EVENT_PAGE_MAX = 1000  # ... and at most
+EVENT_PAGE_BYTES = 256 << 10   # and at most this much JSON (an answer stays far below MAX_LINE)
+EVENT_MESSAGE_MAX = 2000       # characters of an event's message (it may quote a guest)
 SLOW_OPS = ("assign", "release", "restart")   # run by the op worker; the loop stays live meanwhile
 
 
@@ -107,7 +114,10 @@ def describe_exit(returncode: int | None) -> str:
 
 
 def describe_holders(holders: list[dict]) -> str:
-    return ", ".join(f"pid {h['pid']} ({h['comm']}) on {h['path']}" for h in holders) or \
+    """Guest processes for a message; a name with anything but plain characters is quoted (JSON)."""
+    def name(comm: str) -> str:
+        return comm if re.fullmatch(r"[\w.+:@/-]+", comm, re.A) else json.dumps(comm)
+    return ", ".join(f"pid {h['pid']} ({name(h['comm'])}) on {h['path']}" for h in holders) or \
         "no process (the kernel itself?)"
 
 
@@ -130,11 +140,15 @@ def attach_parts(t_add_sent: float, t_add_done: float, seen: dict) -> dict:
 class _Client:
     def __init__(self, sock: socket.socket):
         self.sock = sock
-        self.inbuf = b""
-        self.outbuf = b""
+        self.inbuf = bytearray()
+        self.scanned = 0            # inbuf[:scanned] has no newline
+        self.outbuf = bytearray()
+        self.mask = 0               # what the loop's selector waits for on it (0: not registered)
         self.follow = False
         self.close_after_flush = False
         self.busy = False           # a slow op of this connection runs: its later requests wait
+        self.backlog: list[bytes] = []   # `event` lines owed to a new follower after its answer
+        self.eof = False            # the client shut its side: no more requests
 
 
 class FabricManager:
@@ -147,7 +161,10 @@ class FabricManager:
         self.vms: dict[str, Child] = {}
         self.gpus: dict[str, Child] = {}
         self.smcs: dict[str, Child] = {}
-        self.events: list[dict] = []
+        # The newest EVENT_HISTORY events, each with its encoded `event` line (its size is known,
+        # and the line is what a follower gets); seq counts every event of the lab's life.
+        self.history: deque[tuple[dict, bytes]] = deque(maxlen=EVENT_HISTORY)
+        self.seq = 0
         self.clients: dict[int, _Client] = {}
         self.stop_requested = False
         self.sel: selectors.BaseSelector | None = None
@@ -183,11 +200,14 @@ class FabricManager:
                 self.progress = None   # the CLI went away; the lab carries on
 
     def event(self, kind: str, message: str, **fields) -> dict:
-        ev = {"seq": len(self.events) + 1, "time": time.time(), "monotonic": time.monotonic(),
+        if len(message) > EVENT_MESSAGE_MAX:
+            message = message[:EVENT_MESSAGE_MAX] + f"... ({len(message)} characters)"
+        self.seq += 1
+        ev = {"seq": self.seq, "time": time.time(), "monotonic": time.monotonic(),
               "kind": kind, "message": message, **fields}
-        self.events.append(ev)
-        self.log(f"event {kind}: {message}")
         line = protocol.encode(protocol.event(ev))
+        self.history.append((ev, line))
+        self.log(f"event {kind}: {message}")
         if self._in_worker():
             self._post(None, line)   # the loop sends it (sockets are the loop's)
             return ev
@@ -195,6 +215,27 @@ class FabricManager:
             if client.follow:
                 self._send(client, line)
         return ev
+
+    @property
+    def events(self) -> list[dict]:
+        """The events still kept, oldest first."""
+        return [ev for ev, _ in self.history]
+
+    def events_page(self, since: int, limit: int) -> tuple[dict, list[bytes]]:
+        """Events after ``since``: the answer's page (at most ``limit`` events and
+        EVENT_PAGE_BYTES of JSON), and the `event` lines of the kept ones after it."""
+        oldest = self.history[0][0]["seq"] if self.history else self.seq + 1
+        page, size, rest = [], 0, []
+        for ev, line in self.history:
+            if ev["seq"] <= since:
+                continue
+            if rest or len(page) >= limit or (page and size + len(line) > EVENT_PAGE_BYTES):
+                rest.append(line)
+                continue
+            page.append(ev)
+            size += len(line)
+        return {"events": page, "more": bool(rest), "oldest": oldest, "latest": self.seq,
+                "dropped": max(oldest - 1 - max(since, 0), 0)}, rest
 
     # -- the op worker -------------------------------------------------------------------
     def _in_worker(self) -> bool:
@@ -406,22 +447,28 @@ class FabricManager:
                 self._unlocked(fabric.device_del, vm, dev_id)
             deleted = self._unlocked(fabric.wait_deleted, vm, dev_id, timeout)
             if not deleted:
-                holders, known = self._holders(vm, dev_id)
-                if force and holders:
+                holders, known, bdf = self._holders(vm, dev_id)
+                if force and known and holders:
                     pids = [h["pid"] for h in holders]
                     self.event("gpu-force", f"GPU {gpu.name}: VM {vm} did not let go within {timeout:g} s; "
                                f"killing what holds it: {describe_holders(holders)}", gpu=gpu.name, vm=vm,
                                pids=pids)
-                    self._unlocked(fabric.kill_in_guest, vm, pids)
+                    killed, skipped = self._unlocked(fabric.kill_in_guest, vm, bdf, pids)
+                    if skipped:
+                        self.event("gpu-force-skipped", f"GPU {gpu.name}: VM {vm}: not killed: " + ", ".join(
+                            f"pid {p} ({why})" for p, why in skipped.items()), gpu=gpu.name, vm=vm,
+                            killed=killed, skipped=skipped)
                     deleted = self._unlocked(fabric.wait_deleted, vm, dev_id, timeout)
                     if not deleted:
-                        holders, known = self._holders(vm, dev_id)
+                        holders, known, bdf = self._holders(vm, dev_id)
             if not deleted:
                 what = describe_holders(holders) if known else f"unknown ({holders})"
                 raise LabError(f"VM {vm} did not release GPU {gpu.name} within {timeout:g} s "
                                f"(no DEVICE_DELETED for {dev_id}); holding it: {what}",
                                f"stop that process in VM {vm}, or vfio-cxl fm release {gpu.name} --force "
                                f"(kills it)" if not force else
+                               f"the guest did not say what holds it; see VM {vm}'s console log and "
+                               f"vfio-cxl vm ssh {vm} -- dmesg" if not known else
                                f"the process could not be killed (state D: stuck in the kernel?); see VM {vm}'s "
                                f"dmesg (vfio-cxl vm ssh {vm} -- dmesg)")
         except BaseException:
@@ -438,15 +485,16 @@ class FabricManager:
         return {"gpu": gpu.name, "vm": vm, "release_s": t_release, "scrub_s": t_scrub, "scrubbed": gpu.scrubbed}
 
     def _holders(self, vm: str, dev_id: str) -> tuple:
-        """(holders, True): the guest processes that hold dev_id's VFIO group; (reason, False) if
-        that cannot be found out."""
+        """(holders, True, bdf): the guest processes that hold dev_id's VFIO nodes; (reason, False,
+        bdf) if that cannot be found out."""
+        bdf = None
         try:
             bdf = self._unlocked(self.lab.guest_bdf, vm, dev_id)
             if bdf is None:
-                return f"QEMU of VM {vm} does not list {dev_id}", False
-            return self._unlocked(self.lab.holders, vm, bdf), True
+                return f"QEMU of VM {vm} does not list {dev_id}", False, None
+            return self._unlocked(self.lab.holders, vm, bdf), True, bdf
         except Exception as err:
-            return str(err), False
+            return str(err), False, bdf
 
     def attach(self, gpu: Child, vm: str) -> dict:
         fabric = self._fabric()
@@ -458,25 +506,38 @@ class FabricManager:
             self._fresh_server(gpu)
         self._set_child_state(gpu, "moving")
         port = ports[0]
-        dev_id = f"{gpu.name}-{gpu.generation}-{len(self.events)}"
+        dev_id = f"{gpu.name}-{gpu.generation}-{self.seq}"
         t0 = time.monotonic()
+        # Owned from before device_add: a VM death handled meanwhile frees the GPU (its free_gpu
+        # job finds it owned by the dead VM) instead of leaving it to a dead owner.
+        gpu.owner, gpu.dev_id, gpu.port = vm, dev_id, port
         try:
-            self._unlocked(fabric.device_add, vm, dev_id, port, gpu.files["socket"])
-            gpu.owner, gpu.dev_id, gpu.port = vm, dev_id, port
+            try:
+                self._unlocked(fabric.device_add, vm, dev_id, port, gpu.files["socket"])
+            except BaseException:
+                if self.vms[vm].state == "running":   # QEMU refused it: not in the VM
+                    gpu.owner, gpu.dev_id, gpu.port = None, None, None
+                raise
             t_add = time.monotonic() - t0
             count = sum(1 for g in self.gpus.values() if g.owner == vm)   # this one included
             seen = self._unlocked(fabric.bind_in_guest, vm, count, BIND_TIMEOUT)
-        except BaseException:
-            self._set_child_state(gpu, "failed")
+            t_attach = time.monotonic() - t0
+            parts = attach_parts(t0, t0 + t_add, seen)
+            message = (f"GPU {gpu.name} attached to VM {vm} on {port} as {dev_id}, bound to "
+                       f"{seen['driver']} at {seen['bdf']} in {t_attach * 1e3:.0f} ms ("
+                       + ", ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in parts.items()) + ")")
+        except BaseException as err:
+            alive = gpu.popen is not None and gpu.popen.poll() is None
+            self._set_child_state(gpu, "free" if gpu.owner is None and alive else "failed")
+            if gpu.dev_id == dev_id and self.vms[vm].state == "running":   # in the VM: the guest's check failed
+                reason = f"{err.what} ({err.fix})" if isinstance(err, LabError) else repr(err)
+                self.event("gpu-attach-failed", f"GPU {gpu.name}: in VM {vm} as {dev_id}, but the guest's "
+                           f"check failed: {reason}; vfio-cxl fm restart {gpu.name} or fm release "
+                           f"{gpu.name} --force takes it back", gpu=gpu.name, vm=vm, dev_id=dev_id)
             raise
-        t_attach = time.monotonic() - t0
-        parts = attach_parts(t0, t0 + t_add, seen)
         self._set_child_state(gpu, "attached")
-        self.event("gpu-attached", f"GPU {gpu.name} attached to VM {vm} on {port} as {dev_id}, bound to "
-                   f"{seen['driver']} at {seen['bdf']} in {t_attach * 1e3:.0f} ms ("
-                   + ", ".join(f"{k[:-2]} {v * 1e3:.0f} ms" for k, v in parts.items()) + ")",
-                   gpu=gpu.name, vm=vm, port=port, dev_id=dev_id, bdf=seen["bdf"], attach_s=t_attach,
-                   device_add_s=t_add, attach_parts=parts)
+        self.event("gpu-attached", message, gpu=gpu.name, vm=vm, port=port, dev_id=dev_id, bdf=seen["bdf"],
+                   attach_s=t_attach, device_add_s=t_add, attach_parts=parts)
         return {"gpu": gpu.name, "vm": vm, "port": port, "bdf": seen["bdf"], "attach_s": t_attach,
                 "device_add_s": t_add, "attach_parts": parts, "scrubbed": gpu.scrubbed}
 
@@ -507,8 +568,9 @@ class FabricManager:
 
     def op_release(self, client, request) -> dict:
         timeout = float(request.get("timeout", RELEASE_TIMEOUT))
-        if not 0 < timeout <= 600:
-            raise LabError(f"release timeout {timeout:g} s is out of range", "give 0 < timeout <= 600 seconds")
+        if not 0 < timeout <= protocol.RELEASE_TIMEOUT_MAX:
+            raise LabError(f"release timeout {timeout:g} s is out of range",
+                           f"give 0 < timeout <= {protocol.RELEASE_TIMEOUT_MAX:g} seconds")
         return self.release(self._gpu(request["gpu"]), force=bool(request.get("force", False)),
                             keep_vram=bool(request.get("keep_vram", False)), timeout=timeout)
 
@@ -612,7 +674,7 @@ class FabricManager:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         os.chmod(path, 0o600)
-        self.listener.listen(16)
+        self.listener.listen(128)
         self.listener.setblocking(False)
         self.sel.register(self.listener, selectors.EVENT_READ, ("listen", None))
         # Signals wake the loop through this pair (PEP 475 would otherwise resume select()).
@@ -688,7 +750,7 @@ class FabricManager:
         sock.setblocking(False)
         client = _Client(sock)
         self.clients[sock.fileno()] = client
-        self.sel.register(sock, selectors.EVENT_READ, ("client", client))
+        self._interest(client)
 
     def _read(self, client: _Client) -> None:
         try:
@@ -697,33 +759,87 @@ class FabricManager:
             return
         except OSError:
             data = b""
-        if not data:
-            self._drop(client)
+        if not data:   # the client sends no more: answer what it sent, then close
+            client.eof = True
+            self._serve_lines(client)
             return
-        client.inbuf += data
+        client.inbuf += data   # a bytearray: appending does not copy what is there
         self._serve_lines(client)
 
     def _serve_lines(self, client: _Client) -> None:
         """Answer the complete request lines of a connection, in order; a slow op goes to the
-        worker, and the connection's next requests wait for its answer."""
-        while b"\n" in client.inbuf and not client.close_after_flush and not client.busy:
-            line, client.inbuf = client.inbuf.split(b"\n", 1)
+        worker, and the connection's next requests wait for its answer.
+
+        What a connection may have buffered is bounded: past MAX_LINE bytes not yet served the
+        loop stops reading it (the client's writes block) until its slow op ends, and a line
+        longer than MAX_LINE is refused and the connection closed."""
+        buf, start = client.inbuf, 0
+        while not client.close_after_flush and not client.busy and client.sock.fileno() >= 0:
+            end = buf.find(b"\n", max(start, client.scanned))
+            if end < 0:
+                client.scanned = len(buf)
+                break
+            if end - start > protocol.MAX_LINE:
+                client.scanned = end   # refused below, as a line without its newline
+                break
+            line = bytes(buf[start:end])
+            start = end + 1
             try:
                 request = protocol.parse_request(line)
             except LabError as err:
                 self._send(client, protocol.encode(protocol.error(err.what, err.fix)))
                 continue
+            except Exception as err:   # whatever a client sends, the lab stays up
+                self.log(f"internal error parsing a request: {traceback.format_exc()}")
+                self._send(client, protocol.encode(protocol.error(
+                    f"fabric manager could not parse the request: {type(err).__name__}",
+                    'send one JSON object per line, e.g. {"version": 1, "op": "status"}')))
+                continue
             if request["op"] in SLOW_OPS and self._worker is not None:
                 client.busy = True
                 self._jobs.put(("op", client, request))
-                return
+                break
             self._send(client, protocol.encode(self._run_op(client, request)))
-        if len(client.inbuf) > protocol.MAX_LINE and not client.busy:
-            client.inbuf = b""
+            if client.backlog:
+                backlog, client.backlog = client.backlog, []
+                for line in backlog:
+                    if client.sock.fileno() < 0:
+                        break
+                    self._send(client, line)
+        del buf[:start]   # once per call, not once per line
+        client.scanned = max(client.scanned - start, 0)
+        if client.sock.fileno() < 0:
+            return   # dropped while answering (a follower that does not read)
+        if client.eof and not client.busy and not client.close_after_flush:
+            client.close_after_flush = True   # a partial last line is dropped
+            self._flush(client)
+            return
+        if client.close_after_flush:
+            buf.clear()
+        elif not client.busy and client.scanned > protocol.MAX_LINE:
+            buf.clear()
+            client.scanned = 0
             client.close_after_flush = True
             self._send(client, protocol.encode(protocol.error(
                 f"request longer than {protocol.MAX_LINE} bytes without a newline",
                 "end each JSON request with a newline")))
+            return
+        self._interest(client)
+
+    def _interest(self, client: _Client) -> None:
+        """Read a connection unless it has a full request line's worth waiting (backpressure);
+        write to it while it has output."""
+        reading = len(client.inbuf) <= protocol.MAX_LINE and not client.close_after_flush and not client.eof
+        events = (selectors.EVENT_READ if reading else 0) | (selectors.EVENT_WRITE if client.outbuf else 0)
+        # events == 0: nothing to do until its slow op ends (a hang-up is seen when it answers)
+        if events != client.mask:
+            if client.mask == 0:
+                self.sel.register(client.sock, events, ("client", client))
+            elif events == 0:
+                self.sel.unregister(client.sock)
+            else:
+                self.sel.modify(client.sock, events, ("client", client))
+            client.mask = events
 
     def _send(self, client: _Client, data: bytes) -> None:
         client.outbuf += data
@@ -737,7 +853,7 @@ class FabricManager:
         try:
             while client.outbuf:
                 sent = client.sock.send(client.outbuf)
-                client.outbuf = client.outbuf[sent:]
+                del client.outbuf[:sent]
         except BlockingIOError:
             pass
         except OSError:
@@ -746,12 +862,12 @@ class FabricManager:
         if not client.outbuf and client.close_after_flush:
             self._drop(client)
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if client.outbuf else 0)
-        self.sel.modify(client.sock, events, ("client", client))
+        self._interest(client)
 
     def _drop(self, client: _Client) -> None:
-        if self.clients.pop(client.sock.fileno(), None) is not None:
+        if self.clients.pop(client.sock.fileno(), None) is not None and client.mask:
             self.sel.unregister(client.sock)
+        client.mask = 0
         client.sock.close()
 
     # -- requests ------------------------------------------------------------------------
@@ -775,8 +891,16 @@ class FabricManager:
 
     def op_events(self, client, request) -> dict:
         since = request.get("since", 0)
-        client.follow = bool(request.get("follow", False))
-        return {"events": [ev for ev in self.events if ev["seq"] > since]}
+        limit = request.get("limit", EVENT_PAGE)
+        if not 1 <= limit <= EVENT_PAGE_MAX:
+            raise LabError(f"events limit {limit} is out of range", f"give 1 <= limit <= {EVENT_PAGE_MAX}")
+        result, rest = self.events_page(since, limit)
+        if request.get("follow", False):
+            # The rest of the history, then every new event, as `event` lines after this answer:
+            # sent in this loop turn, so none is missed or repeated.
+            client.follow = True
+            client.backlog = rest
+        return result
 
     def op_ssh_info(self, client, request) -> dict:
         vm = self._vm(request["vm"])
@@ -803,7 +927,7 @@ class FabricManager:
         t0 = time.monotonic()
         if gpu.dev_id is not None:
             self._check_removable(gpu)
-            self.release(gpu, force=True, keep_vram=False, timeout=10)
+            self.release(gpu, force=True, keep_vram=False, timeout=protocol.RESTART_RELEASE_TIMEOUT)
         elif gpu.popen is None or gpu.popen.poll() is not None or not gpu.scrubbed:
             self._fresh_server(gpu)
             self._set_child_state(gpu, "free")

@@ -16,6 +16,8 @@ from ..gpu_process import GpuServerProcess
 from ..lab import Lab, gpu_server_args
 from ..ssh import ShellSession
 from ..logs import archive_logs
+from .guestscripts import (BIND_OUTPUT_MAX, BIND_SCRIPT, HOLDERS_OUTPUT_MAX, HOLDERS_SCRIPT, KILL_OUTPUT_MAX,
+                           KILL_SCRIPT, PREPARE_SCRIPT, parse_bind, parse_holders, parse_kills, show)
 from .manager import Child
 
 
@@ -23,67 +25,6 @@ def gpu_names(lab: Lab) -> dict[str, str]:
     """GPU name -> the VM it is plugged into, for the GPUs the lab started a server for
     (the topology's ``[gpus.NAME]`` with an owner)."""
     return {name: lab.topology.gpus[name].owner for name in lab.gpu_servers}
-
-
-# Once per VM at lab start: vfio-pci loaded and told the GPU's ID (new_id), so the guest kernel
-# binds every GPU it enumerates -- at boot and at hot-add -- itself, in its own hot-plug path: no
-# guest command has to bind a moved GPU.  (EEXIST when the ID is already there: fine.)
-PREPARE_SCRIPT = r"""[ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci || exit 1
-echo 0601 1991 > /sys/bus/pci/drivers/vfio-pci/new_id 2>/dev/null
-[ -d /sys/bus/pci/drivers/vfio-pci ]
-"""
-
-# After device_add, one guest command on the FM's open SSH connection: wait until the VM has $1
-# GPUs, each bound to vfio-pci (the kernel binds them: PREPARE_SCRIPT), at most $2 s.  POSIX sh
-# builtins in the loop (a guest Python start costs seconds and every fork tens of ms under TCG);
-# the guest has no udev daemon, so it polls sysfs every 20 ms.  A GPU still unbound after 2 s
-# (a kernel without the new_id, say) is bound here with driver_override + drivers_probe.
-# Prints JSON: the new GPU's BDF and guest uptimes (s) when the script started, first saw the new
-# GPU, saw it bound; first_scan: it was there at the first scan already (so it appeared during
-# the SSH exec).  The guest's clock can run off the host's under TCG load: only differences of
-# guest times are used.  Scripts go to the guest as `sh -c` arguments, never on stdin: invoke
-# feeds stdin a byte at a time with a 10 ms sleep (a 1.5 KB script took 16 s).
-BIND_SCRIPT = r"""want=$1; limit=$2; tries=$(( limit * 50 )); n=0; first=false
-read t_start _ < /proc/uptime; t_seen=""; new=""
-while :; do
-  set --; unbound=""
-  for d in /sys/bus/pci/devices/*; do
-    read v < $d/vendor; read i < $d/device
-    if [ "$v:$i" = 0x0601:0x1991 ]; then
-      b=${d##*/}; set -- "$@" "$b"
-      [ -e /sys/bus/pci/drivers/vfio-pci/$b ] || unbound="$unbound $b"
-    fi
-  done
-  if [ $# -ge $want ] && [ -z "$t_seen" ]; then read t_seen _ < /proc/uptime; new=$b; [ $n = 0 ] && first=true; fi
-  [ $# -ge $want ] && [ -z "$unbound" ] && break
-  n=$(( n + 1 ))
-  if [ -n "$unbound" ] && [ $n -eq 100 ]; then
-    [ -d /sys/bus/pci/drivers/vfio-pci ] || modprobe vfio-pci
-    for b in $unbound; do
-      echo vfio-pci > /sys/bus/pci/devices/$b/driver_override && echo $b > /sys/bus/pci/drivers_probe
-    done
-  fi
-  [ $n -ge $tries ] && { echo "$# GPU(s) after $limit s, expected $want; not bound to vfio-pci:$unbound" >&2; exit 1; }
-  sleep 0.02
-done
-read t_bound _ < /proc/uptime
-echo "{\"bdf\": \"$new\", \"driver\": \"vfio-pci\", \"gpus\": $#, \"guest\": {\"start\": $t_start, \"seen\": $t_seen, \"bound\": $t_bound, \"first_scan\": $first}}"
-"""
-
-
-# The processes holding a GPU's IOMMU group ($1: its BDF) open, one JSON object per line: what
-# `vfio-cxl gpu holders --gpu BDF` prints, in sh with one fork (ls) instead of a guest Python start
-# (seconds under TCG).  ls -l lines: "lrwx------ 1 root root 64 Nov 23 15:00 5 -> /dev/vfio/13".
-HOLDERS_SCRIPT = r"""g=$(readlink /sys/bus/pci/devices/$1/iommu_group) || exit 1
-want=/dev/vfio/${g##*/}
-ls -l /proc/[0-9]*/fd 2>/dev/null | while read -r a b c d e f g h i j k; do
-  case "$a" in /proc/*/fd:) pid=${a#/proc/}; pid=${pid%/fd:}; continue ;; esac
-  if [ "$j" = "->" ] && [ "$k" = "$want" ]; then
-    { read comm < /proc/$pid/comm; } 2>/dev/null || comm=?
-    echo "{\"pid\": $pid, \"comm\": \"$comm\", \"path\": \"$want\"}"
-  fi
-done
-"""
 
 
 class RealLab:
@@ -95,6 +36,8 @@ class RealLab:
         self._qmp_locks: dict[str, threading.Lock] = {vm.name: threading.Lock() for vm in lab.topology.vms}
         self.standby: dict[str, GpuServerProcess] = {}   # GPU -> its next server, started ahead
         self.sessions: dict[str, ShellSession] = {}        # VM -> the FM's guest shell (op worker only)
+        # VM -> ids of devices QEMU reported DEVICE_DELETED for and no wait has taken yet
+        self.deleted: dict[str, set[str]] = {vm.name: set() for vm in lab.topology.vms}
 
     def start(self, log: Callable[[str], None]) -> None:
         self.lab.log = log
@@ -143,9 +86,15 @@ class RealLab:
         try:
             qmp = machine.connect_qmp(timeout=2)
             qmp.settimeout(2)
-            return str(qmp.cmd("query-status")["status"])
+            state = str(qmp.cmd("query-status")["status"])
+            self._note_events(vm, qmp)
+            return state
         except Exception as err:   # a broken connection is dropped, never reused
             if machine.qmp is not None:
+                try:
+                    self._note_events(vm, machine.qmp)   # what it had received is kept
+                except Exception:
+                    pass
                 try:
                     machine.qmp.close()
                 except Exception:
@@ -213,7 +162,13 @@ class RealLab:
         with self._qmp_locks[vm]:
             qmp = self.lab.vms[vm].connect_qmp(timeout=5)
             qmp.settimeout(10)
-            yield qmp
+            try:
+                yield qmp
+            finally:
+                try:
+                    self._note_events(vm, qmp)
+                except Exception:
+                    pass   # a broken connection: what it had queued is lost (see _wait_deleted)
 
     def device_add(self, vm: str, dev_id: str, port: str, socket: str) -> None:
         with self._qmp(vm) as qmp:
@@ -232,26 +187,41 @@ class RealLab:
                            f"see {self.lab.vms[vm].qemu_log}")
 
     def wait_deleted(self, vm: str, dev_id: str, timeout: float) -> bool:
-        """True once QEMU reports DEVICE_DELETED for dev_id (the guest let go), False on timeout."""
+        """True once dev_id is out of QEMU: its DEVICE_DELETED seen now or earlier on any of the
+        VM's QMP connections, or QEMU no longer has it (an event lost with a connection that was
+        dropped); False on timeout."""
         with self._qmp(vm) as qmp:
-            return self._wait_deleted(qmp, dev_id, timeout)
+            return self._wait_deleted(vm, qmp, dev_id, timeout)
+
+    def _note_events(self, vm: str, qmp) -> None:
+        """Keep every DEVICE_DELETED the connection has queued, per device (a wait for one
+        device must not lose another's)."""
+        for event in qmp.get_events(wait=False):
+            if event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device"):
+                self.deleted[vm].add(event["data"]["device"])
 
     @staticmethod
-    def _wait_deleted(qmp, dev_id: str, timeout: float) -> bool:
+    def _present(qmp, dev_id: str) -> bool:
+        """Does QEMU still have a device with id dev_id (/machine/peripheral/<id>)?"""
+        return any(child.get("name") == dev_id for child in qmp.cmd("qom-list", path="/machine/peripheral"))
+
+    def _wait_deleted(self, vm: str, qmp, dev_id: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        for event in qmp.get_events(wait=False):
-            if event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
-                qmp.clear_events()
-                return True
-        qmp.clear_events()
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                event = qmp.pull_event(wait=left)
-            except Exception:   # timeout
+        self._note_events(vm, qmp)
+        while dev_id not in self.deleted[vm]:
+            if not self._present(qmp, dev_id):
+                break   # gone: its event went with a connection that was dropped
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            if event and event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device") == dev_id:
-                return True
-        return False
+            try:
+                event = qmp.pull_event(wait=min(left, 1.0))
+            except Exception:   # this slice's timeout: look again
+                continue
+            if event and event.get("event") == "DEVICE_DELETED" and event.get("data", {}).get("device"):
+                self.deleted[vm].add(event["data"]["device"])
+        self.deleted[vm].discard(dev_id)
+        return True
 
     def guest_bdf(self, vm: str, dev_id: str) -> str | None:
         """The guest's PCI address of QEMU device dev_id (QMP query-pci: bus numbers as the guest
@@ -273,15 +243,22 @@ class RealLab:
         return None
 
     def holders(self, vm: str, bdf: str) -> list[dict]:
-        """The guest processes holding the IOMMU group of the GPU at bdf."""
-        status, out = self._session(vm).run(HOLDERS_SCRIPT, [bdf], 60)
+        """The guest processes holding the GPU at bdf (its IOMMU group or its iommufd cdev)."""
+        status, out = self._session(vm).run(HOLDERS_SCRIPT, [bdf], 60, limit=HOLDERS_OUTPUT_MAX)
         if status != 0:
-            raise LabError(f"VM {vm}: no IOMMU group for {bdf}: {out.strip()[-300:]}", "see vfio-cxl gpu ls there")
-        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            raise LabError(f"VM {vm}: no IOMMU group for {bdf}: {show(out.strip()[-300:])}",
+                           "see vfio-cxl gpu ls there")
+        return parse_holders(vm, out)
 
-    def kill_in_guest(self, vm: str, pids: list[int]) -> None:
-        """SIGKILL to guest processes (those holding a GPU the FM must take back)."""
-        self._session(vm).run('kill -9 "$@"', [str(int(p)) for p in pids], 30)
+    def kill_in_guest(self, vm: str, bdf: str, pids: list[int]) -> tuple[list[int], dict[str, str]]:
+        """SIGKILL to those of ``pids`` that hold the GPU at bdf at the moment of the kill (checked
+        in the guest), never pid 1; (killed, pid -> why skipped)."""
+        status, out = self._session(vm).run(KILL_SCRIPT, [bdf, *(str(int(p)) for p in pids)], 30,
+                                            limit=KILL_OUTPUT_MAX)
+        if status != 0:
+            raise LabError(f"VM {vm}: could not check what holds {bdf}: {show(out.strip()[-300:])}",
+                           "see vfio-cxl gpu ls there")
+        return parse_kills(vm, out)
 
     def _session(self, vm: str) -> ShellSession:
         if vm not in self.sessions or self.sessions[vm].shell is not self.lab.vms[vm].shell:
@@ -291,12 +268,13 @@ class RealLab:
     def bind_in_guest(self, vm: str, count: int, timeout: float) -> dict:
         """Wait until VM has ``count`` GPUs, all bound to vfio-pci; the new one's BDF."""
         t0 = time.monotonic()
-        status, out = self._session(vm).run(BIND_SCRIPT, [str(count), f"{timeout:.0f}"], timeout + 30)
+        status, out = self._session(vm).run(BIND_SCRIPT, [str(count), f"{timeout:.0f}"], timeout + 30,
+                                            limit=BIND_OUTPUT_MAX)
         t1 = time.monotonic()
         if status != 0:
-            raise LabError(f"VM {vm}: the hot-plugged GPU is not bound to vfio-pci: {out.strip()[-500:]}",
+            raise LabError(f"VM {vm}: the hot-plugged GPU is not bound to vfio-pci: {show(out.strip()[-500:], 500)}",
                            f"see VM {vm}'s dmesg (vfio-cxl vm ssh {vm} -- dmesg) and its console log")
-        answer = json.loads(out.strip().splitlines()[-1])
+        answer = parse_bind(vm, out)
         answer["host"] = {"exec": t0, "returned": t1}
         return answer
 

@@ -111,28 +111,45 @@ def find(name: str | None) -> LabRecord:
                    f"running labs: {', '.join(r.name for r in labs) or 'none'} (see vfio-cxl vm ls)")
 
 
+NAME_MAX = 40   # characters of a lab name's topology part
+
+
+def lab_stem(topology: str) -> str:
+    """The topology part of a lab name: ``[a-z][a-z0-9-]*``, at most NAME_MAX characters.  A
+    topology file's stem may be anything (``my_lab``, ``Fabric``, ``lab.v2``): lower case,
+    every run of other characters becomes one ``-``, and a stem that does not start with a
+    letter gets ``lab-`` in front (``my_lab.toml`` -> ``my-lab-1``, ``2x.toml`` -> ``lab-2x-1``)."""
+    stem = re.sub(r"[^a-z0-9]+", "-", topology.lower()).strip("-")
+    if not stem[:1].isalpha():
+        stem = f"lab-{stem}".rstrip("-")
+    return stem[:NAME_MAX].rstrip("-")
+
+
 def reserve_name(topology: str) -> tuple[str, Path]:
     """A fresh lab name ``<topology>-<n>`` and its (new, empty) log directory.
 
-    ``n`` is one more than any number in use by a record or a kept log
-    directory, so a name never repeats while its logs are kept.  The log
-    directory's exclusive mkdir is the reservation, so two ``vm up`` at once
-    cannot take the same name.
+    ``<topology>`` is :func:`lab_stem` of the topology's name.  ``n`` is one more than any
+    number in use by a record or a kept log directory, so a name never repeats while its logs
+    are kept.  The log directory's exclusive mkdir is the reservation, so two ``vm up`` at once
+    cannot take the same name (the loser takes the next number).
     """
     prune_logs()
-    while True:
-        used = [0]
-        for path in [*labs_dir().glob("*.json"), *logs_root().iterdir()]:
-            match = _NAME.match(path.stem if path.suffix == ".json" else path.name)
-            if match:
-                used.append(int(match.group(2)))
-        name = f"{topology}-{max(used) + 1}"
+    stem = lab_stem(topology)
+    used = [0]
+    for path in [*labs_dir().glob("*.json"), *logs_root().iterdir()]:
+        match = _NAME.match(path.stem if path.suffix == ".json" else path.name)
+        if match:
+            used.append(int(match.group(2)))
+    for n in range(max(used) + 1, max(used) + 1000):
+        name = f"{stem}-{n}"
         logdir = logs_root() / name
         try:
             logdir.mkdir()
         except FileExistsError:
             continue
         return name, logdir
+    raise LabError(f"no free lab name {stem}-N in {logs_root()} after 1000 tries",
+                   f"remove old log directories there (vfio-cxl vm ls shows the running labs)")
 
 
 def prune_logs(keep: int = KEEP_LOGS) -> None:
