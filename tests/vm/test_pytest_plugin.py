@@ -21,22 +21,24 @@ import pytest
 from vfio_cxl.lab.fm import registry
 from vfio_cxl.paths import REPO_ROOT
 
-USER_TEST = '''\
-import json
 
+
+def doc_example() -> str:
+    """The example test of docs/pytest-plugin.md, as a user copies it."""
+    text = (REPO_ROOT / "docs" / "pytest-plugin.md").read_text()
+    after = text.split("<!-- example: test_my_module.py -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+FAILING_TEST = '''\
 import pytest
 
 
 @pytest.mark.lab("single")
-def test_my_guest(lab):
-    release = lab.ssh("host0", "uname -r").strip()
-    print("guest kernel", release)
-    assert re.match(r"\\d+\\.\\d+", release)
-    dma = json.loads(lab.ssh("host0", "vfio-cxl gpu dma --json"))
-    assert dma["match"] and dma["sha256_read"] == dma["sha256_expected"]
-    assert lab.fm.status()["vms"]["host0"]["state"] == "running"
-    FAIL_HERE
-'''.replace("import json", "import json\nimport re")
+def test_fails(lab):
+    assert lab.ssh("host0", "uname -r")
+    assert False, "fails on purpose"
+'''
 
 
 def copy_checkout(dest: Path) -> Path:
@@ -71,8 +73,10 @@ def run_user_pytest(venv: Path, project: Path, *args: str) -> subprocess.Complet
 def write_project(root: Path, fail: bool) -> Path:
     project = root / ("project-fail" if fail else "project")
     (project / "tests").mkdir(parents=True)
-    (project / "tests" / "test_mine.py").write_text(
-        USER_TEST.replace("FAIL_HERE", 'assert False, "fails on purpose"' if fail else "pass"))
+    if fail:
+        (project / "tests" / "test_mine.py").write_text(FAILING_TEST)
+    else:
+        (project / "tests" / "test_my_module.py").write_text(doc_example())
     return project
 
 
@@ -83,7 +87,7 @@ def test_a_user_project_boots_a_lab_with_the_marker_and_keeps_it_on_failure(labs
     project = write_project(tmp_path, fail=False)
     t0 = time.monotonic()
     result = run_user_pytest(user_venv, project)
-    print(f"user pytest (boot single, uname -r, gpu dma, down): {time.monotonic() - t0:.1f} s")
+    print(f"user pytest (boot single, the doc's example test, down): {time.monotonic() - t0:.1f} s")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert re.search(r"\b1 passed\b", result.stdout), result.stdout
     assert "guest kernel" in result.stdout
