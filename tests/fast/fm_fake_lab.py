@@ -100,6 +100,7 @@ class FakeFabricLab(FakeLab):
     stays in progress as long as the test wants; "GPU servers" are sleeping processes."""
 
     GPUS = {"gpu0": "a", "gpu1": "b"}
+    topology_arg = "fabric"   # what the Redfish service models (the real fabric topology: VMs a, b)
 
     def gpu_specs(self) -> dict:
         # gpu0 has the topology's restart = "on-failure" with max_restarts = 1; gpu1 none
