@@ -179,8 +179,10 @@ def test_a_connection_to_a_dead_vm_is_the_fms_refusal_and_changes_nothing(fake):
     fm.state["vms"]["b"]["state"] = "dead"
     assert client.get(f"{FABRIC}/Endpoints/host-b").get_json()["Status"] == {
         "State": "UnavailableOffline", "Health": "Critical"}
-    info = check_error(client.post(CONN, json=move_body()), 409, "GeneralError", "VM b is dead", "running VM")
-    assert info["MessageSeverity"] == "Critical"
+    response = client.post(CONN, json=move_body())
+    info = check_error(response, 409, "GeneralError", "VM b is dead", "running VM")
+    assert info["MessageSeverity"] == "Critical" and info["Message"].startswith("A general error has occurred.")
+    assert response.get_json()["error"]["message"] == "The fabric manager refused: VM b is dead"
     assert fm.state["gpus"]["gpu0"]["owner"] == "a"
 
 

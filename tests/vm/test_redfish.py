@@ -162,7 +162,7 @@ def test_bad_requests_get_redfish_errors_and_the_fm_stays_up(lab, service):
         assert time.monotonic() < deadline, "the FM did not see b die"
         time.sleep(0.1)   # the FM's pidfd reports it; polling its status here
     info = error(rf.post(CONN, body=move("gpu0", "b")), 409, "GeneralError")
-    assert "VM b is dead" in info["Message"] and "running VM" in info["Resolution"]
+    assert "VM b is dead" in info["Resolution"] and "running VM" in info["Resolution"]
     status = lab.fm.status()
     assert status["gpus"]["gpu0"]["owner"] == "a" and status["state"] == "degraded"
     assert rf.get(f"{FABRIC}/Endpoints/host-b").dict["Status"]["State"] == "UnavailableOffline"

@@ -24,6 +24,8 @@ from ..protocol import RemoteError
 from .model import (BASE_REGISTRY, FABRIC, ROOT, TYPES, build, collection, gpu_endpoint, host_endpoint,
                     ref, resource)
 
+GENERAL_ERROR = ("A general error has occurred.  See Resolution for information on how to resolve the error, "
+                 "or @Message.ExtendedInfo if Resolution is not provided.")
 MAX_BODY = 64 << 10
 MAX_SUBSCRIPTIONS = 16
 MAX_STRING = 256
@@ -35,9 +37,9 @@ class RedfishError(Exception):
     """An error response: HTTP status, a Base registry message, what would be right."""
 
     def __init__(self, http: int, message_id: str, message: str, args: list = (), resolution: str = "",
-                 severity: str = "Warning", related: list[str] = ()):
+                 severity: str = "Warning", related: list[str] = (), detail: str = ""):
         super().__init__(message)
-        self.http, self.message_id, self.message = http, message_id, message
+        self.http, self.message_id, self.message, self.detail = http, message_id, message, detail
         self.args_, self.resolution, self.severity, self.related = list(args), resolution, severity, list(related)
 
     def body(self) -> dict:
@@ -46,7 +48,7 @@ class RedfishError(Exception):
                 "MessageSeverity": self.severity, "Resolution": self.resolution}
         if self.related:
             info["RelatedProperties"] = self.related
-        return {"error": {"code": f"{BASE_REGISTRY}.{self.message_id}", "message": self.message,
+        return {"error": {"code": f"{BASE_REGISTRY}.{self.message_id}", "message": self.detail or self.message,
                           "@Message.ExtendedInfo": [info]}}
 
 
@@ -151,11 +153,14 @@ def create_app(fm: Callable, topology, subscriptions: Subscriptions | None = Non
             with fm() as client:
                 return fn(client)
         except RemoteError as err:   # the FM refused: a conflict with the lab's state
-            raise RedfishError(409, "GeneralError", f"The fabric manager refused: {err.what}", [],
-                               err.fix or "See the lab's fm.log.", "Critical") from None
+            raise RedfishError(409, "GeneralError", GENERAL_ERROR, [],
+                               f"The fabric manager refused: {err.what}. {err.fix or 'See the lab fm.log.'}",
+                               "Critical", detail=f"The fabric manager refused: {err.what}") from None
         except LabError as err:      # the FM did not answer
-            raise RedfishError(503, "ServiceTemporarilyUnavailable", f"The fabric manager does not answer: "
-                               f"{err.what}", ["5"], err.fix or "See vfio-cxl vm ls.", "Critical") from None
+            raise RedfishError(503, "ServiceTemporarilyUnavailable", "The service is temporarily unavailable.  "
+                               "Retry in 5 seconds.", ["5"], f"The fabric manager does not answer: {err.what}. "
+                               f"{err.fix or 'See vfio-cxl vm ls.'}", "Critical",
+                               detail=f"The fabric manager does not answer: {err.what}") from None
 
     def resources() -> dict:
         return build(topology, fm_call(lambda c: c.status()))
@@ -190,8 +195,9 @@ def create_app(fm: Callable, topology, subscriptions: Subscriptions | None = Non
     @app.errorhandler(HTTPException)
     def on_http_error(err: HTTPException):
         if err.code == 413:
-            return on_redfish_error(RedfishError(413, "GeneralError", f"The request body is larger than "
-                                                 f"{MAX_BODY} bytes.", [], f"Send at most {MAX_BODY} bytes."))
+            return on_redfish_error(RedfishError(413, "GeneralError", GENERAL_ERROR, [],
+                                                 f"Send a body of at most {MAX_BODY} bytes.",
+                                                 detail=f"The request body is larger than {MAX_BODY} bytes."))
         if err.code == 405:
             e = RedfishError(405, "OperationNotAllowed", "The HTTP method is not allowed on this resource.", [],
                              f"Use {', '.join(err.valid_methods or [])}.", "Critical")

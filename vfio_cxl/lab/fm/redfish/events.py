@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 import urllib.error
 import urllib.request
 
-from .model import EVENT_REGISTRY, TYPES, gpu_endpoint, host_endpoint, ref
+from .model import EVENT_REGISTRY, TYPES, gpu_endpoint, host_endpoint, oem, ref
 
 DELIVERY_TIMEOUT = 5.0
 MAX_QUEUED = 1000
@@ -44,7 +44,7 @@ def redfish_event(ev: dict, context: str) -> dict | None:
               "MessageId": f"{EVENT_REGISTRY}.{message}", "MessageArgs": args,
               "Message": ev["message"], "MessageSeverity": "Critical" if "Critical" in message else "OK",
               "OriginOfCondition": ref(origin),
-              "Oem": {"VfioCxl": {k: v for k, v in ev.items() if k not in ("message",)}}}
+              "Oem": oem({k: v for k, v in ev.items() if k != "message"})}
     return {"@odata.type": TYPES["Event"], "Id": str(ev["seq"]), "Name": f"Fabric event {ev['kind']}",
             "Context": context, "Events": [record], "Events@odata.count": 1}
 
