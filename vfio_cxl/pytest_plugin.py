@@ -23,6 +23,7 @@ session pool (``lab_pool``) also runs in-process labs (``lab_pool.get(TOPOLOGY)`
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -137,8 +138,6 @@ class RunningLab:
         from .lab.ssh import GuestShell
 
         if vm not in self._shells:
-            import time
-
             info = self.fm.ssh_info(vm)   # fails naming the VM's state if it is not running
             host_key = None
             with open(info["known_hosts"]) as f:
@@ -168,16 +167,18 @@ class RunningLab:
         return any(r.name == self.name and r.fm_alive() for r in registry.records())
 
     def healthy(self) -> bool:
-        """Up, every VM running, no GPU failed or mid-move: fit for the next test."""
+        """Up, every VM running, no GPU or controller failed, no GPU mid-move: fit for the next test."""
         if not self.alive():
             return False
         try:
             status = self.fm.status()
         except Exception:   # an FM that does not answer is not fit for anything
             return False
-        return (status["state"] == "running"
+        # Not the lab's own state: it stays "degraded" after a death the test repaired (fm restart).
+        return (status["state"] in ("running", "degraded")
                 and all(vm["state"] == "running" for vm in status["vms"].values())
-                and all(gpu["state"] in ("attached", "free") for gpu in status["gpus"].values()))
+                and all(gpu["state"] in ("attached", "free") for gpu in status["gpus"].values())
+                and all(smc["state"] != "failed" for smc in status.get("smcs", {}).values()))
 
     def disconnect(self) -> None:
         for shell in self._shells.values():

@@ -144,3 +144,36 @@ def test_the_marker_and_options_are_registered(project):
     result.stdout.fnmatch_lines(["@pytest.mark.lab(topology, kernel=None)*"])
     result = project.runpytest("--help")
     result.stdout.fnmatch_lines(["*--lab-kernel=PATH*", "*--lab-keep*"])
+
+
+@pytest.mark.parametrize("change, healthy", [
+    ({}, True),
+    ({"state": "degraded"}, True),        # a death the test repaired (fm restart) leaves this
+    ({"vms": {"a": {"state": "dead"}}}, False),
+    ({"gpus": {"gpu0": {"state": "failed"}}}, False),
+    ({"gpus": {"gpu0": {"state": "moving"}}}, False),
+    ({"gpus": {"gpu0": {"state": "free"}}}, True),
+    ({"smcs": {"smc0": {"state": "failed"}}}, False),
+])
+def test_a_lab_is_reused_only_when_fit(change, healthy):
+    from vfio_cxl.pytest_plugin import RunningLab
+
+    status = {"state": "running", "vms": {"a": {"state": "running"}}, "gpus": {"gpu0": {"state": "attached"}},
+              "smcs": {"smc0": {"state": "running"}}}
+    for key, value in change.items():
+        if isinstance(value, dict):
+            for name, fields in value.items():
+                status[key][name].update(fields)
+        else:
+            status[key] = value
+
+    class Fm:
+        def status(self):
+            return status
+
+    class Lab(RunningLab):
+        fm = Fm()
+
+        def alive(self):
+            return True
+    assert Lab("fabric-1", "fabric", vms=["a"], ports={"a": 1}).healthy() is healthy
