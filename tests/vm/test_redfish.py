@@ -148,7 +148,7 @@ def test_bad_requests_get_redfish_errors_and_the_fm_stays_up(lab, service):
 
     info = error(rf.post(CONN, body=move("gpu7", "b")), 400, "ResourceNotFound")
     assert "gpu-gpu0" in info["Resolution"]
-    error(rf.post(CONN, body='{"Links": {'), 400, "MalformedJSON")
+    error(rf.post(CONN, body=b'{"Links": {'), 400, "MalformedJSON")   # bytes: sent as they are
     info = error(rf.patch(f"{FABRIC}/Endpoints/gpu-gpu0", body={"Name": "mine"}), 400, "PropertyNotWritable")
     assert info["MessageArgs"] == ["Name"]
     error(rf.get(f"{FABRIC}/Endpoints/nothing"), 404, "ResourceNotFound")
