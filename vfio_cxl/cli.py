@@ -75,9 +75,6 @@ def _vm_up(args) -> int:
     from .lab.lab import Lab
 
     if args.detach and not args.dry_run:
-        if args.kernel or args.modules or args.append:
-            raise LabError("--kernel/--modules/--append do not go with --detach yet",
-                           "boot your own kernel in the foreground: vfio-cxl vm up TOPOLOGY --kernel ...")
         if args.run:
             raise LabError("--run and --detach do not go together",
                            "use --detach, then vfio-cxl vm ssh VM -- CMD")

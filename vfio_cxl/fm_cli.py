@@ -32,7 +32,8 @@ def vm_up_detached(args) -> int:
     from .lab.fm.launch import launch
 
     info = launch(args.topology, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu,
-                  timeout=args.timeout, echo=lambda text: print(text, file=sys.stderr, flush=True))
+                  timeout=args.timeout, echo=lambda text: print(text, file=sys.stderr, flush=True),
+                  kernel=args.kernel, modules=args.modules, append=args.append or "")
     print(info["name"])
     return 0
 
@@ -226,6 +227,20 @@ def fm_release(args) -> int:
     return _fabric_call(args, "release", gpu=args.gpu, force=args.force, keep_vram=args.keep_vram, **fields)
 
 
+def fm_redfish(args) -> int:
+    from .lab.fm.client import FmClient
+
+    with FmClient.for_lab(args.lab) as client:
+        result = client.redfish(port=args.port, stop=args.stop)
+    if args.json:
+        print(json.dumps(result))
+    elif args.stop:
+        print(f"Redfish service of lab {client.lab} (pid {result['pid']}) stopped")
+    else:
+        print(result["url"])
+    return 0
+
+
 def add_vm_commands(vm: argparse._SubParsersAction) -> None:
     ls = vm.add_parser("ls", help="list labs started with --detach")
     ls.add_argument("--json", action="store_true")
@@ -276,3 +291,10 @@ def add_fm_parser(sub: argparse._SubParsersAction) -> None:
     release.add_argument("--keep-vram", action="store_true", help="keep VRAM for the next owner")
     release.add_argument("gpu")
     release.set_defaults(func=fm_release)
+    redfish = fm.add_parser("redfish", help="serve the lab's fabric as a Redfish service on 127.0.0.1 "
+                                            "(prints its URL; docs/redfish.md)")
+    redfish.add_argument("--lab")
+    redfish.add_argument("--port", type=int, default=0, help="TCP port (default: a free one)")
+    redfish.add_argument("--stop", action="store_true", help="end the lab's Redfish service")
+    redfish.add_argument("--json", action="store_true")
+    redfish.set_defaults(func=fm_redfish)

@@ -192,6 +192,7 @@ class FakeFabricLab(FakeLab):
     (its pid in ``<rundir>/holder.pid``)."""
 
     GPUS = {"gpu0": "a", "gpu1": "b"}
+    topology_arg = "fabric"   # what the Redfish service models (the real fabric topology: VMs a, b)
     auto_release = False
 
     def start(self, log) -> None:

@@ -364,6 +364,11 @@ def test_detach_with_a_bad_topology_fails_before_anything_starts(env):
     assert registry.records() == [] and list(registry.logs_root().iterdir()) == []
     result = vfio_cxl("vm", "up", "single", "--detach", "--run", "true")
     assert result.returncode == 1 and "--run and --detach do not go together" in result.stderr
+    # a kernel the lab could not boot (--detach takes --kernel since the pytest plugin's
+    # --lab-kernel): refused before the fabric manager starts
+    result = vfio_cxl("vm", "up", "single", "--detach", "--kernel", "/nonexistent/bzImage")
+    assert result.returncode == 1 and "--kernel /nonexistent/bzImage: no such file" in result.stderr
+    assert registry.records() == [] and list(registry.logs_root().iterdir()) == []
 
 
 def test_a_lab_that_fails_to_start_leaves_nothing_but_its_logs(env):

@@ -13,7 +13,12 @@ A boot costs tens of seconds, so a new VM test reuses a lab that is booted anywa
   ``labs.hand_over(lab)`` and stops it itself;
 - detached labs (`vm up --detach`, test_lab_fm.py's ``detached`` fixture): ``detached(T,
   shared=True)`` hands a healthy lab of topology T on to the next test that asks for it
-  (``kept_detached`` below); the test that breaks or brings it down runs last (file order).
+  (``kept_detached`` below); the test that breaks or brings it down runs last (file order);
+- the pytest plugin's ``lab`` fixture (``@pytest.mark.lab(T)``, vfio_cxl/pytest_plugin.py,
+  docs/pytest-plugin.md) is a detached lab too, driven through ``lab.ssh`` and ``lab.fm``: a
+  test that needs no QEMU internals (QMP, backend files) is written against it, as a user would.
+
+The pool (``labs``) is the plugin's ``lab_pool``: one lab at a time for all of them.
 """
 
 from __future__ import annotations
@@ -24,12 +29,9 @@ import json
 import pytest
 
 from vfio_cxl.errors import LabError
-from vfio_cxl.lab import topology
-from vfio_cxl.lab.image import find_image
-from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.kernel import lab_kernel
 from vfio_cxl.lab.lab import Lab
-from vfio_cxl.lab.qemu_runtime import find_runtime
+from vfio_cxl.pytest_plugin import LabPool, lab_key
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "pool_lab": 4,
                   "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8,
@@ -39,38 +41,12 @@ TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, 
 NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4, "fabric": 6, "selftest": 7, "storage": 9}
 
 
-class LabPool:
-    def __init__(self):
-        self.runtime = find_runtime()
-        self.image = find_image()
-        self.current: Lab | None = None
-
-    def get(self, name: str, kernel=None) -> Lab:
-        if self.current and self.current.topology.name == name and self.current.kernel == kernel:
-            return self.current
-        self.close()
-        lab = Lab(topology.load(name), runtime=self.runtime, image=self.image, kernel=kernel)
-        self.current = lab.start()
-        return lab
-
-    def hand_over(self, lab: Lab) -> Lab:
-        """The pool's current lab becomes the caller's, who stops it: a test that ends a lab
-        asks for its topology's fixture and ``labs`` (so it runs last of that topology)."""
-        assert lab is self.current, "hand_over() takes the pool's current lab"
-        self.current = None
-        return lab
-
-    def close(self) -> None:
-        if self.current:
-            self.current.stop()
-            self.current = None
-
-
 @pytest.fixture(scope="session")
-def labs():
-    pool = LabPool()
-    yield pool
-    pool.close()
+def labs(lab_pool) -> LabPool:
+    """The session's pool of labs (vfio_cxl.pytest_plugin.LabPool, the plugin's ``lab_pool``):
+    ``labs.get(TOPOLOGY)`` an in-process lab; the plugin's ``lab`` fixture and ``detached``
+    draw on the same pool, so one lab runs at a time."""
+    return lab_pool
 
 
 @pytest.fixture
@@ -117,6 +93,10 @@ def pytest_collection_modifyitems(config, items):
     def rank(item):
         fixtures = getattr(item, "fixturenames", ())
         ranks = [TOPOLOGY_ORDER[f] for f in fixtures if f in TOPOLOGY_ORDER]
+        key = lab_key(item) if "lab" in fixtures else None
+        if key is not None:   # the plugin's detached labs: after the in-process ones, before
+            # the ``detached`` tests (which may reuse them), by topology
+            return len(TOPOLOGY_ORDER) - 0.5, NAME_ORDER.get(key[0], len(NAME_ORDER)), False
         name = getattr(getattr(item, "callspec", None), "params", {}).get("topology_name")
         if name is not None:
             ranks.append(NAME_ORDER.get(name, len(TOPOLOGY_ORDER)))
@@ -144,15 +124,13 @@ def pool_lab(labs) -> Lab:
 
 
 @pytest.fixture(scope="session")
-def kept_detached():
-    """Detached (`vm up --detach`) labs that tests hand on to the next test, by topology name:
-    see ``detached(TOPOLOGY, shared=True)`` in test_lab_fm.py.  Each boot costs tens of seconds
-    under TCG.  Whatever is still up at the end is brought down."""
-    kept: dict = {}
-    yield kept
-    for lab in kept.values():
-        if any(r.name == lab.name for r in registry.records()):
-            lab.down()
+def kept_detached(labs) -> dict:
+    """Detached (`vm up --detach`) labs that tests hand on to the next test, by (topology,
+    kernel): see ``detached(TOPOLOGY, shared=True)`` in test_lab_fm.py.  The pool's ``kept``:
+    shared with the plugin's ``lab`` fixture (a healthy lab either left up serves the other).
+    Each boot costs tens of seconds under TCG.  Whatever is still up at the end is brought down
+    with the pool."""
+    return labs.kept
 
 
 @pytest.fixture

@@ -32,7 +32,10 @@ def vfio_cxl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 class Detached:
     """A lab started with `vfio-cxl vm up TOPOLOGY --detach` in a child process."""
 
-    def __init__(self, topology: str):
+    def __init__(self, topology: str | None, name: str | None = None):
+        if name is not None:   # a lab up already (see of())
+            self.name, self.seconds, self.record = name, 0.0, registry.find(name)
+            return
         t0 = time.monotonic()
         result = vfio_cxl("vm", "up", topology, "--detach", timeout=600)
         self.seconds = time.monotonic() - t0
@@ -41,6 +44,11 @@ class Detached:
         assert self.name.startswith(f"{topology}-"), result.stdout
         self.record = registry.find(self.name)
         print(f"\n{topology}: vm up --detach returned after {self.seconds:.1f} s (every VM SSH-ready)")
+
+    @classmethod
+    def of(cls, name: str) -> "Detached":
+        """A lab another fixture started (the plugin's ``lab``), driven the same way."""
+        return cls(None, name)
 
     def status(self) -> dict:
         result = vfio_cxl("fm", "status", "--lab", self.name, "--json")
@@ -139,16 +147,19 @@ def detached(labs, kept_detached, request):
     failed_before = request.session.testsfailed
 
     def start(topology: str, shared: bool = False) -> Detached:
-        kept = kept_detached.get(topology)
-        if shared and kept is not None and healthy(kept):
-            return kept
-        for name, other in list(kept_detached.items()):   # one lab at a time
-            if running(other):
-                other.down()
-            del kept_detached[name]
+        key = (topology, None)   # the pool's key: the plugin's `lab` fixture shares these labs
+        kept = kept_detached.get(key)
+        if shared and kept is not None:
+            if not isinstance(kept, Detached):   # the plugin's RunningLab: its connections go
+                kept.disconnect()
+                kept = Detached.of(kept.name)
+            if healthy(kept):
+                kept_detached[key] = kept
+                return kept
+        labs.close_detached()   # one lab at a time
         lab = Detached(topology)
         if shared:
-            kept_detached[topology] = lab
+            kept_detached[key] = lab
         else:
             started.append(lab)
         return lab

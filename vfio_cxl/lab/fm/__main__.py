@@ -13,6 +13,7 @@ from pathlib import Path
 from ...errors import LabError
 from ...paths import runtime_root
 from .. import topology
+from ..kernel import resolve
 from ..lab import Lab
 from .manager import FabricManager
 from .procs import ProcessId
@@ -31,10 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--ssh-port", type=int)
     serve.add_argument("--no-gpu", action="store_true")
     serve.add_argument("--timeout", type=float, default=300)
+    serve.add_argument("--kernel", help="a bzImage path or 'lab' (default: the image's kernel)")
+    serve.add_argument("--modules")
+    serve.add_argument("--append", default="")
     args = parser.parse_args(argv)
 
     try:
         topo = topology.load(args.topology)
+        kernel = resolve(args.kernel, args.modules, args.append, provision=False)
     except LabError as err:
         print(f"error: {json.dumps({'what': err.what, 'fix': err.fix})}", flush=True)
         return 1
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                        fm=ProcessId.of(os.getpid()).to_json(), created=time.time())
     record.save()
     lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu, rundir=rundir,
-              logdir=args.logdir)
+              logdir=args.logdir, kernel=kernel)
     return FabricManager(RealLab(lab, args.timeout), record, progress=sys.stdout).run()
 
 

@@ -168,6 +168,10 @@ class FmClient:
     def assign(self, gpu: str, vm: str, keep_vram: bool = False) -> dict:
         return self.call("assign", gpu=gpu, vm=vm, keep_vram=keep_vram)
 
+    def redfish(self, port: int = 0, stop: bool = False) -> dict:
+        """Start the lab's Redfish service (port 0: a free one), or ``stop`` it; its url, port, pid."""
+        return self.call("redfish", port=port, stop=stop)
+
     def release(self, gpu: str, force: bool = False, keep_vram: bool = False,
                 timeout: float | None = None) -> dict:
         fields = {"timeout": timeout} if timeout is not None else {}

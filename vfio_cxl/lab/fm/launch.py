@@ -13,10 +13,12 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 from ...errors import LabError
 from ...paths import REPO_ROOT
 from .. import topology
+from ..kernel import resolve
 from ..qemu_runtime import QEMU_ENV, user_runtime
 from . import registry
 from .cleanup import remove_leftovers
@@ -29,9 +31,13 @@ def _cleanup_after(name: str) -> None:
 
 
 def launch(topology_arg: str, *, accel: str = "tcg", ssh_port: int | None = None, gpu: bool = True,
-           timeout: float = 300, echo=print) -> dict:
-    """Start a detached lab; returns ``{"name", "socket"}`` once every VM answers SSH."""
+           timeout: float = 300, echo=print, kernel: str | None = None, modules: str | None = None,
+           append: str = "") -> dict:
+    """Start a detached lab; returns ``{"name", "socket"}`` once every VM answers SSH.
+    ``kernel``/``modules``/``append``: as ``vm up --kernel/--modules/--append``."""
     topo = topology.load(topology_arg)   # a bad topology fails here, before anything starts
+    # so does a kernel the lab cannot boot (checked again by the manager, which boots it)
+    resolve(kernel, modules, append, provision=False)
     if os.environ.get(QEMU_ENV):         # so does a --qemu PATH that the lab could not use
         user_runtime(os.environ[QEMU_ENV])
     name, logdir = registry.reserve_name(topo.name)
@@ -41,6 +47,10 @@ def launch(topology_arg: str, *, accel: str = "tcg", ssh_port: int | None = None
         cmd += ["--ssh-port", str(ssh_port)]
     if not gpu:
         cmd.append("--no-gpu")
+    for option, value in (("--kernel", kernel), ("--modules", modules), ("--append", append)):
+        if value:
+            cmd += [option, str(Path(value).expanduser().resolve()) if option != "--append" and value != "lab"
+                    else value]
     fm_log = logdir / "fm.log"
     with open(fm_log, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,

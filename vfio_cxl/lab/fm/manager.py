@@ -183,6 +183,7 @@ class FabricManager:
         self._outbox: list[tuple[_Client | None, bytes]] = []   # from the worker to the loop
         self._opwake: tuple[socket.socket, socket.socket] | None = None
         self._stopping_ops = False
+        self.redfish = None   # the Redfish service process (op redfish), or None
 
     # -- logging and events --------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -939,6 +940,32 @@ class FabricManager:
                    restart_s=time.monotonic() - t0)
         return result
 
+    def op_redfish(self, client, request) -> dict:
+        """Start the lab's Redfish service (a child of the FM and a client of this socket), report
+        it if it runs, or end it (``stop``); see docs/redfish.md."""
+        from .redfish.process import RedfishService
+
+        running = self.redfish is not None and self.redfish.alive()
+        if request.get("stop"):
+            if self.redfish is None:
+                raise LabError(f"lab {self.record.name} has no Redfish service",
+                               f"start one: vfio-cxl fm redfish --lab {self.record.name}")
+            result, self.redfish = self.redfish.stop(), None
+            self.event("redfish-stopped", f"Redfish service pid {result['pid']} stopped", **result)
+            return result
+        port = request.get("port", 0)
+        if running:
+            if port not in (0, self.redfish.port):
+                raise LabError(f"lab {self.record.name}'s Redfish service already listens on {self.redfish.url}",
+                               f"stop it first: vfio-cxl fm redfish --lab {self.record.name} --stop")
+            return {**self.redfish.info(), "already": True}
+        self.redfish = RedfishService.start(fm_socket=self.record.socket, lab=self.record.name,
+                                            topology=getattr(self.lab, "topology_arg", self.record.topology),
+                                            port=port, log=Path(self.record.rundir) / "redfish.log")
+        self.event("redfish-started", f"Redfish service on {self.redfish.url} (pid {self.redfish.popen.pid})",
+                   **self.redfish.info())
+        return self.redfish.info()
+
     def _vm(self, name: str) -> Child:
         if name not in self.vms:
             raise LabError(f"lab {self.record.name} has no VM {name!r}", f"VMs: {', '.join(self.vms)}")
@@ -971,6 +998,7 @@ class FabricManager:
                      for smc in self.smcs.values()},
             "free_hotplug_ports": ({vm: self.free_ports(vm) for vm in self.vms}
                                    if hasattr(self.lab, "hotplug_ports") else {}),
+            "redfish": self.redfish.info() if self.redfish is not None else None,
         }
 
     # -- stop ----------------------------------------------------------------------------
@@ -1006,6 +1034,8 @@ class FabricManager:
         for sock in self._opwake or ():
             sock.close()
         signal.set_wakeup_fd(-1)
+        if self.redfish is not None:   # a client of this FM: it goes first
+            self.redfish.stop()
         for child in [*self.vms.values(), *self.gpus.values(), *self.smcs.values()]:
             if child.pidfd is not None:
                 os.close(child.pidfd)

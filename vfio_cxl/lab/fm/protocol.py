@@ -35,6 +35,7 @@ OPS: dict[str, dict[str, tuple[type, bool]]] = {
     "assign": {"gpu": (str, True), "vm": (str, True), "keep_vram": (bool, False)},
     "release": {"gpu": (str, True), "force": (bool, False), "keep_vram": (bool, False),
                 "timeout": ((int, float), False)},
+    "redfish": {"port": (int, False), "stop": (bool, False)},   # the Redfish service (docs/redfish.md)
 }
 
 

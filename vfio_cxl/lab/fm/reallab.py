@@ -55,6 +55,12 @@ class RealLab:
                 self._session(vm.name).run("true", [], 60)
 
     @property
+    def topology_arg(self) -> str:
+        """How ``topology.load`` finds this lab's topology again: its name, or its file's path."""
+        source = self.lab.topology.source
+        return source if "/" in source else self.lab.topology.name
+
+    @property
     def known_hosts(self) -> Path:
         return self.rundir / "known_hosts"
 
