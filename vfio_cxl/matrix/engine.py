@@ -76,9 +76,9 @@ class Progress:
             bucket = s.status if s.status in ("queued", "running") else "done" if s.status in (PASS, "skip") \
                 else "failed"
             count[bucket] += 1
-            if s.node is not None:
+            if s.node is not None and bucket != "queued":
                 per = nodes.setdefault(self.labels.get(s.node, s.node[:8]), {"running": 0, "done": 0, "failed": 0})
-                per[bucket] += 1 if bucket != "queued" else 0
+                per[bucket] += 1
         line = " ".join(f"{k} {v}" for k, v in count.items())
         if nodes:
             line += " | " + "; ".join(f"{n}: " + " ".join(f"{k} {v}" for k, v in per.items() if v)
@@ -177,7 +177,7 @@ def run(jobs_: list[dict], engine: Engine, *, max_parallel: int | None = None, p
                     continue
                 retries_used = state.attempt - 1 - state.infra
                 if outcome["status"] in (FAIL, ERROR) and retries_used < state.job["retries"]:
-                    state.status = "queued"
+                    state.status, state.node = "queued", None
                     queue.append(state)
                     progress.show(states, f"{state.job['id']}: {outcome['status']} on {label}; retrying "
                                           f"({retries_used + 1} of {state.job['retries']})")
