@@ -297,7 +297,7 @@ class RayEngine:
         else:
             slots = slots or max(1, (os.cpu_count() or 1) // 2)
             temp = runtime_root() / "ray"
-            ray.init(num_cpus=max(slots, 1) + 1, resources={"tcg_vm": slots}, include_dashboard=False,
+            ray.init(address="local", num_cpus=max(slots, 1) + 1, resources={"tcg_vm": slots}, include_dashboard=False,
                      log_to_driver=False, logging_level="ERROR", _temp_dir=str(temp))
         here = ray.get_runtime_context().get_node_id()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
