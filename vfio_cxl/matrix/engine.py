@@ -28,6 +28,7 @@ from . import job as jobs
 from .job import ERROR, FAIL, INFRA, PASS
 
 INFRA_RETRIES = 3
+PROBE_TIMEOUT = 120
 CANCEL_GRACE = jobs.STOP_GRACE + 30
 INSTALL_HINT = ("install the matrix extra into this checkout's venv: .venv/bin/pip install -e '.[matrix]' "
                 "(or: pip install 'vfio-cxl[matrix]')")
@@ -189,14 +190,17 @@ def run(jobs_: list[dict], engine: Engine, *, max_parallel: int | None = None, p
         if running:
             log(f"[matrix] cancelling {len(running)} job(s); each stops its lab")
             handles = list(running)
-            engine.cancel(handles)
-            left = handles
-            deadline = time.monotonic() + CANCEL_GRACE
-            while left and time.monotonic() < deadline:
-                done = engine.wait(left, timeout=1.0)
-                left = [h for h in left if h not in done]
-            if left:
-                engine.cancel(left, force=True)   # the worker dies; its child and QEMU die with it
+            try:
+                engine.cancel(handles)
+                left = handles
+                deadline = time.monotonic() + CANCEL_GRACE
+                while left and time.monotonic() < deadline:
+                    done = engine.wait(left, timeout=1.0)
+                    left = [h for h in left if h not in done]
+                if left:
+                    engine.cancel(left, force=True)   # the worker dies; its child and QEMU die with it
+            except Exception as err:   # the cluster is going too: the children die with their workers
+                log(f"[matrix] cancelling: {type(err).__name__}: {err}")
         raise
     return states
 
@@ -316,7 +320,12 @@ class RayEngine:
 
     def probe(self, node: str, kernels: list[str]) -> dict:
         fn = self.ray.remote(num_cpus=0)(_probe).options(scheduling_strategy=self.pin(node))
-        return self.ray.get(fn.remote(kernels), timeout=120)
+        try:
+            return self.ray.get(fn.remote(kernels), timeout=PROBE_TIMEOUT)
+        except (self.ray.exceptions.GetTimeoutError, *self.LOST) as err:
+            raise LabError(f"node {self.nodes().get(node, {}).get('label', node)} did not answer the probe "
+                           f"in {PROBE_TIMEOUT} s ({type(err).__name__})",
+                           "check it with 'ray status'; is vfio-cxl installed there with the matrix extra?") from None
 
     def provision(self, node: str, kernels: list[str]) -> dict:
         fn = self.ray.remote(num_cpus=0)(_provision).options(scheduling_strategy=self.pin(node))
