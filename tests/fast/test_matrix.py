@@ -340,6 +340,16 @@ def test_a_job_past_its_timeout_is_stopped_like_ctrl_c(tmp_path):
     assert (tmp_path / "stdout.log").read_text() == "started\n"
 
 
+def test_the_child_sees_sigint_even_where_ray_blocks_it(tmp_path):
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})   # what Ray's workers do
+    try:
+        ran = job.supervise([sys.executable, "-c", STOPPABLE, str(tmp_path / "flag")], tmp_path, timeout=1.5,
+                            cwd=tmp_path)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    assert ran["timed_out"] and ran["seconds"] < 30 and (tmp_path / "flag").read_text() == "stopped cleanly"
+
+
 def test_an_interrupted_supervisor_stops_its_child_first(tmp_path):
     def interrupt(*_):
         raise KeyboardInterrupt

@@ -134,7 +134,7 @@ class RayNode:
 def ray_env(tmp_path):
     """Ray's token auth with a token of our own (nothing read from or written to ~/.ray)."""
     return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-            "RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "300000", "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
 
 
 @pytest.fixture

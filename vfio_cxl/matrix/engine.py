@@ -29,6 +29,7 @@ from .job import ERROR, FAIL, INFRA, PASS
 
 INFRA_RETRIES = 3
 PROBE_TIMEOUT = 120
+AGENT_TIMEOUT_MS = 300_000
 CANCEL_GRACE = jobs.STOP_GRACE + 30
 INSTALL_HINT = ("install the matrix extra into this checkout's venv: .venv/bin/pip install -e '.[matrix]' "
                 "(or: pip install 'vfio-cxl[matrix]')")
@@ -301,8 +302,15 @@ class RayEngine:
         else:
             slots = slots or max(1, (os.cpu_count() or 1) // 2)
             temp = runtime_root() / "ray"
-            ray.init(address="local", num_cpus=max(slots, 1) + 1, resources={"tcg_vm": slots}, include_dashboard=False,
-                     log_to_driver=False, logging_level="ERROR", _temp_dir=str(temp))
+            # The raylet waits for its agents' ports; on a loaded machine they take longer than
+            # Ray's 30 s to start (measured: 31 s at load average 10 on 2 cores), and it aborts.
+            os.environ.setdefault("RAY_agent_register_timeout_ms", str(AGENT_TIMEOUT_MS))
+            try:
+                ray.init(address="local", num_cpus=max(slots, 1) + 1, resources={"tcg_vm": slots},
+                         include_dashboard=False, log_to_driver=False, logging_level="ERROR", _temp_dir=str(temp))
+            except Exception as err:   # Ray raises bare Exceptions for a node that did not start
+                raise LabError(f"the local Ray did not start: {str(err).splitlines()[0]}",
+                               f"see the logs under {temp}/session_latest/logs (raylet.out)") from None
         here = ray.get_runtime_context().get_node_id()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

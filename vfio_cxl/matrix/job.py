@@ -161,7 +161,9 @@ def child_argv(job: dict, workdir: Path) -> list[str]:
     raise LabError(f"unknown job kind {job['kind']!r}")
 
 
-def _die_with_parent() -> None:
+def _child_setup() -> None:
+    # Ray's processes block SIGINT, and a blocked mask is inherited: the child must see SIGINT.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)   # PR_SET_PDEATHSIG: stop like Ctrl-C
 
 
@@ -171,7 +173,7 @@ def supervise(argv: list[str], workdir: Path, timeout: float, cwd: Path = REPO_R
     started = time.monotonic()
     with open(workdir / "stdout.log", "wb") as out, open(workdir / "stderr.log", "wb") as err:
         proc = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=cwd,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=_child_setup)
     timed_out = False
     try:
         while True:
