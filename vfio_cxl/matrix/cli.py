@@ -69,7 +69,8 @@ def run_command(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.address:
         engine.check_address(args.address)
-    ray_engine = engine.RayEngine(args.address, slots=args.max_parallel)
+    ray_engine = engine.RayEngine(args.address, slots=args.max_parallel,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
     try:
         states = engine.run(jobs, ray_engine, max_parallel=args.max_parallel, provision=args.provision,
                             out_dir=out_dir)

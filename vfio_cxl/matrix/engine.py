@@ -14,8 +14,12 @@ Ray never places more labs on a node than it offers ``tcg_vm`` slots.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import secrets
+import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,7 +33,8 @@ from .job import ERROR, FAIL, INFRA, PASS
 
 INFRA_RETRIES = 3
 PROBE_TIMEOUT = 120
-AGENT_TIMEOUT_MS = 300_000
+HEAD_START_TIMEOUT = 300
+HEAD_ATTEMPTS = 3
 CANCEL_GRACE = jobs.STOP_GRACE + 30
 INSTALL_HINT = ("install the matrix extra into this checkout's venv: .venv/bin/pip install -e '.[matrix]' "
                 "(or: pip install 'vfio-cxl[matrix]')")
@@ -279,11 +284,102 @@ class _Tracker:
         return events
 
 
+def session_processes(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (Ray's workers make process groups of their own)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+class LocalHead:
+    """The local Ray of a run without --address: ``ray start --head --block`` in a session of its
+    own, every port chosen here, one tcg_vm slot per lab it may hold; stopped with the run.
+
+    Every raylet gives its agents (Python processes) a fixed 15 s to write their port files and
+    aborts past that (ray issue 65983); on a 2-core machine at load average 16-24 they often took
+    longer (``import ray`` alone: 9 s wall for 1.5 CPU-s), with ``ray.init()`` as with
+    ``ray start``.  A higher CPU priority did not help (9.2 s at nice -10, 9.0 s at 0): the head is
+    started again, up to :data:`HEAD_ATTEMPTS` times, with every port chosen here."""
+
+    FLAGS = ("--port", "--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port",
+             "--dashboard-agent-listen-port", "--metrics-export-port", "--runtime-env-agent-port")
+
+    def __init__(self, slots: int, log):
+        self.temp = runtime_root() / "ray"
+        self.temp.mkdir(parents=True, exist_ok=True)
+        # One token for this run's Ray and its driver (Ray's token auth; nothing read from ~/.ray).
+        if "RAY_AUTH_MODE" not in os.environ:
+            os.environ["RAY_AUTH_MODE"] = "token"
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        self.log_file = self.temp / f"head-{os.getpid()}.log"
+        for attempt in range(1, HEAD_ATTEMPTS + 1):
+            try:
+                self._start(slots, log)
+                return
+            except LabError as err:
+                if attempt == HEAD_ATTEMPTS:
+                    raise
+                log(f"[matrix] {err.what.splitlines()[0]}; starting it again ({attempt + 1} of {HEAD_ATTEMPTS})")
+
+    def _start(self, slots: int, log) -> None:
+        from ..lab.lab import free_port
+
+        ports = {flag: free_port() for flag in self.FLAGS}
+        self.address = f"127.0.0.1:{ports['--port']}"
+        ray_bin = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_bin), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+               "--num-cpus", str(slots + 1), "--resources", f'{{"tcg_vm": {slots}}}', "--include-dashboard=false",
+               "--disable-usage-stats", "--temp-dir", str(self.temp),
+               *[str(x) for flag, port in ports.items() for x in (flag, port)]]
+
+        def setup():   # dies with the driver, and sees SIGTERM even if the driver blocks it
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+
+        started = time.monotonic()
+        with open(self.log_file, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=setup)
+        try:
+            while "Ray runtime started" not in self.log_file.read_text(errors="replace"):
+                if self.proc.poll() is not None or time.monotonic() - started > HEAD_START_TIMEOUT:
+                    tail = "\n".join(self.log_file.read_text(errors="replace").splitlines()[-3:])
+                    raise LabError(f"the local Ray did not start in {time.monotonic() - started:.0f} s:\n{tail}",
+                                   f"see {self.log_file} and {self.temp}/session_latest/logs/raylet.out")
+                time.sleep(0.5)
+        except BaseException:
+            self.stop()
+            raise
+        log(f"[matrix] local Ray started in {time.monotonic() - started:.1f} s ({slots} tcg_vm)")
+
+    def stop(self) -> None:
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            for pid in session_processes(self.proc.pid):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + grace
+            while session_processes(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not session_processes(self.proc.pid):
+                break
+        self.proc.wait()
+
+
 class RayEngine:
     LOST = ()
 
     def __init__(self, address: str | None = None, slots: int | None = None, log=None):
         ray = self.ray = _ray()
+        self.head: LocalHead | None = None
         from ray import exceptions as rex
 
         # Lost with its node or worker: retried elsewhere, never a test failure.
@@ -300,17 +396,12 @@ class RayEngine:
                                "check that the head runs (ray status --address HOST:PORT) and that this "
                                "machine runs a node of it (or use a ray:// client address)") from None
         else:
-            slots = slots or max(1, (os.cpu_count() or 1) // 2)
-            temp = runtime_root() / "ray"
-            # The raylet waits for its agents' ports; on a loaded machine they take longer than
-            # Ray's 30 s to start (measured: 31 s at load average 10 on 2 cores), and it aborts.
-            os.environ.setdefault("RAY_agent_register_timeout_ms", str(AGENT_TIMEOUT_MS))
+            self.head = LocalHead(slots or max(1, (os.cpu_count() or 1) // 2), log or (lambda m: None))
             try:
-                ray.init(address="local", num_cpus=max(slots, 1) + 1, resources={"tcg_vm": slots},
-                         include_dashboard=False, log_to_driver=False, logging_level="ERROR", _temp_dir=str(temp))
-            except Exception as err:   # Ray raises bare Exceptions for a node that did not start
-                raise LabError(f"the local Ray did not start: {str(err).splitlines()[0]}",
-                               f"see the logs under {temp}/session_latest/logs (raylet.out)") from None
+                ray.init(address=self.head.address, log_to_driver=False, logging_level="ERROR")
+            except BaseException:
+                self.head.stop()
+                raise
         here = ray.get_runtime_context().get_node_id()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -375,4 +466,8 @@ class RayEngine:
                 pass
 
     def close(self) -> None:
-        self.ray.shutdown()
+        try:
+            self.ray.shutdown()
+        finally:
+            if self.head is not None:
+                self.head.stop()
