@@ -301,11 +301,11 @@ class LocalHead:
     """The local Ray of a run without --address: ``ray start --head --block`` in a session of its
     own, every port chosen here, one tcg_vm slot per lab it may hold; stopped with the run.
 
-    Every raylet gives its agents (Python processes) a fixed 15 s to write their port files and
-    aborts past that (ray issue 65983); on a 2-core machine at load average 16-24 they often took
-    longer (``import ray`` alone: 9 s wall for 1.5 CPU-s), with ``ray.init()`` as with
-    ``ray start``.  A higher CPU priority did not help (9.2 s at nice -10, 9.0 s at 0): the head is
-    started again, up to :data:`HEAD_ATTEMPTS` times, with every port chosen here."""
+    A Ray 2.60 raylet gives its agents (Python processes) a fixed 15 s to write their port files
+    and aborts past that (ray issue 65983); on a 2-core machine at load average 16-24 they often
+    took longer (``import ray`` alone: 9 s wall for 1.5 CPU-s), with ``ray.init()`` as with
+    ``ray start``.  The extra asks for Ray below 2.50 (2.49.2 started there); a head that fails to
+    start anyway is started again, up to :data:`HEAD_ATTEMPTS` times."""
 
     FLAGS = ("--port", "--node-manager-port", "--object-manager-port", "--dashboard-agent-grpc-port",
              "--dashboard-agent-listen-port", "--metrics-export-port", "--runtime-env-agent-port")
