@@ -5,6 +5,7 @@ with junitparser, KCIDB validated with kcidb-io)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -322,6 +323,16 @@ def test_a_job_on_a_node_with_another_checkout_is_an_infrastructure_failure():
     (one, _) = two_jobs()
     got = job.execute({**one, "recipes": {**one["recipes"], "image": "0000000000000000"}}, {"id": "A", "host": "h"})
     assert got["status"] == job.INFRA and "image 0000000000000000 there" in got["message"]
+
+
+def test_work_directories_of_dead_workers_are_removed(tmp_path, monkeypatch):
+    monkeypatch.setattr(job, "runtime_root", lambda: tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / "matrix" / f"uname-debian-hb2-1-{dead.pid}").mkdir(parents=True)
+    (tmp_path / "matrix" / f"uname-debian-hb2-2-{os.getpid()}").mkdir()
+    job.remove_stale_workdirs()
+    assert [p.name for p in (tmp_path / "matrix").iterdir()] == [f"uname-debian-hb2-2-{os.getpid()}"]
 
 
 STOPPABLE = """

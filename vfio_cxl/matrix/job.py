@@ -307,6 +307,14 @@ def pack_logs(workdir: Path, budget: int = LOG_BUDGET) -> bytes:
     return buf.getvalue()
 
 
+def remove_stale_workdirs() -> None:
+    """Work directories of jobs whose worker is gone (killed with its node: nothing removed them)."""
+    for workdir in (runtime_root() / "matrix").glob("*-*"):
+        pid = workdir.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
 def execute(job: dict, node: dict, kernel_file: tuple[bytes, str, str | None] | None = None) -> dict:
     """Run one job here: the body of the Ray task (and of the fake engine's, in tests).
 
@@ -327,6 +335,7 @@ def execute(job: dict, node: dict, kernel_file: tuple[bytes, str, str | None] | 
     if missing and not job.get("provision"):
         return {**outcome, "status": INFRA, "seconds": 0.0,
                 "message": f"{', '.join(missing)} on {facts['host']}"}
+    remove_stale_workdirs()
     workdir = runtime_root() / "matrix" / f"{job['id']}-{job.get('attempt', 1)}-{os.getpid()}"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
