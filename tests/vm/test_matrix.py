@@ -174,7 +174,8 @@ def kernels() -> list[str]:
 def write_matrix(path: Path, topologies: list[str]) -> Path:
     path.write_text(f"[axes]\nkernel = {json.dumps(kernels())}\ntopology = {json.dumps(topologies)}\n"
                     "[[run]]\nname = \"uname\"\nguest = { vm = \"host0\", command = \"uname -r\" }\n"
-                    "timeout = 900\n")
+                    # a lab that failed to boot on this shared machine (seen: SSH refused at load 20) runs again
+                    "timeout = 900\nretries = 1\n")
     return path
 
 

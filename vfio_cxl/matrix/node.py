@@ -35,7 +35,10 @@ def main(argv: list[str]) -> int:
     if cell.get("backend"):
         command = f"export VFIO_CXL_BACKEND={cell['backend']}; {command}"
     started = time.monotonic()
-    with Lab(topo, kernel=chosen, logdir=workdir / "lab", log=lambda m: print(m, file=sys.stderr, flush=True)) as lab:
+    lab = Lab(topo, kernel=chosen, logdir=workdir / "lab", log=lambda m: print(m, file=sys.stderr, flush=True))
+    # The job's timeout bounds the boot too (the lab's own default is 180 s; the supervisor
+    # stops the whole job at its timeout anyway).
+    with lab.start(timeout=job["timeout"]):
         booted = time.monotonic()
         result = lab[spec["vm"]].run(command, check=False, timeout=job["timeout"])
         ran = time.monotonic() - booted
