@@ -99,7 +99,7 @@ def wait_until(what: str, check, timeout: float):
 class RayNode:
     """`ray start --block` in a session of its own: stopping it kills exactly that session."""
 
-    def __init__(self, name: str, args: list[str], env: dict, tmp: Path):
+    def __init__(self, name: str, args: list[str], env: dict, tmp: Path, ip: str = "127.0.0.1"):
         self.name = name
         self.log = tmp / f"ray-{name}.log"
         # A raylet aborts when its agents take over 15 s to start (ray issue 65983), which happens
@@ -112,7 +112,7 @@ class RayNode:
                      str(free_port())]
             with open(self.log, "w") as out:
                 self.proc = subprocess.Popen(
-                    [str(VENV_BIN / "ray"), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
+                    [str(VENV_BIN / "ray"), "start", "--block", "--node-ip-address", ip, "--num-cpus", "2",
                      "--resources", json.dumps({"tcg_vm": 1}), *ports, *args],
                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             started = time.monotonic()
@@ -158,7 +158,9 @@ def cluster(ray_env, tmp_path):
         port = free_port()
         nodes.append(RayNode("head", ["--head", "--port", str(port), "--include-dashboard=false",
                                       "--disable-usage-stats", "--temp-dir", str(temp)], ray_env, tmp_path))
-        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], ray_env, tmp_path))
+        # Another loopback address: the driver (ray.init at 127.0.0.1) attaches to the head's
+        # raylet, not to the worker's that the test kills.
+        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], ray_env, tmp_path, ip="127.0.0.2"))
         yield {"address": f"127.0.0.1:{port}", "head": nodes[0], "worker": nodes[1]}
     finally:
         for node in reversed(nodes):
