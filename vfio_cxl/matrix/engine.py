@@ -402,7 +402,9 @@ class RayEngine:
             except BaseException:
                 self.head.stop()
                 raise
-        here = ray.get_runtime_context().get_node_id()
+        # The tracker lives on the head (it outlives any worker node), else on the driver's node.
+        here = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]),
+                    ray.get_runtime_context().get_node_id())
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.pin = lambda node: NodeAffinitySchedulingStrategy(node, soft=False)
@@ -456,7 +458,10 @@ class RayEngine:
             raise InfraFailure(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
 
     def started(self) -> list:
-        return self.ray.get(self.tracker.take.remote())
+        try:
+            return self.ray.get(self.tracker.take.remote(), timeout=30)
+        except Exception:   # the tracker is unreachable: no progress events, the results still come
+            return []
 
     def cancel(self, handles: list, force: bool = False) -> None:
         for h in handles:
