@@ -158,9 +158,7 @@ def cluster(ray_env, tmp_path):
         port = free_port()
         nodes.append(RayNode("head", ["--head", "--port", str(port), "--include-dashboard=false",
                                       "--disable-usage-stats", "--temp-dir", str(temp)], ray_env, tmp_path))
-        # Another loopback address: the driver (ray.init at 127.0.0.1) attaches to the head's
-        # raylet, not to the worker's that the test kills.
-        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], ray_env, tmp_path, ip="127.0.0.2"))
+        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], ray_env, tmp_path))
         yield {"address": f"127.0.0.1:{port}", "head": nodes[0], "worker": nodes[1]}
     finally:
         for node in reversed(nodes):
