@@ -87,10 +87,11 @@ def run_command(args) -> int:
     shown = report.text(table) + (f"{data['passed']} passed, {data['failed']} failed, {data['infra_failed']} lost "
                                   f"({data['infra_retries']} infrastructure retries) in {data['seconds']:.0f} s; "
                                   f"logs in {out_dir}\n")
+    # flushed here: Ray's exit handlers may leave the process without flushing a piped stdout
     if args.json:
-        print(shown, end="", file=sys.stderr)
-        print(json.dumps(data, indent=1))
+        print(shown, end="", file=sys.stderr, flush=True)
+        print(json.dumps(data, indent=1), flush=True)
     else:
-        print(shown, end="")
+        print(shown, end="", flush=True)
     return 0 if data["failed"] == 0 and data["infra_failed"] == 0 else 1
 
