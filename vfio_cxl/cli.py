@@ -12,6 +12,7 @@
     vfio-cxl gpu serve --socket PATH         the vfio-user GPU device server
     vfio-cxl smc serve --sockets DIR --hosts N   the shared-memory controller (one socket per host)
     vfio-cxl bench NAME                      benchmarks (python -m vfio_cxl.bench)
+    vfio-cxl matrix run FILE [--address A]   a kernel x topology x test matrix of labs on Ray
 """
 
 from __future__ import annotations
@@ -229,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only cases whose TEST.CASE contains FILTER (or matches it as a glob); repeatable")
     st.add_argument("--json", action="store_true", help="print the results as JSON")
     st.set_defaults(func=_selftest)
+
+    from .matrix.cli import add_parser as add_matrix_parser
+    add_matrix_parser(sub)
 
     demo = sub.add_parser("demo", help="run a demo (tour, dma, share, p2p)")
     add_qemu_option(demo)
