@@ -84,9 +84,11 @@ def test_pattern_bytes_repeat_the_little_endian_pattern():
 
 def test_status_and_op_codes_are_stable():
     # These numbers are ABI shared with the guest driver: changing one is a break.
-    assert [int(o) for o in regs.Op] == [0, 1, 2, 3, 4, 5]
+    assert [int(o) for o in regs.Op] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert int(regs.Status.DMA_REFUSED) == 6 and int(regs.Status.BAD_RING_CONFIG) == 12
-    assert regs.CAPS_OPS == 0x3F
+    assert regs.CAPS_OPS == 0xFF   # interface 1.1: COMPUTE (6) and FLUSH (7)
+    assert regs.DEVICE_VERSION == 0x00010001
+    assert int(regs.Status.BAD_KERNEL) == 24 and int(regs.Status.BAD_MODE) == 28
 
 
 def test_unpack_completion_keeps_unknown_status_numbers():
