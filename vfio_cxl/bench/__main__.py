@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "channel": "vfio_cxl.bench.channel",
     "p2p": "vfio_cxl.bench.p2p",
     "fabric": "vfio_cxl.bench.fabric",
+    "gpumem": "vfio_cxl.bench.gpumem",
 }
 
 

@@ -133,9 +133,9 @@ def cmd_vram(args) -> int:
 
 def cmd_run(args) -> int:
     """A compute kernel over the CXL far window, in one memory mode (docs/gpu-memory.md)."""
-    from .gpumem import GpuMemory
+    from .gpumem import GpuMemory, layout
     bdf = _bound(args.gpu)
-    with GpuMemory.open(bdf) as mem:
+    with GpuMemory.open(bdf, layout(args.kernel, args.working_set).size) as mem:
         r = mem.run(args.kernel, args.mode, args.latency, args.working_set, args.vram_cache,
                     args.unit, args.warm, args.seed)
     if args.json:

@@ -227,13 +227,18 @@ class UvmPager:
         self.cache = LruCache(vram_cache // self.page)
         self.get = 0
         self.served = 0
+        self.spurious = 0  # faults on pages the cache already holds
+        self.tag = 0
+        self.trace: list[int] = []
+        self.check = bool(os.environ.get("VFIO_CXL_GPUMEM_CHECK"))
         self.bar0.write32(regs.REG_UVM_PAGE_SHIFT, page_shift)  # also clears the page table
 
     def migrate(self, src: int, dst: int) -> None:
         b = self.bar0
         for reg, value in ((regs.REG_MIG_SRC_LO, src & 0xFFFFFFFF), (regs.REG_MIG_SRC_HI, src >> 32),
                            (regs.REG_MIG_DST_LO, dst & 0xFFFFFFFF), (regs.REG_MIG_DST_HI, dst >> 32),
-                           (regs.REG_MIG_LENGTH, self.page), (regs.REG_MIG_CONTROL, regs.MIG_GO)):
+                           (regs.REG_MIG_LENGTH, self.page),
+                           (regs.REG_MIG_CONTROL, regs.MIG_GO | self._tag() << regs.CMD_TAG_SHIFT)):
             b.write32(reg, value)
         deadline = time.monotonic() + MIGRATION_TIMEOUT
         # polled: one copy in the device, a register read per look (no vector is spent on it)
@@ -247,6 +252,11 @@ class UvmPager:
                               f"{regs.Status(code).name if code in regs.Status._value2member_map_ else code}",
                               "see docs/gpu-device.md, MIG_STATUS")
 
+    def _tag(self) -> int:
+        """A tag unlike the last one: the device ignores a GO that repeats its tag."""
+        self.tag = (self.tag + 1) & regs.CMD_TAG_MASK
+        return self.tag
+
     def _pte(self, page: int) -> int:
         self.bar0.write32(regs.REG_PT_INDEX, page)
         return self.bar0.read32(regs.REG_PT_ENTRY)
@@ -254,9 +264,9 @@ class UvmPager:
     def service(self) -> int:
         """Handle every fault record the device wrote, then replay; returns records handled."""
         put = self.bar0.read32(regs.REG_FAULT_PUT)
-        handled = 0
+        handled, seq = 0, None
         while self.get != put:
-            addr, _flags, _seq = regs.FAULT_RECORD.unpack_from(self.faults, 16 * self.get)
+            addr, _flags, seq = regs.FAULT_RECORD.unpack_from(self.faults, 16 * self.get)
             page = (addr - FAR) // self.page
             if page not in self.cache:
                 slot, victim, vslot = self.cache.place(page)
@@ -269,11 +279,21 @@ class UvmPager:
                 self.migrate(FAR + page * self.page, vram)
                 self.bar0.write32(regs.REG_PT_INDEX, page)
                 self.bar0.write32(regs.REG_PT_ENTRY, vram | regs.PTE_VALID)
+                if self.check:
+                    got = self._pte(page)
+                    if got != vram | regs.PTE_VALID:
+                        raise GpuMemError(f"PTE of page {page} reads {got:#x} after writing "
+                                          f"{vram | regs.PTE_VALID:#x}", "a device bug")
+            else:
+                self.spurious += 1
+            self.trace.append(page)
             self.get = (self.get + 1) % FAULT_ENTRIES
             handled += 1
         self.served += handled
         self.bar0.write32(regs.REG_FAULT_GET, self.get)
-        self.bar0.write32(regs.REG_UVM_CONTROL, regs.UVM_REPLAY)
+        if seq is not None:  # replay names the newest fault handled (a repeat does nothing)
+            self.bar0.write32(regs.REG_UVM_CONTROL,
+                              regs.UVM_REPLAY | (seq & regs.CMD_TAG_MASK) << regs.CMD_TAG_SHIFT)
         return handled
 
     def write_back(self) -> int:
@@ -291,8 +311,15 @@ class UvmPager:
 # The library
 # --------------------------------------------------------------------------
 class GpuMemory:
-    def __init__(self, gpu: GpuDriver, dax: DaxMapping):
+    def __init__(self, gpu: GpuDriver, dax: DaxMapping, far_size: int | None = None):
+        """``far_size``: bytes of the devdax region to map for the GPU (default: all of it).
+        Mapping costs time with a vIOMMU (QEMU sends the device one DMA_MAP per 4 KiB
+        page), so a run maps what its working set needs, rounded up to 2 MiB."""
         self.gpu, self.dax, self.bar0 = gpu, dax, gpu.bar0
+        if far_size is not None and far_size > dax.size:
+            raise GpuMemError(f"the working set needs {far_size} bytes of far memory, "
+                              f"{dax.dax.name} has {dax.size}",
+                              f"give --working-set at most {dax.size}")
         if self.bar0.read32(regs.REG_VERSION) < 0x00010001 or not (
                 self.bar0.read32(regs.REG_CAPS2) & regs.CAPS2_FAR):
             raise GpuMemError("this GPU has no far memory (interface 1.1)",
@@ -300,20 +327,21 @@ class GpuMemory:
         if len(gpu.vectors.eventfds) <= regs.VEC_FAULT:
             raise GpuMemError("uvm needs the fault vector: the GPU has fewer than 3 MSI-X vectors here",
                               "run the GPU with --irq-mode msix")
-        self.far_size = dax.size
+        self.far_size = dax.size if far_size is None else min(dax.size, _align(far_size, 2 << 20))
         self._aux = mmap.mmap(-1, 4096)
         self._aux_view = memoryview(self._aux)
+        self._far_view = dax.view[:self.far_size]
         self._mappings = []
         try:
             self._mappings.append(gpu.map(self._aux, AUX_IOVA))
-            self._mappings.append(gpu.map(dax.map, FAR_IOVA))
+            self._mappings.append(gpu.map(self._far_view, FAR_IOVA))
         except BaseException:
             self.close()
             raise
         self.program()
 
     @classmethod
-    def open(cls, bdf: str | None = None) -> "GpuMemory":
+    def open(cls, bdf: str | None = None, far_size: int | None = None) -> "GpuMemory":
         dax = DaxMapping(cxl.ensure_ram_devdax())
         try:
             gpu = GpuDriver.open(bdf)
@@ -321,7 +349,7 @@ class GpuMemory:
             dax.close()
             raise
         try:
-            return cls(gpu, dax)
+            return cls(gpu, dax, far_size)
         except BaseException:
             gpu.close()
             dax.close()
@@ -376,12 +404,16 @@ class GpuMemory:
                 cv[8 * v] = (v + 1) % lay.n
             cv.release()
             self.dax.write(lay.idx, bytes(col))
-        if k is not Kernel.STREAM and k is not Kernel.SCATTER:
-            out = {Kernel.BFS: 4 * lay.n}.get(k, 8 * lay.n)
-            self.dax.write(lay.b, bytes(out))  # stale data cannot pass the check
+        self.clear_output(lay)
         ver = Verifier(lay, self.dax)
         ver.capture()
         return ver
+
+    def clear_output(self, lay: Layout) -> None:
+        """Zero the output operand: a stale result cannot pass the check."""
+        k = lay.kernel
+        if k is not Kernel.STREAM and k is not Kernel.SCATTER:
+            self.dax.write(lay.b, bytes(4 * lay.n if k is Kernel.BFS else 8 * lay.n))
 
     # -- running ----------------------------------------------------------------
     def configure(self, mode: str, latency: str) -> None:
@@ -450,7 +482,11 @@ class GpuMemory:
                 raise GpuMemError(f"--vram-cache {cache} does not fit the GPU's VRAM below the DS "
                                   f"staging area ({stage} bytes)", f"give at most {stage}")
         t0 = time.perf_counter()
-        verifier = prepared[1] if prepared else self.prepare(lay, seed)
+        if prepared:
+            lay, verifier = prepared
+            self.clear_output(lay)
+        else:
+            verifier = self.prepare(lay, seed)
         setup_s = time.perf_counter() - t0
         pager = UvmPager(self.gpu, self._aux_view[FAULT_OFFSET:], shift, 0, cache) if mode == "uvm" else None
         if warm:  # one run to bring the pages in; the measured run starts warm
@@ -478,6 +514,8 @@ class GpuMemory:
                 "warm": warm, "n": lay.n, "result": result, "verified": ok, "check": what,
                 "modelled_ns": counters["modelled_ns"], "wall_s": wall_s, "setup_s": setup_s,
                 "verify_s": verify_s, "counters": counters, "ds_flushed_bytes": flushed,
+                "pager": ({"served": pager.served, "spurious": pager.spurious,
+                           "trace": pager.trace[:200]} if pager else None),
                 "vfio_backend": self.gpu.device.backend}
 
     def close(self) -> None:
@@ -487,6 +525,7 @@ class GpuMemory:
         for m in reversed(self._mappings):
             m.close()
         self._mappings = []
+        self._far_view.release()
         self._aux_view.release()
         self._aux.close()
 
@@ -497,3 +536,46 @@ class GpuMemory:
         self.close()
         self.gpu.close()
         self.dax.close()
+
+
+# --------------------------------------------------------------------------
+# Many runs in one process (scripts/bench gpumem sends the plan as JSON on the command line)
+# --------------------------------------------------------------------------
+def bench(plan: list[dict], bdf: str | None = None) -> list[dict]:
+    """Each entry: kernel, mode, latency, working_set, vram_cache, unit, warm.  Inputs are
+    prepared once per (kernel, working set) and reused (scatter, which updates in place,
+    every time)."""
+    out = []
+    far = max(layout(p["kernel"], p["working_set"]).size for p in plan)
+    with GpuMemory.open(bdf, far) as mem:
+        prepared: dict = {}
+        for p in plan:
+            key = (p["kernel"], p["working_set"])
+            if p["kernel"] == "scatter" or key not in prepared:
+                lay = layout(p["kernel"], p["working_set"])
+                prepared[key] = (lay, mem.prepare(lay, p.get("seed", 1)))
+            out.append(mem.run(p["kernel"], p["mode"], p["latency"], p["working_set"],
+                               p.get("vram_cache"), p.get("unit", "64K"), p.get("warm", False),
+                               prepared=prepared[key]))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+    import json
+    import sys
+    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.gpumem")
+    parser.add_argument("--plan", required=True, help="JSON list of runs")
+    parser.add_argument("--gpu", metavar="BDF")
+    args = parser.parse_args(argv)
+    try:
+        print(json.dumps(bench(json.loads(args.plan), args.gpu)))
+    except GpuError as err:
+        print(f"gpumem: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main(sys.argv[1:]))

@@ -76,6 +76,7 @@ class FarMemory:
         self.dirty = np.zeros(0, dtype=bool)
         self.mig_src = self.mig_dst = self.mig_len = 0
         self.mig_status = 0
+        self.mig_tag = None  # tag of the last GO accepted
         self.mig_job = None
         self.busy = False  # a COMPUTE/FLUSH op is executing
         self.counters = dict.fromkeys(regs.COUNTERS[:-1], 0)
@@ -134,10 +135,12 @@ class FarMemory:
         elif reg == regs.REG_FAULT_GET:
             self.fault_get = v % self.fault_entries if self.fault_entries else 0
         elif reg == regs.REG_UVM_CONTROL:
-            if v & regs.UVM_CANCEL:
-                self.cancel = True
-            elif v & regs.UVM_REPLAY:
-                self.replay = True
+            # only for the fault pending now: a late or repeated command does nothing
+            if self.fault_pending and (v >> regs.CMD_TAG_SHIFT) == self.fault_seq & regs.CMD_TAG_MASK:
+                if v & regs.UVM_CANCEL:
+                    self.cancel = True
+                elif v & regs.UVM_REPLAY:
+                    self.replay = True
         elif reg == regs.REG_PT_INDEX:
             self.pt_index = v
         elif reg == regs.REG_PT_ENTRY:
@@ -161,7 +164,9 @@ class FarMemory:
         elif reg == regs.REG_MIG_LENGTH:
             self.mig_len = v
         elif reg == regs.REG_MIG_CONTROL:
-            if v & regs.MIG_GO and not self.mig_status & regs.MIG_BUSY:
+            tag = v >> regs.CMD_TAG_SHIFT
+            if v & regs.MIG_GO and not self.mig_status & regs.MIG_BUSY and tag != self.mig_tag:
+                self.mig_tag = tag
                 self._start_migration()
         elif reg == regs.REG_COUNTER_CONTROL:
             if v & regs.COUNTERS_CLEAR:

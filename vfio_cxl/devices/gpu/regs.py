@@ -209,7 +209,7 @@ REG_FAULT_BASE_HI = 0x134  # RW
 REG_FAULT_ENTRIES = 0x138  # RW  fault buffer records, power of two in [2, 4096]
 REG_FAULT_PUT = 0x13C  # RO  index of the next record the device writes
 REG_FAULT_GET = 0x140  # RW  index of the next record the driver reads
-REG_UVM_CONTROL = 0x144  # W   UVM_REPLAY / UVM_CANCEL; reads 0
+REG_UVM_CONTROL = 0x144  # W   UVM_REPLAY / UVM_CANCEL | seq << 8 (of the newest record handled); reads 0
 REG_UVM_STATUS = 0x148  # RO  UVM_FAULT_PENDING while a compute op waits for a replay
 REG_PT_INDEX = 0x14C  # RW  far page number the PT_ENTRY register shows
 REG_PT_ENTRY = 0x150  # RW  PTE_* of that page: VRAM offset | DIRTY | VALID
@@ -218,7 +218,7 @@ REG_MIG_SRC_HI = 0x158  # RW
 REG_MIG_DST_LO = 0x15C  # RW  migration destination: device address (one side VRAM, the other far)
 REG_MIG_DST_HI = 0x160  # RW
 REG_MIG_LENGTH = 0x164  # RW  bytes (multiple of 64)
-REG_MIG_CONTROL = 0x168  # W   MIG_GO starts the copy engine; reads 0
+REG_MIG_CONTROL = 0x168  # W   MIG_GO | tag << 8 starts the copy engine (a tag unlike the last one); reads 0
 REG_MIG_STATUS = 0x16C  # RO  MIG_BUSY / MIG_DONE / MIG_ERROR, bits 8-15 the Status of an error
 REG_DS_PENDING_LINES = 0x170  # RO  lines staged by DS and not yet in the far window
 REG_COUNTER_CONTROL = 0x178  # W   COUNTERS_CLEAR; reads 0
@@ -248,6 +248,11 @@ PTE_VALID = 1 << 0
 PTE_DIRTY = 1 << 1  # set by the device when a kernel writes the resident page
 PTE_ADDR_MASK = 0xFFFFF000  # VRAM offset of the page (page-size aligned)
 MIG_GO = 1 << 0
+# Commands carry a tag (MIG_CONTROL) or the fault's seq (UVM_CONTROL) in bits 8-31, so a
+# command delivered twice does nothing the second time: under TCG, QEMU 11.1 delivers a
+# store through the mmapped BAR0 to the device twice (10 stores, 19 arrivals measured).
+CMD_TAG_SHIFT = 8
+CMD_TAG_MASK = 0xFFFFFF
 MIG_BUSY, MIG_DONE, MIG_ERROR = 1 << 0, 1 << 1, 1 << 2
 COUNTERS_CLEAR = 1 << 0
 CAPS2_FAR = 1 << 0
