@@ -539,20 +539,22 @@ class FarMemory:
             return
         keep = np.ones(len(pages), dtype=bool)
         keep[1:] = pages[1:] != pages[:-1]
-        touches, touch_write = pages[keep], far_writes[keep]
-        written = np.unique(pages[far_writes])
+        # a run of accesses to one page is one touch; written if any access of the run writes
+        run_id = np.cumsum(keep) - 1
+        touches = pages[keep]
+        touch_write = np.zeros(len(touches), dtype=bool)
+        touch_write[run_id[far_writes]] = True
         i, n = 0, len(touches)
         while i < n:
             with self.engine.lock:
-                valid = self.pt[touches[i:i + UVM_WALK_WINDOW]] >= 0
-            if valid.all():
-                i += len(valid)
-                continue
-            i += int(np.argmin(valid))
-            self._fault(cfg, port, stale, int(touches[i]), bool(touch_write[i]))
-        with self.engine.lock:
-            resident = written[self.pt[written] >= 0]
-            self.dirty[resident] = True
+                seg = touches[i:i + UVM_WALK_WINDOW]
+                valid = self.pt[seg] >= 0
+                upto = len(seg) if valid.all() else int(np.argmin(valid))
+                # the device sets DIRTY when it writes a resident page (an eviction writes it back)
+                self.dirty[seg[:upto][touch_write[i:i + upto]]] = True
+            i += upto
+            if upto < len(seg):
+                self._fault(cfg, port, stale, int(touches[i]), bool(touch_write[i]))
 
     def _fault(self, cfg, port, stale, page: int, write: bool) -> None:
         eng = self.engine
