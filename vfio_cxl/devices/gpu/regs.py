@@ -54,7 +54,6 @@ MSI_VECTORS = 4  # with --irq-mode msi: MSI capability (Multiple Message Capable
 VEC_DMA_DONE = 0  # a descriptor with DESC_FLAG_INTERRUPT completed OK
 VEC_ERROR = 1  # the ring halted on an error (ERR_* registers say why)
 VEC_FAULT = 2  # interface 1.1: a compute op stopped on a replayable fault (docs/gpu-device.md)
-VEC_SPARE0 = VEC_FAULT  # (interface 1.0 name: reserved, never raised)
 VEC_SPARE1 = 3  # reserved, never raised
 
 # --------------------------------------------------------------------------
