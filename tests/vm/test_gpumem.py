@@ -67,6 +67,16 @@ def test_uvm_at_4x_the_vram_cache_faults_once_per_unit(single_lab):
     assert sc["bytes_migrated"] > 16 * 65536            # written units went back on eviction
 
 
+def test_the_readme_commands(single_lab):
+    vm = single_lab["host0"]
+    out = vm.run("vfio-cxl gpu run stencil --mode cxl+sr+ds --latency cxl-80ns --working-set 1M",
+                 timeout=600).stdout
+    assert "VERIFIED" in out and "modelled" in out and "sr_hits" in out, out
+    out = vm.run("vfio-cxl gpu run stream --mode uvm --working-set 1M --vram-cache 256K --unit 64K",
+                 timeout=600).stdout
+    assert "VERIFIED" in out and "faults 16" in out, out
+
+
 def test_bad_input_is_refused_with_a_clear_error(single_lab):
     vm = single_lab["host0"]
     r = vm.run("vfio-cxl gpu run stream --working-set 1G", check=False)

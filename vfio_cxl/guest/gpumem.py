@@ -225,13 +225,15 @@ class UvmPager:
         self.page = 1 << page_shift
         self.vram_base = vram_base
         self.cache = LruCache(vram_cache // self.page)
-        self.get = 0
         self.served = 0
         self.spurious = 0  # faults on pages the cache already holds
         self.tag = 0
         self.trace: list[int] = []
         self.check = bool(os.environ.get("VFIO_CXL_GPUMEM_CHECK"))
         self.bar0.write32(regs.REG_UVM_PAGE_SHIFT, page_shift)  # also clears the page table
+        # records before this pager (an earlier run's) are not ours: start at the device's PUT
+        self.get = self.bar0.read32(regs.REG_FAULT_PUT)
+        self.bar0.write32(regs.REG_FAULT_GET, self.get)
 
     def migrate(self, src: int, dst: int) -> None:
         b = self.bar0
