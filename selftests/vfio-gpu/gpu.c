@@ -41,6 +41,8 @@ static const char *const gpu_status_names[] = {
 	"DMA_PERMISSION", "DMA_REFUSED", "DMA_TIMEOUT", "DMA_ABORTED",
 	"RING_FETCH", "COMPLETION_WRITE", "BAD_TAIL", "BAD_RING_CONFIG",
 	"DMA_IO_ERROR",
+	/* interface 1.1: far memory and compute */
+	[24] = "BAD_KERNEL", "FAR_RANGE", "FAULT_TIMEOUT", "FAULT_CANCELLED", "BAD_MODE",
 };
 
 static inline struct gpu_state *to_gpu_state(struct vfio_pci_device *device)
@@ -175,7 +177,8 @@ static void gpu_handle_error(struct vfio_pci_device *device)
 	u32 status = readl(regs + GPU_REG_ERR_STATUS);
 
 	dev_err(device, "gpu: ring halted: %s (%u) at descriptor %u, address 0x%x%08x, errno %u\n",
-		status < ARRAY_SIZE(gpu_status_names) ? gpu_status_names[status] : "?",
+		status < ARRAY_SIZE(gpu_status_names) && gpu_status_names[status] ?
+			gpu_status_names[status] : "?",
 		status, readl(regs + GPU_REG_ERR_DESC_INDEX),
 		readl(regs + GPU_REG_ERR_ADDR_HI), readl(regs + GPU_REG_ERR_ADDR_LO),
 		readl(regs + GPU_REG_ERR_ERRNO));
