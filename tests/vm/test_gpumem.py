@@ -4,6 +4,7 @@ FLUSH leaves the far window byte-exact; a reset in the middle of a uvm run leave
 hung.  On the Debian kernel (type1) and on the lab kernel (iommufd and type1)."""
 
 import json
+import shlex
 
 import pytest
 
@@ -100,7 +101,7 @@ real = UvmPager.service
 def service(self):
     n = real(self)
     if self.served >= 8 and state["reset_at"] is None:
-        # a function level reset through config space, behind the driver's back
+        # a function level reset through config space, behind the back of the driver
         subprocess.run(["setpci", "-s", bdf, "CAP_EXP+8.w=8000:8000"], check=True)
         state["reset_at"] = time.monotonic()
     return n
@@ -119,7 +120,7 @@ print(json.dumps({"error": error, "after_reset_s": done - state["reset_at"] if s
 def test_reset_in_the_middle_of_a_uvm_run_leaves_nothing_hung(single_lab):
     vm = single_lab["host0"]
     bdf = first_gpu(vm)
-    out = json.loads(vm.run(f"python3 -c '{RESET_MID_RUN}' {bdf}", timeout=600).stdout)
+    out = json.loads(vm.run(f"python3 -c {shlex.quote(RESET_MID_RUN)} {bdf}", timeout=600).stdout)
     assert out["error"] is not None and out["after_reset_s"] is not None, out
     assert out["after_reset_s"] < 10, out
     assert json.loads(vm.run("vfio-cxl gpu holders --json").stdout)["holders"] == []
