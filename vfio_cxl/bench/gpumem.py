@@ -167,13 +167,19 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result))
         return 0 if all(r["verified"] for r in rows) else 1
-    print(f"VRAM cache {args.vram >> 20} MiB (uvm), unit 64K; model: docs/gpu-memory.md "
+    report(result, args.vram)
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+def report(result: dict, vram: int) -> None:
+    """The table, the checks and the lab's speed, as ``--json`` has them."""
+    print(f"VRAM cache {vram >> 20} MiB (uvm), unit 64K; model: docs/gpu-memory.md "
           f"(link {model.Model().link_gbps:g} GB/s, MLP {model.Model().mlp}, UVM fault "
           f"{model.Model().fault_ns / 1e3:g} us + PCIe {model.Model().pcie_gbps:g} GB/s); "
-          f"host load {load:.2f}")
+          f"host load {result['load_average_1min']:.2f}")
     print(f"{'kernel':8} {'ws':>7} {'latency':9} {'mode':10} {'modelled us':>12} {'vs uvm':>7} "
           f"{'far rd':>8} {'far wr':>8} {'sr hit':>7} {'faults':>6} {'wall s':>7} ok")
-    for r in rows:
+    for r in result["runs"]:
         c = r["counters"]
         hit = c["sr_hits"] / (c["sr_hits"] + c["far_lines_read"]) if c["sr_hits"] else 0
         vs = f"{r['speedup_vs_uvm']:.2f}" if r["speedup_vs_uvm"] else "-"
@@ -186,5 +192,4 @@ def main(argv: list[str]) -> int:
     s = result["speed"]
     print(f"{'PASS' if s['ok'] else 'FAIL'}  lab speed: stream over {s['working_set'] >> 20} MiB in mode cxl: "
           f"{s['wall_s']:.1f} s wall (target <= 60 s), verified {s['verified']}")
-    print(f"figure: {figure_path}")
-    return 0 if all(r["verified"] for r in rows) else 1
+    print(f"figure: {result['figure']}")
