@@ -122,6 +122,7 @@ def test_reset_in_the_middle_of_a_uvm_run_leaves_nothing_hung(single_lab):
     bdf = first_gpu(vm)
     out = json.loads(vm.run(f"python3 -c {shlex.quote(RESET_MID_RUN)} {bdf}", timeout=600).stdout)
     assert out["error"] is not None and out["after_reset_s"] is not None, out
+    assert "reset" in out["error"], out
     assert out["after_reset_s"] < 10, out
     assert json.loads(vm.run("vfio-cxl gpu holders --json").stdout)["holders"] == []
     assert vm.run("ps -eo args | grep '[v]fio_cxl.guest' || true").stdout.strip() == ""

@@ -332,6 +332,7 @@ class GpuMemory:
         self.far_size = dax.size if far_size is None else min(dax.size, _align(far_size, 2 << 20))
         self._aux = mmap.mmap(-1, 4096)
         self._aux_view = memoryview(self._aux)
+        self._fault_view = self._aux_view[FAULT_OFFSET:]
         self._far_view = dax.view[:self.far_size]
         self._mappings = []
         try:
@@ -446,20 +447,27 @@ class GpuMemory:
             except InterruptTimeout:
                 fired = {}
             if fired.get(regs.VEC_FAULT) and pager is not None:
-                pager.service()
+                try:
+                    pager.service()
+                except GpuMemError:
+                    self._check_running()
+                    raise
             if fired.get(regs.VEC_ERROR) or fired.get(regs.VEC_DMA_DONE):
                 self.gpu.finish(indices, fired)
                 break
             if not fired:
-                status = self.bar0.read32(regs.REG_STATUS)
-                if not status & regs.STATUS_ENABLED:
-                    self.gpu.abandon()
-                    raise GpuMemError("the GPU was reset while the kernel ran (its ring is no longer enabled)",
-                                      "nothing is left pending; run again")
+                self._check_running()
                 if time.monotonic() > deadline:
                     raise GpuMemError(f"the kernel did not finish within {timeout:.0f} s",
                                       "use a smaller --working-set")
         return int.from_bytes(self._aux_view[regs.KERNEL_RESULT_OFFSET:regs.KERNEL_PARAMS.size], "little")
+
+    def _check_running(self) -> None:
+        """GpuMemError if the device dropped the op (a reset: its ring is no longer enabled)."""
+        if not self.bar0.read32(regs.REG_STATUS) & regs.STATUS_ENABLED:
+            self.gpu.abandon()
+            raise GpuMemError("the GPU was reset while the kernel ran (its ring is no longer enabled)",
+                              "nothing is left pending; run again")
 
     def flush(self) -> int:
         (done,) = self.gpu.run([Transfer(Op.FLUSH, src=0, dst=0, length=0)])
@@ -490,7 +498,7 @@ class GpuMemory:
         else:
             verifier = self.prepare(lay, seed)
         setup_s = time.perf_counter() - t0
-        pager = UvmPager(self.gpu, self._aux_view[FAULT_OFFSET:], shift, 0, cache) if mode == "uvm" else None
+        pager = UvmPager(self.gpu, self._fault_view, shift, 0, cache) if mode == "uvm" else None
         if warm:  # one run to bring the pages in; the measured run starts warm
             self.launch(lay, pager)
             if kernel == "scatter":  # it updates in place: the measured run starts from here
@@ -528,6 +536,7 @@ class GpuMemory:
             m.close()
         self._mappings = []
         self._far_view.release()
+        self._fault_view.release()   # a pager may still hold it: it stops working, nothing leaks
         self._aux_view.release()
         self._aux.close()
 
