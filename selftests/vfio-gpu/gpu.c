@@ -42,6 +42,8 @@ static const char *const gpu_status_names[] = {
 	"RING_FETCH", "COMPLETION_WRITE", "BAD_TAIL", "BAD_RING_CONFIG",
 	"DMA_IO_ERROR",
 	[16] = "QUEUE_TIMEOUT", "BAD_QUEUE",	/* interface 1.2 (NVME_IO) */
+	/* interface 1.1: far memory and compute */
+	[24] = "BAD_KERNEL", "FAR_RANGE", "FAULT_TIMEOUT", "FAULT_CANCELLED", "BAD_MODE",
 };
 
 static inline struct gpu_state *to_gpu_state(struct vfio_pci_device *device)

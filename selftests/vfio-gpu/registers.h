@@ -62,6 +62,9 @@
 #define GPU_OP_FILL_PRNG	4
 #define GPU_OP_HOST_TO_HOST	5
 #define GPU_OP_NVME_IO		16	/* interface 1.2: the selftests do not use it */
+/* interface 1.1 (docs/gpu-device.md, "Far memory and compute"); this driver does not use them */
+#define GPU_OP_COMPUTE		6
+#define GPU_OP_FLUSH		7
 
 #define GPU_DESC_FLAG_INTERRUPT	(1U << 0)
 

@@ -84,11 +84,13 @@ def test_pattern_bytes_repeat_the_little_endian_pattern():
 
 def test_status_and_op_codes_are_stable():
     # These numbers are ABI shared with the guest driver: changing one is a break.
-    assert [int(o) for o in regs.Op if o < 16] == [0, 1, 2, 3, 4, 5]
+    assert [int(o) for o in regs.Op] == [0, 1, 2, 3, 4, 5, 6, 7, 16]
     assert int(regs.Status.DMA_REFUSED) == 6 and int(regs.Status.BAD_RING_CONFIG) == 12
-    assert regs.CAPS_OPS & 0xFFFF == 0x3F
+    # interface 1.1 (far memory and compute): COMPUTE (6) and FLUSH (7), registers 0x100-0x1FF
+    assert regs.CAPS_OPS & 0xFFFF == 0xFF
+    assert int(regs.Status.BAD_KERNEL) == 24 and int(regs.Status.BAD_MODE) == 28
     # interface 1.2 (GPU-initiated NVMe I/O) takes op codes 16-23 and registers 0x200-0x27F
-    assert [int(o) for o in regs.Op if o >= 16] == [16] and regs.CAPS_OPS >> 16 == 1
+    assert regs.CAPS_OPS >> 16 == 1
     assert regs.DEVICE_VERSION == 0x00010002
     assert (int(regs.Status.QUEUE_TIMEOUT), int(regs.Status.BAD_QUEUE)) == (16, 17)
     assert 0x200 <= regs.REG_MSGWIN_BASE_LO < regs.REG_MSGWIN_READS < 0x280

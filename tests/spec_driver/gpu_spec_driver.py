@@ -69,6 +69,16 @@ ERR_STATUS, ERR_DESC_INDEX, ERR_ADDR_LO, ERR_ADDR_HI, ERR_ERRNO = 0x080, 0x084, 
 ID_VALUE = 0x31555047          # b"GPU1"
 VERSION_VALUE = 0x00010000
 CAPS_VALUE = 0x3F
+# Written for interface 1.0; the spec's compatibility rule: a later minor (1.n) keeps every 1.0
+# register, bit and op, and may add CAPS bits and registers at offsets 1.0 left unassigned
+# (1.1 uses 0x100-0x1FF).  So VERSION's major and the 1.0 CAPS bits are what this driver needs.
+FIRST_MINOR_OFFSET = 0x100
+
+
+def compatible(version: int, caps: int) -> tuple[int, int]:
+    """(VERSION, CAPS) as this 1.0 driver expects them, if the device's are compatible."""
+    return (VERSION_VALUE if version >> 16 == VERSION_VALUE >> 16 else version,
+            CAPS_VALUE if caps & CAPS_VALUE == CAPS_VALUE else caps)
 RING_MAX_VALUE = 65536
 
 REGISTERS = {  # offset: (name, access)
@@ -502,17 +512,19 @@ def bar0_registers(rep: Report, gpu: Gpu) -> None:
     gpu.reset()
     reset_values = {ID: ID_VALUE, VERSION: VERSION_VALUE, VRAM_SIZE_LO: gpu.vram_size & 0xFFFFFFFF,
                     VRAM_SIZE_HI: gpu.vram_size >> 32, CAPS: CAPS_VALUE, RING_MAX: RING_MAX_VALUE}
+    seen = {off: gpu.r(off) for off in REGISTERS}
+    seen[VERSION], seen[CAPS] = compatible(seen[VERSION], seen[CAPS])
     for off, (name, _) in REGISTERS.items():
-        rep.eq(f"{name} ({off:#05x}) reset value", gpu.r(off), reset_values.get(off, 0))
+        rep.eq(f"{name} ({off:#05x}) reset value", seen[off], reset_values.get(off, 0))
     rep.eq("ID spells b'GPU1'", gpu.r(ID).to_bytes(4, "little"), b"GPU1", fmt=None)
-    nonzero = [off for off in range(0, 0x1000, 4) if off not in REGISTERS and gpu.r(off) != 0]
-    rep.check("every unassigned offset 0x000-0xFFC reads 0", not nonzero, f"nonzero at {[hex(o) for o in nonzero[:8]]}")
+    nonzero = [off for off in range(0, FIRST_MINOR_OFFSET, 4) if off not in REGISTERS and gpu.r(off) != 0]
+    rep.check(f"every unassigned offset 0x000-{FIRST_MINOR_OFFSET - 4:#05x} reads 0", not nonzero, f"nonzero at {[hex(o) for o in nonzero[:8]]}")
     # writes to read-only registers are ignored
     for off in RO_REGS:
         before = gpu.r(off)
         gpu.w(off, 0xA5A5A5A5 if before != 0xA5A5A5A5 else 0x5A5A5A5A)
         rep.eq(f"{REGISTERS[off][0]} ignores writes (RO)", gpu.r(off), before)
-    for off in (0x01C, 0x02C, 0x030, 0x054, 0x064, 0x07C, 0x094, 0x100, 0xFFC):
+    for off in (0x01C, 0x02C, 0x030, 0x054, 0x064, 0x07C, 0x094):
         gpu.w(off, 0xFFFFFFFF)
         rep.eq(f"unassigned {off:#05x} ignores writes and reads 0", gpu.r(off), 0)
     # RW: SCRATCH, partial writes touch only the bytes written
@@ -781,7 +793,7 @@ def errors(rep: Report, gpu: Gpu) -> None:
         if check_after:
             check_after()
 
-    case("BAD_OPCODE (op 6)", desc(6, cookie=0xB1), BAD_OPCODE, 0)
+    case("BAD_OPCODE (op 127: ops 0-5 are 1.0, later minors assign more)", desc(127, cookie=0xB1), BAD_OPCODE, 0)
     case("BAD_OPCODE (op 255)", desc(255, length=16, cookie=0xB2), BAD_OPCODE, 0)
     case("BAD_FLAGS (flags bit 1)", desc(OP_NOP, flags=2, cookie=0xB3), BAD_FLAGS, 0)
     case("BAD_FLAGS (flags bit 7)", desc(OP_FILL_PATTERN, dst=0, length=8, flags=0x81, cookie=0xB4), BAD_FLAGS, 0)
@@ -1141,7 +1153,9 @@ def resets(rep: Report, gpu: Gpu) -> None:
             gpu.cfg.write16(PCIE_CAP_OFF + PCIE_DEVCTL, devctl | DEVCTL_FLR)
         else:
             gpu.dev.reset()
-        regs = {REGISTERS[off][0]: gpu.r(off) for off in REGISTERS}
+        seen = {off: gpu.r(off) for off in REGISTERS}
+        seen[VERSION], seen[CAPS] = compatible(seen[VERSION], seen[CAPS])
+        regs = {REGISTERS[off][0]: seen[off] for off in REGISTERS}
         want = {REGISTERS[off][0]: 0 for off in REGISTERS} | {
             "ID": ID_VALUE, "VERSION": VERSION_VALUE, "VRAM_SIZE_LO": gpu.vram_size & 0xFFFFFFFF,
             "VRAM_SIZE_HI": gpu.vram_size >> 32, "CAPS": CAPS_VALUE, "RING_MAX": RING_MAX_VALUE}

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "p2p": "vfio_cxl.bench.p2p",
     "fabric": "vfio_cxl.bench.fabric",
     "storage": "vfio_cxl.bench.storage",
+    "gpumem": "vfio_cxl.bench.gpumem",
 }
 
 

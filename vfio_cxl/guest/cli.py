@@ -6,6 +6,8 @@
     vfio-cxl gpu bind [--wait S] [--json]      wait for a (hot-plugged) GPU and bind it to vfio-pci
     vfio-cxl gpu holders [--json]              processes that hold a GPU's VFIO group open
     vfio-cxl nvme ls|identify|read|write ...   NVMe controllers through the userspace driver (nvme_cli.py)
+    vfio-cxl gpu run KERNEL --mode M --latency L --working-set SIZE [--vram-cache SIZE] [--json]
+                                               a kernel over CXL far memory (docs/gpu-memory.md)
 
 Every command works right after a hot-plug: a GPU that has no driver yet is
 bound to vfio-pci first (driver_override + drivers_probe).
@@ -130,6 +132,27 @@ def cmd_vram(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    """A compute kernel over the CXL far window, in one memory mode (docs/gpu-memory.md)."""
+    from .gpumem import GpuMemory, layout
+    bdf = _bound(args.gpu)
+    with GpuMemory.open(bdf, layout(args.kernel, args.working_set).size) as mem:
+        r = mem.run(args.kernel, args.mode, args.latency, args.working_set, args.vram_cache,
+                    args.unit, args.warm, args.seed)
+    if args.json:
+        print(json.dumps(r))
+    else:
+        c = r["counters"]
+        print(f"{r['kernel']} {r['mode']} {r['latency']}: working set {r['working_set']} bytes, "
+              f"{'VRAM cache' if r['mode'] == 'uvm' else 'VRAM'} {r['vram']} bytes"
+              + (f", unit {r['unit']}" if r["unit"] else "") + (" (warm)" if r["warm"] else ""))
+        print(f"  result {r['result']:#x}: {'VERIFIED' if r['verified'] else 'WRONG'} ({r['check']})")
+        print(f"  modelled {r['modelled_ns'] / 1e3:.1f} us (model: docs/gpu-memory.md, profile "
+              f"{r['latency']}); wall {r['wall_s']:.2f} s (not modelled time)")
+        print("  counters: " + ", ".join(f"{k} {v}" for k, v in c.items() if k != "modelled_ns" and v))
+    return 0 if r["verified"] else 1
+
+
 def holders(bdf: str | None = None) -> list[dict]:
     """Processes with a VFIO group or device file open (what keeps a GPU from being released);
     with ``bdf``, only those holding that device's IOMMU group."""
@@ -206,6 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--length", type=int, default=32)
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_vram, op=op)
+    p = gpu.add_parser("run", help="a compute kernel over CXL far memory, result verified")
+    p.add_argument("kernel", choices=list(regs.KERNELS))
+    p.add_argument("--mode", choices=list(regs.MODES), default="cxl")
+    p.add_argument("--latency", choices=list(regs.LATENCY_PROFILES), default="cxl-80ns")
+    p.add_argument("--working-set", type=parse_size, default=8 << 20, metavar="SIZE")
+    p.add_argument("--vram-cache", type=parse_size, metavar="SIZE",
+                   help="uvm: VRAM bytes the driver may use as cache (default half the VRAM)")
+    p.add_argument("--unit", choices=["4K", "64K", "2M"], default="64K", help="uvm migration unit")
+    p.add_argument("--warm", action="store_true", help="run once first; measure the second run")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--gpu", metavar="BDF")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_run)
     p = gpu.add_parser("holders", help="processes that hold a VFIO group open")
     p.add_argument("--gpu", metavar="BDF", help="only those holding this GPU's group")
     p.add_argument("--json", action="store_true")

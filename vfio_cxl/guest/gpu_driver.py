@@ -254,11 +254,24 @@ class GpuDriver:
 
     def wait(self, indices: list[int], timeout: float = 10) -> list[dict]:
         """Wait for the MSI-X of the last transfer (or the error vector); returns completions."""
-        fired = self._fired(timeout)
+        return self.finish(indices, self._fired(timeout))
+
+    def pending_vectors(self, timeout: float) -> dict:
+        """{vector: count} fired within ``timeout`` (InterruptTimeout if none): for a caller that
+        serves other vectors (VEC_FAULT, interface 1.1) while its descriptors run."""
+        return self._fired(timeout)
+
+    def abandon(self) -> None:
+        """The device dropped the submitted work (it was reset): reset the ring, forget it."""
+        self.reset()
+
+    def finish(self, indices: list[int], fired: dict) -> list[dict]:
+        """Completions of ``indices`` once ``fired`` (from ``pending_vectors``) holds the
+        done or error vector."""
         if fired.get(regs.VEC_ERROR):
             self._raise_device_error()
         if not fired.get(regs.VEC_DMA_DONE):
-            raise GpuError(f"no MSI-X from the GPU within {timeout} s", "is the GPU server alive?")
+            raise GpuError("no completion MSI-X from the GPU in time", "is the GPU server alive?")
         try:
             done = [self._check(i) for i in indices]
             # a matching record proves completion only if COMPLETED counts it

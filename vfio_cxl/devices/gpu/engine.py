@@ -33,6 +33,7 @@ from ..vfio_user import wire
 from ..vfio_user.dma import DmaAborted, DmaFault, DmaPort, FaultKind
 from . import regs
 from . import nvme_io
+from .farmem import FarMemory
 from .registers import MSG_WINDOW, RING_CONFIG, RegisterFile
 from .regs import Op, Status
 
@@ -90,17 +91,20 @@ class Engine:
         self.resets = 0
         self.transitions = 0
         self._thread: threading.Thread | None = None
+        self.farmem = FarMemory(self, FAULT_STATUS)  # interface 1.1: far memory and compute
 
     # ================================================================ lifetime
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gpu-engine", daemon=True)
         self._thread.start()
+        self.farmem.start()
 
     def stop(self) -> None:
         self.input(Input.STOP)
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        self.farmem.join()
 
     # ================================================================ inputs
     def input(self, kind: Input, *args):
@@ -150,6 +154,8 @@ class Engine:
                     r.set_ring_config(reg, value, mask)
             elif reg in MSG_WINDOW:   # any state: transfers started after the write use it
                 r.set_msg_window(reg, value, mask)
+            elif regs.FARMEM_FIRST <= reg <= regs.FARMEM_LAST:
+                self.farmem.reg_write(reg, value, mask)
             # everything else is read-only: ignored
             return None
         if kind is Input.RESET:
@@ -235,9 +241,14 @@ class Engine:
     def _reset(self, why: str) -> None:
         self._drop()
         self.regs.reset()
+        self.farmem.reset()
         self.resets += 1
         self._enter(State.IDLE)
         log.info("device reset (%s)", why)
+
+    def raise_fault(self) -> None:
+        """VEC_FAULT (farmem's replayable fault); caller holds ``lock``."""
+        self._raise(regs.VEC_FAULT, regs.INTR_FAULT)
 
     def _raise(self, vector: int, bit: int) -> None:
         self.regs.intr_status |= bit
@@ -264,6 +275,8 @@ class Engine:
             return self.port.window_writes & 0xFFFFFFFF if self.port else 0
         if reg == regs.REG_MSGWIN_READS:
             return self.port.window_reads & 0xFFFFFFFF if self.port else 0
+        if regs.FARMEM_FIRST <= reg <= regs.FARMEM_LAST:
+            return self.farmem.reg_value(reg)
         return self.regs.value(reg, self.status(), control)
 
     def message_window(self) -> tuple[int, int]:
@@ -336,6 +349,8 @@ class Engine:
             return Status.BAD_FLAGS, 0, 0, 0
         if op == Op.NOP:
             return Status.OK, 0, 0, 0
+        if op in (Op.COMPUTE, Op.FLUSH):
+            return self.farmem.execute(op, src, dst, length, port, stale)
         if op not in (Op.VRAM_TO_HOST, Op.HOST_TO_VRAM, Op.FILL_PATTERN, Op.FILL_PRNG, Op.HOST_TO_HOST,
                       Op.NVME_IO):
             return Status.BAD_OPCODE, 0, 0, 0

@@ -53,7 +53,7 @@ MSIX_VECTORS = 4
 MSI_VECTORS = 4  # with --irq-mode msi: MSI capability (Multiple Message Capable 4), no BAR4
 VEC_DMA_DONE = 0  # a descriptor with DESC_FLAG_INTERRUPT completed OK
 VEC_ERROR = 1  # the ring halted on an error (ERR_* registers say why)
-VEC_SPARE0 = 2  # reserved, never raised
+VEC_FAULT = 2  # interface 1.1: a compute op stopped on a replayable fault (docs/gpu-device.md)
 VEC_SPARE1 = 3  # reserved, never raised
 
 # --------------------------------------------------------------------------
@@ -101,7 +101,7 @@ REG_MSGWIN_WRITES = 0x210  # RO  DMA_WRITE messages sent into the window since c
 REG_MSGWIN_READS = 0x214  # RO  DMA_READ messages sent into the window since connect (wraps)
 
 ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
-DEVICE_VERSION = 0x00010002  # 1.2 (1.0 plus the message window and NVME_IO; a 1.0 driver works)
+DEVICE_VERSION = 0x00010002  # 1.2: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2); a 1.0 driver works unchanged
 
 # REG_CONTROL bits
 CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE
@@ -118,6 +118,7 @@ STATUS_HALTED = 1 << 2  # state HALTED: stopped on an error until reset
 # REG_INTR_STATUS bits
 INTR_DMA_DONE = 1 << 0
 INTR_ERROR = 1 << 1
+INTR_FAULT = 1 << 2  # interface 1.1: VEC_FAULT was raised
 
 RING_SIZE_MIN = 2
 RING_SIZE_MAX = 65536
@@ -147,6 +148,9 @@ class Op(IntEnum):
     FILL_PATTERN = 3  # src = u64 pattern (its 8 LE bytes repeated), dst = VRAM offset
     FILL_PRNG = 4  # src = u64 seed (prng_bytes stream from 0), dst = VRAM offset
     HOST_TO_HOST = 5  # src = IOVA, dst = IOVA: a copy in host memory through the device (no VRAM)
+    # interface 1.1: far memory and compute (docs/gpu-device.md, "Far memory and compute")
+    COMPUTE = 6  # src = IOVA of a KERNEL_PARAMS block, length = KERNEL_PARAMS.size; dst must be 0
+    FLUSH = 7  # drain the DS backlog into the far window; src, dst, length must be 0
     NVME_IO = 16  # src = VRAM offset of an NVMe queue block, dst = VRAM offset of requests, length = count
 
 
@@ -185,6 +189,12 @@ class Status(IntEnum):
     DMA_IO_ERROR = 13  # memory behind a mapping not accessible, e.g. truncated file (EFAULT)
     QUEUE_TIMEOUT = 16  # NVME_IO: no completion within the queue block's timeout (ERR_ADDR = request's VRAM offset)
     BAD_QUEUE = 17  # NVME_IO: bad queue block, request or completion entry (ERR_ADDR = its VRAM offset)
+    # interface 1.1 (far memory and compute)
+    BAD_KERNEL = 24  # unknown kernel, bad parameters, an index out of its table (ERR_ADDR = detail)
+    FAR_RANGE = 25  # no far window, or an operand outside it / VRAM (ERR_ADDR = device address)
+    FAULT_TIMEOUT = 26  # a replayable fault was not replayed within UVM_FAULT_TIMEOUT_MS (ERR_ADDR = address)
+    FAULT_CANCELLED = 27  # the driver cancelled the faulting op (UVM_CONTROL.CANCEL)
+    BAD_MODE = 28  # MEM_MODE combines UVM with SR/DS, or a bad SR/DS/UVM parameter
 
 
 # --------------------------------------------------------------------------
@@ -235,6 +245,116 @@ def pack_nvme_request(opcode: int, slba: int, length: int, data_iova: int) -> by
 
 
 # --------------------------------------------------------------------------
+# Interface 1.1: far memory, compute, memory modes, UVM fault path, counters
+# (BAR0 0x100-0x1FF; docs/gpu-device.md "Far memory and compute", docs/gpu-memory.md)
+# --------------------------------------------------------------------------
+FARMEM_FIRST, FARMEM_LAST = 0x100, 0x1FF
+REG_FAR_BASE_LO = 0x100  # RW* far window IOVA (4 KiB aligned); * writable only while no op runs
+REG_FAR_BASE_HI = 0x104  # RW*
+REG_FAR_SIZE_LO = 0x108  # RW* far window bytes (multiple of 4 KiB); 0 = no far window
+REG_FAR_SIZE_HI = 0x10C  # RW*
+REG_MEM_MODE = 0x110  # RW  MODE_* bits; 0 = cxl (direct far access at line granularity)
+REG_LATENCY_PROFILE = 0x114  # RW  index into LATENCY_PROFILES
+REG_SR_DEGREE = 0x118  # RW  speculative reads per trained access (1..SR_MAX_DEGREE)
+REG_SR_DISTANCE = 0x11C  # RW  strides ahead (degree + distance <= SR_BUFFER_LINES)
+REG_DS_BACKLOG_LINES = 0x120  # RW  DS backlog bound, lines (1..DS_MAX_BACKLOG_LINES)
+REG_DS_STAGE_BASE = 0x124  # RW  VRAM offset of the DS staging area (64-byte aligned)
+REG_UVM_PAGE_SHIFT = 0x128  # RW  page (= migration unit) size: 12, 16 or 21; a write clears the page table
+REG_UVM_FAULT_TIMEOUT_MS = 0x12C  # RW  a fault not replayed in time fails the op (FAULT_TIMEOUT)
+REG_FAULT_BASE_LO = 0x130  # RW  fault buffer IOVA (16-byte records, FAULT_RECORD)
+REG_FAULT_BASE_HI = 0x134  # RW
+REG_FAULT_ENTRIES = 0x138  # RW  fault buffer records, power of two in [2, 4096]
+REG_FAULT_PUT = 0x13C  # RO  index of the next record the device writes
+REG_FAULT_GET = 0x140  # RW  index of the next record the driver reads
+REG_UVM_CONTROL = 0x144  # W   UVM_REPLAY / UVM_CANCEL | seq << 8 (of the newest record handled); reads 0
+REG_UVM_STATUS = 0x148  # RO  UVM_FAULT_PENDING while a compute op waits for a replay
+REG_PT_INDEX = 0x14C  # RW  far page number the PT_ENTRY register shows
+REG_PT_ENTRY = 0x150  # RW  PTE_* of that page: VRAM offset | DIRTY | VALID
+REG_MIG_SRC_LO = 0x154  # RW  migration source: device address (FAR_DEVADDR + offset, or VRAM offset)
+REG_MIG_SRC_HI = 0x158  # RW
+REG_MIG_DST_LO = 0x15C  # RW  migration destination: device address (one side VRAM, the other far)
+REG_MIG_DST_HI = 0x160  # RW
+REG_MIG_LENGTH = 0x164  # RW  bytes (multiple of 64)
+REG_MIG_CONTROL = 0x168  # W   MIG_GO | tag << 8 starts the copy engine (a tag unlike the last one); reads 0
+REG_MIG_STATUS = 0x16C  # RO  MIG_BUSY / MIG_DONE / MIG_ERROR, bits 8-15 the Status of an error
+REG_DS_PENDING_LINES = 0x170  # RO  lines staged by DS and not yet in the far window
+REG_COUNTER_CONTROL = 0x178  # W   COUNTERS_CLEAR; reads 0
+REG_CAPS2 = 0x17C  # RO  CAPS2_* feature bits
+REG_COUNTERS = 0x180  # RO  16 u64 counters (COUNTERS), _LO at 0x180 + 8 * i, _HI at + 4
+
+FAR_DEVADDR = 1 << 40  # device address of far window offset 0; below it: VRAM offsets
+LINE_SIZE = 64
+FAR_ALIGN = 4096
+
+MODE_SR = 1 << 0  # speculative reads
+MODE_DS = 1 << 1  # deterministic store
+MODE_UVM = 1 << 2  # far pages reached only through the page table (replayable faults); alone
+MODES = {"cxl": 0, "cxl+sr": MODE_SR, "cxl+ds": MODE_DS, "cxl+sr+ds": MODE_SR | MODE_DS,
+         "uvm": MODE_UVM}
+LATENCY_PROFILES = ("cxl-80ns", "cxl-250ns", "ssd")  # LATENCY_PROFILE register values 0, 1, 2
+
+SR_BUFFER_LINES = 1024  # the SR buffer: 64 KiB
+SR_MAX_DEGREE = 64
+DS_MAX_BACKLOG_LINES = 1 << 16
+UVM_PAGE_SHIFTS = (12, 16, 21)  # 4 KiB, 64 KiB, 2 MiB
+
+UVM_REPLAY = 1 << 0  # the driver serviced the faults: the op retries the access
+UVM_CANCEL = 1 << 1  # the op fails with FAULT_CANCELLED
+UVM_FAULT_PENDING = 1 << 0
+PTE_VALID = 1 << 0
+PTE_DIRTY = 1 << 1  # set by the device when a kernel writes the resident page
+PTE_ADDR_MASK = 0xFFFFF000  # VRAM offset of the page (page-size aligned)
+MIG_GO = 1 << 0
+# Commands carry a tag (MIG_CONTROL) or the fault's seq (UVM_CONTROL) in bits 8-31, so a
+# command delivered twice does nothing the second time: under TCG, QEMU 11.1 delivers a
+# store through the mmapped BAR0 to the device twice (10 stores, 19 arrivals measured).
+CMD_TAG_SHIFT = 8
+CMD_TAG_MASK = 0xFFFFFF
+MIG_BUSY, MIG_DONE, MIG_ERROR = 1 << 0, 1 << 1, 1 << 2
+COUNTERS_CLEAR = 1 << 0
+CAPS2_FAR = 1 << 0
+CAPS2_SR = 1 << 1
+CAPS2_DS = 1 << 2
+CAPS2_UVM = 1 << 3
+CAPS2 = CAPS2_FAR | CAPS2_SR | CAPS2_DS | CAPS2_UVM
+
+# fault record (FAULT_BASE + 16 * index): u64 device address, u32 flags (FAULT_WRITE), u32 seq (from 1)
+FAULT_RECORD = struct.Struct("<QII")
+FAULT_WRITE = 1 << 0
+
+# the counters, in register order (index i at REG_COUNTERS + 8 * i)
+COUNTERS = (
+    "far_lines_read", "far_lines_written", "vram_lines",
+    "sr_issued", "sr_hits", "sr_late", "sr_wasted", "sr_throttled",
+    "ds_staged", "ds_stalls", "ds_backlog_hwm",
+    "faults", "migrations", "evictions", "bytes_migrated",
+    "modelled_ns",  # the model's time for the counts above (docs/gpu-memory.md)
+)
+
+
+class Kernel(IntEnum):
+    """KERNEL_PARAMS.kernel.  Operands are device addresses; elements u64, indices u32."""
+    STREAM = 1  # result = sum of n u64 at a (mod 2**64)
+    COPY = 2  # b[i] = a[i], i < n
+    STENCIL = 3  # b[i] = a[i-1] + a[i] + a[i+1] (mod 2**64; a[-1] = a[n] = 0)
+    GATHER = 4  # b[i] = a[idx[i]], i < n; every idx < aux (the table's length)
+    SCATTER = 5  # a[idx[i]] += 1, i < n (duplicates add up); every idx < aux
+    BFS = 6  # CSR graph: a = row_ptr (u64, n + 1), idx = column (u32, aux edges), b = level (u32, n);
+    #          arg = source vertex; level = hops from it, 0xFFFFFFFF unreached; result = vertices reached
+
+
+KERNELS = {k.name.lower(): k for k in Kernel}
+# u32 kernel, u32 reserved (0), u64 n, a, b, idx, aux, arg, u64 result (written back by the device)
+KERNEL_PARAMS = struct.Struct("<IIQQQQQQQ")
+KERNEL_RESULT_OFFSET = KERNEL_PARAMS.size - 8
+
+
+def pack_kernel(kernel: int, n: int, a: int = 0, b: int = 0, idx: int = 0, aux: int = 0,
+                arg: int = 0) -> bytes:
+    return KERNEL_PARAMS.pack(kernel, 0, n, a, b, idx, aux, arg, 0)
+
+
+# --------------------------------------------------------------------------
 # Reset values (offset -> value).  VRAM_SIZE depends on the configured VRAM.
 # --------------------------------------------------------------------------
 def reset_values(vram_size: int = DEFAULT_VRAM_SIZE) -> dict[int, int]:
@@ -257,6 +377,19 @@ def reset_values(vram_size: int = DEFAULT_VRAM_SIZE) -> dict[int, int]:
         REG_MSGWIN_WRITES, REG_MSGWIN_READS,
     ):
         values[reg] = 0
+    # interface 1.1 (far memory and compute)
+    values.update(dict.fromkeys(
+        (REG_FAR_BASE_LO, REG_FAR_BASE_HI, REG_FAR_SIZE_LO, REG_FAR_SIZE_HI, REG_MEM_MODE,
+         REG_LATENCY_PROFILE, REG_FAULT_BASE_LO, REG_FAULT_BASE_HI, REG_FAULT_ENTRIES,
+         REG_FAULT_PUT, REG_FAULT_GET, REG_UVM_CONTROL, REG_UVM_STATUS, REG_PT_INDEX,
+         REG_PT_ENTRY, REG_MIG_SRC_LO, REG_MIG_SRC_HI, REG_MIG_DST_LO, REG_MIG_DST_HI,
+         REG_MIG_LENGTH, REG_MIG_CONTROL, REG_MIG_STATUS, REG_DS_PENDING_LINES,
+         REG_COUNTER_CONTROL, REG_COUNTERS), 0))
+    values.update({
+        REG_SR_DEGREE: 8, REG_SR_DISTANCE: 128, REG_DS_BACKLOG_LINES: 4096,
+        REG_DS_STAGE_BASE: max(0, vram_size - 4096 * LINE_SIZE), REG_UVM_PAGE_SHIFT: 16,
+        REG_UVM_FAULT_TIMEOUT_MS: 5000, REG_CAPS2: CAPS2,
+    })
     return values
 
 
