@@ -209,7 +209,7 @@ CASES.update({
     "vfio-cxl demo tour": same(SCRIPT_DEMO),      # ./scripts/demo runs these three lines as typed
     "vfio-cxl demo dma": same(SCRIPT_DEMO),
     "vfio-cxl demo share": same(SCRIPT_DEMO),
-    "vfio-cxl demo dma [--size N] [--offset N]": Case(group="demo", run="vfio-cxl demo dma --size 64K --offset 4096",
+    "vfio-cxl demo dma [--size N] [--offset N]": Case(group="demo", run="vfio-cxl demo dma --size 65536 --offset 4096",
                                                       timeout=900),
     "vfio-cxl demo share [--records N]": same(SCRIPT_DEMO),
     "vfio-cxl demo p2p": Case(group="p2p", timeout=1800, expect=(r"^\s+host memcpy, cold \(reference\)\s+\d+ MB/s",)),
@@ -343,8 +343,11 @@ def run(command: str, case: Case, cwd: Path, stdin: str | None = None) -> Ran:
             raise AssertionError(f"$ {command}: no exit within {case.timeout:.0f} s\n{out[-3000:]}") from None
         return Ran(command, done.returncode, done.stderr.splitlines() + done.stdout.splitlines(), done.stdout,
                    time.monotonic() - t0)
+    # As in a terminal's foreground: SIGINT at its default even when this test runs as a background
+    # job (which starts with SIGINT ignored, and bash cannot trap a signal ignored on entry).
     proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=environment(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue[str | None] = queue.Queue()
 
     def reader() -> None:
