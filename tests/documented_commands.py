@@ -203,14 +203,17 @@ CASES.update({
         same("vfio-cxl demo p2p"),   # the demo runs it in the guest
     # ---- VM: tests/vm/test_documented_commands.py, grouped by the lab they need
     SCRIPT_DEMO: Case(group="demo", timeout=1800,
-                      expect=(r"^GPU wrote: 'DMA FROM GPU TO CXL MEMORY' \+ \d+ bytes of PRNG fill$",
-                              r"^\d+ bytes into /dev/dax0\.0 \(region0\) at offset 0x0$",
-                              r"^checksum MATCH .*; host backend file: MATCH$")),
+                      expect=(r"^GPU → CXL: 'DMA FROM GPU TO CXL MEMORY' \+ \d+ bytes, \d+ bytes into "
+                              r"/dev/dax0\.0 \(region0\) at offset 0x0$",
+                              r"^guest checksum: MATCH \(sha256 \w+…\); host backend file: MATCH$",
+                              r"^timings: DMA map [\d.]+ ms, doorbell→MSI-X [\d.]+ ms \(\d+ MB/s\), device \d+ µs; "
+                              r"VFIO backend \w+$")),
     "vfio-cxl demo tour": same(SCRIPT_DEMO),      # ./scripts/demo runs these three lines as typed
     "vfio-cxl demo dma": same(SCRIPT_DEMO),
     "vfio-cxl demo share": same(SCRIPT_DEMO),
     "vfio-cxl demo dma [--size N] [--offset N]": Case(group="demo", run="vfio-cxl demo dma --size 65536 --offset 4096",
-                                                      timeout=900),
+                                                      timeout=900, expect=(r"bytes into /dev/dax0\.0 \(region0\) at "
+                                                                           r"offset 0x1000$",)),
     "vfio-cxl demo share [--records N]": same(SCRIPT_DEMO),
     "vfio-cxl demo p2p": Case(group="p2p", timeout=1800, expect=(r"^\s+host memcpy, cold \(reference\)\s+\d+ MB/s",)),
     "vfio-cxl demo p2p [--size N]": same("vfio-cxl demo p2p"),

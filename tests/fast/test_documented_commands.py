@@ -5,6 +5,7 @@ docs show.  The VM ones run in tests/vm/test_documented_commands.py."""
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -100,3 +101,11 @@ def test_documented_command_runs_as_typed(command, tmp_path):
     shown = [out for s in SHOWN if s.command == command for out in s.output]
     docs.check(ran, case, shown)
     print(f"{ran.seconds:6.1f} s  exit {ran.returncode}  $ {line}")
+
+
+def test_the_demo_lines_the_test_expects_are_the_readmes():
+    # README "The DMA demo" shows demo dma's output in a block of its own (no `$` line): the VM
+    # test expects those lines of ./scripts/demo, so each expectation must be a line it shows.
+    readme = (docs.ROOT / "README.md").read_text().splitlines()
+    for expect in CASES[docs.SCRIPT_DEMO].expect:
+        assert any(re.search(expect, line) for line in readme), f"README shows no line like {expect!r}"
