@@ -30,6 +30,16 @@ SHOWN = docs.documented()
 TIMES: list[tuple[str, int | None, float]] = []
 
 
+@pytest.fixture(scope="module", autouse=True)
+def times_report():
+    """After the module: each command run, its exit status and time (pytest -s or -rA shows it)."""
+    yield
+    total = sum(seconds for _, _, seconds in TIMES)
+    for line, code, seconds in TIMES:
+        print(f"{seconds:7.1f} s  exit {code}  $ {line}")
+    print(f"{len(TIMES)} documented commands in {total:.0f} s")
+
+
 @pytest.fixture
 def quiet_host(labs, kept_detached):
     """One lab at a time on two cores: the pool's lab and any detached lab another test kept are
@@ -152,11 +162,3 @@ def test_lab_kernel_commands(quiet_host, tmp_path, command):
     except LabError:
         pytest.skip(CASES[command].skip)
     run_checked(command, tmp_path, line=CASES[command].run or command)
-
-
-def test_zz_times(request):
-    """The commands run above, with their exit status and time (pytest -s or -rA shows it)."""
-    total = sum(seconds for _, _, seconds in TIMES)
-    for line, code, seconds in TIMES:
-        print(f"{seconds:7.1f} s  exit {code}  $ {line}")
-    print(f"{len(TIMES)} documented commands in {total:.0f} s")
