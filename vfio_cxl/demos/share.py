@@ -41,27 +41,24 @@ B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.netconfig: 169.254.<link>.<VM 
 
 def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ...] = (),
            ring_entries: int = 256, stall_until_full: bool = False, max_size: int = 64 << 10,
-           paced: bool = False, timeout: float = 30, coherence: str = "coherent",
-           start_timeout: float = 600) -> dict:
+           paced: bool = False, timeout: float = 30, coherence: str = "coherent") -> dict:
     """Run the consumer in VM b and the producer in VM a at once; both sides' JSON.
 
     The producer waits for the consumer (clock echo, notification listener)
-    itself, so the two may start in either order, up to ``start_timeout`` apart (each is a guest
-    Python start: minutes on a loaded host; 30 s was seen to be too short).  ``coherence``: "coherent"
+    itself, so the two may start in either order.  ``coherence``: "coherent"
     (the lab's memory is) or "x86" (real cache-line instructions; the host
     must have built ``vfio_cxl.cacheline`` first)."""
     a, b = lab["a"], lab["b"]
     a.run(f"{STREAM} reset")
-    common = (f"--count {count} --max-size {max_size} --timeout {timeout} --start-timeout {start_timeout} "
-              f"--coherence {coherence}")
+    common = f"--count {count} --max-size {max_size} --timeout {timeout} --coherence {coherence}"
     consumer_cmd = f"{STREAM} consume {common}" + (" --notify" if notify else "") + \
         (" --stall-until-full" if stall_until_full else "")
     producer_cmd = f"{STREAM} produce {common} --ring-entries {ring_entries} --peer {B_LINK_ADDRESS}" + \
         (" --notify" if notify else "") + (" --paced" if paced else "") + \
         (" --report-full" if stall_until_full else "") + \
         (" --corrupt " + ",".join(map(str, corrupt)) if corrupt else "")
-    consumer = b.start_command(consumer_cmd, timeout=start_timeout + timeout + 600)
-    produced = json.loads(a.run(producer_cmd, timeout=start_timeout + timeout + 600).stdout)
+    consumer = b.start_command(consumer_cmd, timeout=timeout + 600)
+    produced = json.loads(a.run(producer_cmd, timeout=timeout + 600).stdout)
     consumed = json.loads(consumer.join(check=False).stdout)
     return {"a": produced, "b": consumed}
 

@@ -147,16 +147,13 @@ def connect_with_retry(host: str, port: int, timeout: float) -> socket.socket:
 # -- producer (VM a) ----------------------------------------------------------
 def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, notify: bool,
             corrupt: set[int], timeout: float, paced: bool = False, report_full: bool = False,
-            coherence_name: str = "coherent", start_timeout: float | None = None) -> dict:
+            coherence_name: str = "coherent") -> dict:
     from .gpu_driver import GpuDriver, Transfer   # only VM a has the GPU
 
     dax_device = cxl.ensure_ram_devdax()
-    # the consumer may start much later than us (a guest Python start takes minutes on a loaded
-    # host): waiting for it to come up has its own limit, records keep ``timeout``
-    start_timeout = timeout if start_timeout is None else start_timeout
-    clock = measure_clock_offset(peer, CLOCK_PORT, start_timeout)
-    notifier = connect_with_retry(peer, NOTIFY_PORT, start_timeout) if notify else None
-    full_reporter = connect_with_retry(peer, FULL_PORT, start_timeout) if report_full else None
+    clock = measure_clock_offset(peer, CLOCK_PORT, timeout)
+    notifier = connect_with_retry(peer, NOTIFY_PORT, timeout) if notify else None
+    full_reporter = connect_with_retry(peer, FULL_PORT, timeout) if report_full else None
     done_at: list[float] = []
     full_waits = 0
     with DaxMapping(dax_device) as dax, GpuDriver.open() as gpu:
@@ -207,15 +204,14 @@ def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, 
 
 # -- consumer (VM b) ----------------------------------------------------------
 def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
-            stall_until_full: bool, coherence_name: str = "coherent", start_timeout: float | None = None) -> dict:
-    start_timeout = timeout if start_timeout is None else start_timeout   # for the producer to come up
+            stall_until_full: bool, coherence_name: str = "coherent") -> dict:
     dax_device = cxl.ensure_ram_devdax()
     stop = threading.Event()
     server = conn = full_server = None
     serve_clock(CLOCK_PORT, stop)
     if notify:
         server = socket.create_server(("0.0.0.0", NOTIFY_PORT))
-        server.settimeout(start_timeout)
+        server.settimeout(timeout)
     if stall_until_full:
         full_server = socket.create_server(("0.0.0.0", FULL_PORT))
         full_server.settimeout(timeout)
@@ -224,7 +220,7 @@ def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
     with DaxMapping(dax_device) as dax:
         view = channel_view(dax)
         prefault(view, write=False)
-        consumer = Consumer.open(view, coherence=coherence(coherence_name), wait=start_timeout)
+        consumer = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout)
         try:
             if server:
                 conn, _ = server.accept()
@@ -296,8 +292,6 @@ def main(argv: list[str]) -> int:
                         help="send/wait for 'record N ready' over the link instead of polling")
     parser.add_argument("--corrupt", default="", help="producer: comma-separated seqs to corrupt after publish")
     parser.add_argument("--timeout", type=float, default=30)
-    parser.add_argument("--start-timeout", type=float, default=None,
-                        help="seconds to wait for the other side to come up (default: --timeout)")
     parser.add_argument("--paced", action="store_true",
                         help="producer: wait for each record's ack before the next (latency without queueing)")
     parser.add_argument("--stall-until-full", action="store_true",
@@ -311,11 +305,10 @@ def main(argv: list[str]) -> int:
         if args.role == "produce":
             corrupt = {int(s) for s in args.corrupt.split(",") if s}
             result = produce(args.count, args.seed, args.max_size, args.ring_entries, args.peer, args.notify,
-                             corrupt, args.timeout, args.paced, args.report_full, args.coherence,
-                             args.start_timeout)
+                             corrupt, args.timeout, args.paced, args.report_full, args.coherence)
         elif args.role == "consume":
             result = consume(args.count, args.seed, args.max_size, args.notify, args.timeout,
-                             args.stall_until_full, args.coherence, args.start_timeout)
+                             args.stall_until_full, args.coherence)
         else:
             result = reset()
     except cxl.CxlError as err:
