@@ -13,7 +13,10 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import fdcheck
 
 from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning
@@ -51,10 +54,6 @@ def fm(lab: Detached, *args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
     """gpu0 starts in a, gpu1 in b (fabric); gpu0 moves to b's hot-plug port and back."""
     lab = detached("fabric", shared=True)   # one fabric boot for the tests of this file
@@ -89,19 +88,26 @@ def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
     assert lab.status()["gpus"]["gpu0"]["scrubbed"] is False
 
     # Round trips, gpu dma after each (it finds, opens and uses the GPU); then count what is held.
-    before = held(lab)
+    # Like with like: the reference is read after the first round trip (a scrubbed move into a,
+    # then gpu dma in a), as the reading after the last one is; what a QEMU holds follows the
+    # kind of the last move and the guest's last use of the GPU, not only the count of moves.
+    before = None
     moves, t0 = [], time.monotonic()
     for i in range(ROUND_TRIPS):
         for vm in ("b", "a"):
             moved = fm(lab, "assign", "gpu0", vm)
             moves.append(moved["move_s"])
             gpu_dma(lab, vm, moved["bdf"])
+        if before is None:
+            before = held(lab)
     print(f"{ROUND_TRIPS} round trips a<->b in {time.monotonic() - t0:.0f} s: full move min {min(moves):.2f} s, "
           f"median {sorted(moves)[len(moves) // 2]:.2f} s, max {max(moves):.2f} s")
-    after = held(lab)
-    leaked = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
-    print(f"after {2 * ROUND_TRIPS} moves, held: {after}")
-    assert not leaked, f"leaked (before, after): {leaked}"
+    after = held(lab, reference=before)
+    leaked = {k: (before.counts[k], after.counts[k]) for k in before.counts if before.counts[k] != after.counts[k]}
+    leaked_fds = fdcheck.differences(before.fds, after.fds)
+    print(f"after {2 * ROUND_TRIPS - 2} more moves, held: {after.counts}, fds: "
+          f"{ {k: sum(v.values()) for k, v in after.fds.items()} }; waited {after.waited:.1f} s for late closes")
+    assert not leaked and not leaked_fds, f"leaked (before, after): {leaked}; fds by kind (after - before): {leaked_fds}"
 
     # A guest process that holds the GPU and ignores the kernel's release request: release fails
     # within its timeout naming it; --force kills it and the GPU comes out; it goes back and works.
@@ -145,27 +151,38 @@ time.sleep(600)
 """
 
 
-def held(lab: Detached) -> dict:
-    """What the lab holds, to compare before and after moves: fds of the FM, of each QEMU and of
-    each GPU server; processes naming the run dir; run-dir files and sockets; each QEMU's mappings
-    of GPU VRAM; guest processes holding a GPU."""
+@dataclass
+class Held:
+    counts: dict[str, int]
+    fds: fdcheck.Holdings       # by kind (tests/fdcheck.py), per process
+    waited: float               # for what QEMU releases late (slirp's sockets of ended SSH sessions)
+
+
+def held(lab: Detached, reference: Held | None = None) -> Held:
+    """What the lab holds, to compare before and after moves: the fds of the FM, of each QEMU and
+    of each GPU server, by kind, once no QEMU holds a late-released socket (and, given a reference,
+    once they equal it, up to a deadline: a real leak still fails); processes naming the run dir;
+    run-dir files and sockets; each QEMU's mappings of GPU VRAM; guest processes holding a GPU."""
     status = lab.status()
-    rundir = Path(lab.record.rundir)
-    files = sorted(rundir.rglob("*"))
-    counts = {"fm_fds": open_fds(lab.record.fm["pid"]),
-              "processes": len(processes_mentioning(lab.record.rundir)),
-              "rundir_files": len(files), "sockets": sum(1 for f in files if f.is_socket())}
-    for name, vm in status["vms"].items():
-        counts[f"qemu_{name}_fds"] = open_fds(vm["qemu_pid"])
-        maps = Path(f"/proc/{vm['qemu_pid']}/maps").read_text()
-        counts[f"qemu_{name}_vram_maps"] = maps.count("vfio-cxl-gpu-vram")
+    counts = {}
+    for name in status["vms"]:
         # Open VFIO group files in the guest (one ls, not a guest Python start: minutes at load 18).
+        # First: each SSH session leaves QEMU a socket that slirp closes seconds later.
         result = lab.ssh(name, "ls -l /proc/[0-9]*/fd 2>/dev/null | grep -c ' /dev/vfio/[0-9]' || true")
         assert result.returncode == 0, result.stderr
         counts[f"guest_{name}_vfio_fds"] = int(result.stdout.strip() or 0)
-    for name, gpu in status["gpus"].items():
-        counts[f"{name}_server_fds"] = open_fds(gpu["server_pid"])
-    return counts
+    pids = {"fm": lab.record.fm["pid"]}
+    pids.update({f"qemu_{name}": vm["qemu_pid"] for name, vm in status["vms"].items()})
+    pids.update({f"{name}_server": gpu["server_pid"] for name, gpu in status["gpus"].items()})
+    fds, waited = fdcheck.settle(pids, reference.fds if reference else None, timeout=30)
+    rundir = Path(lab.record.rundir)
+    files = sorted(rundir.rglob("*"))
+    counts.update({"processes": len(processes_mentioning(lab.record.rundir)),
+                   "rundir_files": len(files), "sockets": sum(1 for f in files if f.is_socket())})
+    for name, vm in status["vms"].items():
+        maps = Path(f"/proc/{vm['qemu_pid']}/maps").read_text()
+        counts[f"qemu_{name}_vram_maps"] = maps.count("vfio-cxl-gpu-vram")
+    return Held(counts, fds, waited)
 
 
 WAITER = r"""

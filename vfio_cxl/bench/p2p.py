@@ -34,7 +34,8 @@ from ..lab.lab import Lab
 from .reference import host_memcpy
 
 
-def _size(text: str) -> int:
+def parse_size(text: str) -> int:
+    """``16M``, ``16MiB``, ``4K``, ``4096``: bytes (the ``--size`` of the bench and of ``demo p2p``)."""
     text = text.strip().upper().removesuffix("IB").removesuffix("B")
     mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
     return int(text.rstrip("KM")) * mult
@@ -43,7 +44,7 @@ def _size(text: str) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="scripts/bench p2p", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=_size, default=16 << 20)
+    parser.add_argument("--size", type=parse_size, default=16 << 20)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--backend", choices=("type1", "iommufd"), default="type1")
     parser.add_argument("--kernel", choices=("distro", "lab"), default="distro",

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the controller until SIGTERM")
     where = serve.add_mutually_exclusive_group(required=True)
     where.add_argument("--sockets", metavar="DIR",
-                       help="directory for the sockets host0.sock .. host<N-1>.sock (with --hosts)")
+                       help="directory for the sockets host0.sock .. host<N-1>.sock (with --hosts; "
+                            "created if missing)")
     where.add_argument("--socket", action="append", metavar="PATH",
                        help="socket of the next host (repeat once per host, host 0 first)")
     serve.add_argument("--hosts", type=int, metavar="N", help=f"hosts (1..{regs.MAX_HOSTS}) with --sockets")
@@ -62,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(set(sockets)) != len(sockets):
         print("vfio-cxl smc: the same socket is named twice; give each host its own", file=sys.stderr)
         return 2
+    if args.sockets is not None:
+        try:
+            Path(args.sockets).mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"vfio-cxl smc: cannot create the sockets directory {args.sockets}: {exc.strerror} "
+                  "(give --sockets a directory you can write)", file=sys.stderr)
+            return 1
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s smc %(levelname)s %(name)s: %(message)s")
     controller = SmcController(sockets, partial_timeout=args.message_timeout)

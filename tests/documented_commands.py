@@ -1,0 +1,404 @@
+"""Every command README.md and docs/*.md show, read from the docs themselves.
+
+``documented()`` parses the Markdown: fenced ``sh`` blocks (every line a command), ``console``
+blocks and untagged blocks (``$ CMD`` lines, with the output lines the doc shows under each;
+in untagged blocks also synopsis lines that start with a command, joined with their ``[--opt]``
+continuation lines), and inline code spans that start with a command (``vfio-cxl ...``,
+``scripts/...``, ``./scripts/...``, ``python -m ...``, optionally after ``VFIO_CXL_X=Y``).
+
+``CASES`` says how each one is run by ``tests/fast/test_documented_commands.py`` (no VM) or
+``tests/vm/test_documented_commands.py`` (booted labs): as it is typed, with its smallest
+arguments, covered by the run of another documented command (a synopsis and its concrete
+form), or skipped with the reason.  A command that appears in the docs with no entry here
+fails a fast test, naming the file and line.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = re.compile(r"^(VFIO_CXL_\w+=\S+ )*(vfio-cxl |\./scripts/\S|scripts/\S|python3? -m )")
+FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
+COMMENT = re.compile(r"\s+(#|──).*$")
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def normal(text: str) -> str:
+    return " ".join(text.split())
+
+
+@dataclass
+class Shown:
+    """One place a doc shows a command: where, and the output lines shown under it (console)."""
+    command: str
+    where: str
+    output: list[str] = field(default_factory=list)
+    block: str | None = None      # "README.md:441" for a command of a console session
+
+
+def _block(lines: list[str], start: int, lang: str, name: str) -> list[Shown]:
+    shown: list[Shown] = []
+    where_block = f"{name}:{start}"
+    for i, line in enumerate(lines, start + 1):
+        stripped = line.strip()
+        if lang == "sh":
+            if stripped and not stripped.startswith("#"):
+                shown.append(Shown(normal(COMMENT.sub("", stripped)), f"{name}:{i}"))
+            continue
+        if line.startswith("$ "):
+            shown.append(Shown(normal(COMMENT.sub("", line[2:])), f"{name}:{i}", block=where_block))
+        elif shown and shown[-1].block and not stripped.startswith("#"):
+            if stripped:
+                shown[-1].output.append(line.rstrip())
+        elif lang == "" and COMMAND.match(line):
+            shown.append(Shown(normal(COMMENT.sub("", line)), f"{name}:{i}"))
+        elif lang == "" and shown and not shown[-1].block and re.match(r"\s+(\[|--)", line) \
+                and shown[-1].where == f"{name}:{i - 1 - len(shown[-1].output)}":
+            shown[-1].command = normal(shown[-1].command + " " + COMMENT.sub("", stripped))
+            shown[-1].output.append("")   # keeps the line arithmetic above: one per joined line
+    for s in shown:
+        if not s.block:
+            s.output = []
+    return shown
+
+
+def documented() -> list[Shown]:
+    found: list[Shown] = []
+    for path in doc_files():
+        name = path.relative_to(ROOT).as_posix()
+        lines = path.read_text().splitlines()
+        prose = list(lines)                # fenced lines blanked: inline spans are read from prose
+        i = 0
+        while i < len(lines):
+            m = FENCE.match(lines[i])
+            if not m:
+                i += 1
+                continue
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```"))
+            indent = len(m.group(1))
+            if m.group(2) in ("", "sh", "console"):
+                found += _block([line[indent:] for line in lines[i + 1:end]], i + 1, m.group(2), name)
+            for j in range(i, end + 1):
+                prose[j] = ""
+            i = end + 1
+        text = "\n".join(prose)
+        for span in re.finditer(r"`([^`]+)`", text):
+            command = normal(span.group(1))
+            if COMMAND.match(command + " ") and not command.endswith("/"):
+                line = text.count("\n", 0, span.start()) + 1
+                found.append(Shown(command, f"{name}:{line}"))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# How each documented command is run.
+#   run:   the command line run through bash from the repo root (default: as documented)
+#   group: "fast" (tests/fast), or the VM session that runs it (tests/vm)
+#   same:  covered by the run of that other documented command (a synopsis and its example)
+#   skip:  not run, with the reason
+#   xfail: run, known to fail, with the reason (reported)
+#   until: a command that runs until Ctrl-C (a server, a lab in the foreground, --follow): the test
+#          waits for a line matching it, sends SIGINT as Ctrl-C does, and expects a clean exit
+
+@dataclass(frozen=True)
+class Case:
+    group: str = "fast"
+    run: str | None = None
+    same: str | None = None
+    skip: str | None = None
+    xfail: str | None = None
+    expect: tuple[str, ...] = ()   # regexes some output line must match (beyond the doc's own)
+    timeout: float = 120
+    exit: int = 0                  # the exit status the docs promise
+    files: tuple[tuple[str, str], ...] = ()   # (name, text) written into the cwd first
+    until: str | None = None       # a server or a follower: once a line matches, Ctrl-C (SIGINT) it
+
+
+def skip(reason: str) -> Case:
+    return Case(group="-", skip=reason)
+
+
+def same(command: str) -> Case:
+    return Case(group="-", same=command)
+
+
+READY = r"^READY "
+LAB_KERNEL = "needs the lab kernel (vfio-cxl provision --kernel lab, ~1,700 CPU-s): run when it is cached"
+CASES: dict[str, Case] = {}   # filled in below, one entry per documented command
+
+SCRIPT_DEMO = "./scripts/demo"
+# `vm up ./my.toml` as docs/topologies.md shows it: single.toml with a window granularity CXL lacks
+BAD_TOPOLOGY = (ROOT / "qemu/topologies/single.toml").read_text().replace(
+    'size = "4G"\n', 'size = "4G"\ngranularity = "3K"\n', 1)
+CASES.update({
+    # ---- no VM: tests/fast/test_documented_commands.py
+    "./scripts/test --fast": skip("the fast suite itself: this test is part of it"),
+    "./scripts/test": skip("the whole suite: this test is part of it"),
+    "VFIO_CXL_LAB_KERNEL=1 ./scripts/test": skip("the whole suite after building the lab kernel "
+                                                 "(~1,700 CPU-s): this test is part of the suite"),
+    "./scripts/test tests/vm/test_smc.py -s": skip("a VM test module of the suite, run by ./scripts/test"),
+    "vfio-cxl vm topologies": Case(expect=(r"^single\s+\S",)),
+    "vfio-cxl vm topology hb2": Case(expect=(r"hb2",)),
+    "vfio-cxl vm topology hb2 --svg hb2.svg": Case(),
+    "vfio-cxl vm topology TOPOLOGY [--svg F] [--png F]": Case(run="vfio-cxl vm topology single --png single.png"),
+    "vfio-cxl vm topology NAME --svg": same("vfio-cxl vm topology hb2 --svg hb2.svg"),
+    "scripts/draw-topologies": Case(expect=(r"^docs/topologies/single\.svg$",)),
+    "vfio-cxl vm up hb2 --dry-run": Case(expect=(r"^qemu-system-x86_64 ",)),
+    "vfio-cxl vm up TOPOLOGY [--dry-run] [--ssh-port N] [--no-gpu] [--run CMD]":
+        Case(run="vfio-cxl vm up single --dry-run --ssh-port 40022 --no-gpu --run true",
+             expect=(r"hostfwd=tcp:127\.0\.0\.1:40022-:22",)),
+    "vfio-cxl vm up ./my.toml": Case(exit=1, files=(("my.toml", BAD_TOPOLOGY),)),   # the error docs/topologies.md shows
+    "vfio-cxl gpu serve --socket PATH [--irq-mode msix|msi]":
+        Case(run="vfio-cxl gpu serve --socket gpu.sock --irq-mode msi", until=READY),
+    "vfio-cxl gpu serve --socket PATH [--vram-mib N] [--vendor-id 0x0601] [--device-id 0x1991] [--irq-mode msix|msi] "
+    "[--message-timeout S] [--share-vram PATH] [--peer PATH ...] [-v]":
+        Case(run="vfio-cxl gpu serve --socket gpu.sock --vram-mib 16 --vendor-id 0x0601 --device-id 0x1991 "
+                 "--irq-mode msix --message-timeout 5 --share-vram vram.sock -v", until=READY),
+    "vfio-cxl gpu serve": same("vfio-cxl gpu serve --socket PATH [--irq-mode msix|msi]"),
+    "python -m vfio_cxl.devices.gpu serve ...": Case(run="python -m vfio_cxl.devices.gpu serve --socket gpu.sock", until=READY),
+    "python -m vfio_cxl.devices.gpu serve": same("python -m vfio_cxl.devices.gpu serve ..."),
+    "python -m vfio_cxl.devices.gpu serve --vram-mib N":
+        Case(run="python -m vfio_cxl.devices.gpu serve --vram-mib 16 --socket gpu.sock", until=READY),
+    "vfio-cxl smc serve --sockets DIR --hosts N": Case(run="vfio-cxl smc serve --sockets smc --hosts 2", until=READY),
+    "vfio-cxl smc serve": same("vfio-cxl smc serve --sockets DIR --hosts N"),
+    "scripts/bench chaos [--seconds N] [--seed S]": Case(run="scripts/bench chaos --seconds 3 --seed 1", timeout=180),
+    "scripts/bench channel": Case(run="scripts/bench channel --records 8", timeout=300),
+    "scripts/bench gpu-server": Case(run="scripts/bench gpu-server --size-mib 1 --runs 1 --latency-runs 1 "
+                                         "--max-xfer-mib 1", timeout=300),
+    "scripts/bench gpu-server --max-xfer-mib 1": Case(run="scripts/bench gpu-server --max-xfer-mib 1 --size-mib 1 "
+                                                          "--runs 1 --latency-runs 1", timeout=300),
+    "scripts/bench": Case(run="scripts/bench", exit=2, expect=(r"^usage: python -m vfio_cxl\.bench \{",)),
+    "python -m vfio_cxl.cacheline build": Case(),
+    "python -m vfio_cxl.cacheline bench": Case(timeout=300),
+    "python -m vfio_cxl.guest.stream … --coherence x86":
+        skip("a guest program (the channel's producer/consumer over /dev/dax): run in the guests by "
+             "demo share and scripts/bench share"),
+    "python -m vfio_cxl.lab.fm serve --name … --logdir … --topology …":
+        same("vfio-cxl vm up shared --detach"),   # what --detach starts; not a user command
+    "python3 -m vfio_cxl.guest.cxltool regions":
+        same("vfio-cxl vm up shared --detach"),   # the lab runs it in every guest at boot
+    "vfio-cxl provision --kernel lab": Case(group="lab-kernel", skip=LAB_KERNEL),
+    "vfio-cxl vm up single --kernel ~/linux/arch/x86/boot/bzImage [--modules DIR] [--append 'dyndbg=+p']":
+        skip("your own kernel tree: a path on the user's machine (the lab-kernel form above is run)"),
+    "vfio-cxl vm up TOPOLOGY [--detach] --qemu PATH":
+        skip("your own QEMU build; the checks are tests/fast/test_user_qemu.py with fake binaries, and this "
+             "machine has no QEMU build that runs outside the lab's tree"),
+    "vfio-cxl demo --qemu PATH NAME": skip("your own QEMU build (see vm up --qemu PATH)"),
+    "vfio-cxl gpu p2p": skip("not a command yet: the docs name it as what guest.p2p's run()/main() "
+                             "would hook into"),
+    "python3 -m vfio_cxl.guest.p2p [--from BDF] [--to BDF] [--size N] [--backend type1|iommufd]":
+        same("vfio-cxl demo p2p"),   # the demo runs it in the guest
+    # ---- VM: tests/vm/test_documented_commands.py, grouped by the lab they need
+    SCRIPT_DEMO: Case(group="demo", timeout=1800,
+                      expect=(r"^GPU → CXL: 'DMA FROM GPU TO CXL MEMORY' \+ \d+ bytes, \d+ bytes into "
+                              r"/dev/dax0\.0 \(region0\) at offset 0x0$",
+                              r"^guest checksum: MATCH \(sha256 \w+…\); host backend file: MATCH$",
+                              r"^timings: DMA map [\d.]+ ms, doorbell→MSI-X [\d.]+ ms \(\d+ MB/s\), device \d+ µs; "
+                              r"VFIO backend \w+$")),
+    "vfio-cxl demo tour": same(SCRIPT_DEMO),      # ./scripts/demo runs these three lines as typed
+    "vfio-cxl demo dma": same(SCRIPT_DEMO),
+    "vfio-cxl demo share": same(SCRIPT_DEMO),
+    "vfio-cxl demo dma [--size N] [--offset N]": Case(group="demo", run="vfio-cxl demo dma --size 65536 --offset 4096",
+                                                      timeout=900, expect=(r"bytes into /dev/dax0\.0 \(region0\) at "
+                                                                           r"offset 0x1000$",)),
+    "vfio-cxl demo share [--records N]": same(SCRIPT_DEMO),
+    "vfio-cxl demo p2p": Case(group="p2p", timeout=1800, expect=(r"^\s+host memcpy, cold \(reference\)\s+\d+ MB/s",)),
+    "vfio-cxl demo p2p [--size N]": same("vfio-cxl demo p2p"),
+    "scripts/boot-vm": Case(group="boot", timeout=900, until=r"^lab running; Ctrl-C stops it$"),
+    "scripts/boot-shared": Case(group="boot", timeout=900, until=r"^lab running; Ctrl-C stops it$"),
+    "vfio-cxl vm up single|shared": same("scripts/boot-vm"),
+    "vfio-cxl vm up TOPOLOGY --detach": same("vfio-cxl vm up shared --detach"),
+    # README's console session on `shared` (README.md, "Fabric manager"), in order
+    "vfio-cxl vm up shared --detach": Case(group="detached", timeout=900),
+    "vfio-cxl vm ls": Case(group="detached"),
+    "vfio-cxl fm status": Case(group="detached"),
+    'vfio-cxl vm ssh a -- python3 -m vfio_cxl.guest.demo_dma; echo "exit=$?"': Case(group="detached", timeout=600),
+    "vfio-cxl vm ssh b": Case(group="detached", timeout=600),   # a shell in b: the test types into it
+    "vfio-cxl fm events --follow": Case(group="detached", until=r"\bvm-died\b"),
+    "vfio-cxl vm down": Case(group="detached", timeout=300),
+    # README's console session on `fabric` ("Moving GPUs between hosts"), in order
+    "vfio-cxl vm up fabric --detach": Case(group="fabric", timeout=900),
+    "vfio-cxl vm ssh a -- vfio-cxl gpu ls": Case(group="fabric", timeout=600),
+    "vfio-cxl vm ssh a -- vfio-cxl gpu dma": Case(group="fabric", timeout=600),
+    "vfio-cxl fm assign gpu0 b": Case(group="fabric", timeout=600),
+    "vfio-cxl vm ssh b -- vfio-cxl gpu ls": Case(group="fabric", timeout=600),
+    "vfio-cxl fm assign gpu0 a --keep-vram": Case(group="fabric", timeout=600),
+    "vfio-cxl fm release gpu0": Case(group="fabric", timeout=600),
+    "vfio-cxl fm restart gpu0": Case(group="fabric", timeout=600),
+    "vfio-cxl gpu ls": same("vfio-cxl vm ssh a -- vfio-cxl gpu ls"),
+    "vfio-cxl gpu holders --gpu BDF": Case(group="fabric", run="vfio-cxl vm ssh a -- vfio-cxl gpu holders --gpu {bdf}",
+                                           timeout=600),
+    # kernels
+    "vfio-cxl vm up single --kernel lab --run 'vfio-cxl gpu ls; vfio-cxl gpu dma --size 16M'":
+        Case(group="lab-kernel", skip=LAB_KERNEL, timeout=900),
+    "vfio-cxl demo dma --kernel lab --vfio-backend iommufd": Case(group="lab-kernel", skip=LAB_KERNEL, timeout=900),
+    "vfio-cxl selftest vfio [--kernel lab|PATH] [--backend type1|iommufd|all] [-k FILTER] [--json]":
+        Case(group="selftest", run="vfio-cxl selftest vfio --backend type1 -k vfio_pci_device_test --json",
+             timeout=1800),
+    "vfio-cxl selftest vfio": skip("every test on every mode: 13 min warm on this machine; its smallest form "
+                                   "(--backend type1 -k vfio_pci_device_test) is run"),
+    "vfio-cxl selftest vfio --kernel lab": skip("every test on every mode on the lab kernel: 13 min warm, "
+                                                "32 min cold; " + LAB_KERNEL),
+    "vfio-cxl selftest vfio --kernel lab --json": skip("as `selftest vfio --kernel lab`, as JSON"),
+    "vfio-cxl selftest vfio --kernel lab --backend iommufd -k driver_test --json":
+        Case(group="lab-kernel", skip=LAB_KERNEL, timeout=1800),
+    # benchmarks: each with its smallest arguments (each boots its own lab)
+    "scripts/bench boot": Case(group="bench", run="scripts/bench boot --runs 1 --kernel debian", timeout=900),
+    "scripts/bench boot --runs 2": same("scripts/bench boot"),
+    "scripts/bench boot --runs 5": same("scripts/bench boot"),
+    "scripts/bench boot --all --runs 1": skip("boots every shipped topology (11 labs, ~10 min): "
+                                              "scripts/bench boot --runs 1 runs one"),
+    "scripts/bench boot [--topology NAME | --all] | gpu-server | routes | share | supervision | channel":
+        same("scripts/bench boot"),   # and each bench below
+    "scripts/bench routes": Case(group="bench", run="scripts/bench routes --sizes 1M --runs 1", timeout=900),
+    "scripts/bench share": Case(group="bench", run="scripts/bench share --records 0 --plan 64:2:paced", timeout=1200),
+    "scripts/bench share --records 0 --json": same("scripts/bench share"),
+    "scripts/bench supervision": Case(group="bench", timeout=900),
+    "scripts/bench p2p": Case(group="bench", run="scripts/bench p2p --size 1M", timeout=1200),
+    "scripts/bench fabric": Case(group="bench", run="scripts/bench fabric --moves 1", timeout=900),
+})
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a documented command as a user types it, and checking the lines the docs show.
+
+def shown_pattern(line: str) -> re.Pattern:
+    """A line a doc shows, as a pattern for the line the command prints: what varies from run to
+    run (numbers, pids, ports, times, names with digits, paths, an elided "…") may differ; every
+    word and the order of the words must be as shown."""
+    parts = []
+    for token in line.split():
+        if "/" in token:
+            parts.append(r"\S+")
+            continue
+        pieces = ["".join(r"\w+" if re.search(r"[0-9]", run) else re.escape(run)
+                          for run in re.split(r"([0-9A-Za-z]+)", piece) if run)
+                  for piece in token.split("…")]
+        parts.append(".*".join(pieces))
+    return re.compile(r"\s*" + r"\s+".join(parts) + r"\s*")
+
+
+def unmatched(shown: list[str], printed: list[str]) -> list[str]:
+    """The shown lines no printed line matches, in order (the printed lines may have more between)."""
+    missing, at = [], 0
+    for line in shown:
+        pattern = shown_pattern(line)
+        hit = next((i for i in range(at, len(printed)) if pattern.fullmatch(printed[i])), None)
+        if hit is None:
+            missing.append(line)
+        else:
+            at = hit + 1
+    return missing
+
+
+def environment() -> dict[str, str]:
+    """The user's shell after the README's setup: the checkout's venv first on PATH."""
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def cwd_for(command: str, scratch: Path) -> Path:
+    """``scripts/...`` from the repo root, as the README runs them; anything else from a scratch
+    directory (so files a command writes, ``--svg hb2.svg``, a socket, land there)."""
+    return ROOT if command.startswith(("scripts/", "./scripts/")) else scratch
+
+
+@dataclass
+class Ran:
+    command: str
+    returncode: int | None
+    lines: list[str]        # stderr then stdout, or merged in order for a command run until Ctrl-C
+    stdout: str
+    seconds: float
+
+    def describe(self) -> str:
+        tail = "\n".join(self.lines[-40:])
+        return f"$ {self.command}\n(exit {self.returncode}, {self.seconds:.1f} s)\n{tail}"
+
+
+def run(command: str, case: Case, cwd: Path, stdin: str | None = None) -> Ran:
+    """``bash -c COMMAND`` in its own session, as a terminal runs it.  A command with ``until``
+    runs until a line matches, then gets SIGINT on its process group (Ctrl-C)."""
+    for name, text in case.files:
+        (cwd / name).write_text(text)
+    t0 = time.monotonic()
+    if case.until is None:
+        try:
+            done = subprocess.run(["bash", "-c", command], cwd=cwd, env=environment(), input=stdin or "",
+                                  capture_output=True, text=True, timeout=case.timeout, start_new_session=True)
+        except subprocess.TimeoutExpired as e:
+            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            raise AssertionError(f"$ {command}: no exit within {case.timeout:.0f} s\n{out[-3000:]}") from None
+        return Ran(command, done.returncode, done.stderr.splitlines() + done.stdout.splitlines(), done.stdout,
+                   time.monotonic() - t0)
+    # As in a terminal's foreground: SIGINT at its default even when this test runs as a background
+    # job (which starts with SIGINT ignored, and bash cannot trap a signal ignored on entry).
+    proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=environment(), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def reader() -> None:
+        for line in proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    seen: list[str] = []
+    deadline = time.monotonic() + case.timeout
+    try:
+        until = re.compile(case.until)
+        while not any(until.search(line) for line in seen[-1:]):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"$ {command}: no line matching {case.until!r} within {case.timeout:.0f} s\n"
+                                     + "\n".join(seen[-40:])) from None
+            if line is None:
+                break
+            seen.append(line)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)       # Ctrl-C: the terminal signals the foreground group
+        returncode = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        thread.join(timeout=10)
+        while True:
+            try:
+                line = lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is not None:
+                seen.append(line)
+        proc.stdout.close()
+    return Ran(command, returncode, seen, "\n".join(seen), time.monotonic() - t0)
+
+
+def check(ran: Ran, case: Case, shown: list[str] = (), interrupted_ok: bool = True) -> None:
+    """Exit status as the docs promise (Ctrl-C'd: 0, or 130 for a shell-level interrupt), every
+    line the docs show under it, and the case's own expectations."""
+    expected = {case.exit} | ({130, -signal.SIGINT} if case.until and interrupted_ok else set())
+    assert ran.returncode in expected, f"exit {ran.returncode}, expected {case.exit}\n{ran.describe()}"
+    assert not any("Traceback (most recent call last)" in line for line in ran.lines), ran.describe()
+    missing = unmatched(list(shown), ran.lines)
+    assert not missing, f"lines the docs show that it did not print: {missing}\n{ran.describe()}"
+    for expect in case.expect:
+        assert any(re.search(expect, line) for line in ran.lines), f"no line matches {expect!r}\n{ran.describe()}"

@@ -1,0 +1,89 @@
+"""The fd leak check of the VM tests (tests/fdcheck.py) on a real process: an fd held past the
+deadline is named as a leak; one closed late (as QEMU finalizes an unplugged device after an RCU
+grace period) is waited for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import fdcheck
+
+CHILD = r"""
+import os, socket, sys, threading
+held = []
+print("ready", flush=True)
+for line in sys.stdin:
+    word, *arg = line.split()
+    if word == "open":                     # a memfd named like a GPU's VRAM, and an eventfd
+        held += [os.memfd_create("vfio-cxl-gpu-vram"), os.eventfd(0)]
+    elif word == "socket":                 # a TCP socket no table lists (as slirp's, once closed)
+        held.append(socket.socket().detach())
+    elif word == "close-after":            # closed later, by the process itself
+        fds, held[:] = list(held), []
+        threading.Timer(float(arg[0]), lambda: [os.close(fd) for fd in fds]).start()
+    print("done", flush=True)
+"""
+
+
+def _child():
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"
+    return child
+
+
+def _say(child, line: str) -> None:
+    child.stdin.write(line + "\n")
+    child.stdin.flush()
+    assert child.stdout.readline() == "done\n"
+
+
+def test_a_held_fd_is_a_leak_named_by_its_kind():
+    child = _child()
+    try:
+        reference, _ = fdcheck.settle({"child": child.pid})
+        _say(child, "open")
+        after, waited = fdcheck.settle({"child": child.pid}, reference, timeout=0.5)
+        assert waited >= 0.5
+        assert fdcheck.differences(reference, after) == {
+            "child": {"/memfd:vfio-cxl-gpu-vram (deleted)": 1, "anon_inode:[eventfd]": 1}}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_late_close_is_waited_for_not_reported():
+    child = _child()
+    try:
+        reference, _ = fdcheck.settle({"child": child.pid})
+        _say(child, "open")
+        assert fdcheck.differences(reference, {"child": fdcheck.fd_kinds(child.pid)})   # held now
+        _say(child, "close-after 0.3")
+        after, waited = fdcheck.settle({"child": child.pid}, reference, timeout=30)
+        assert fdcheck.differences(reference, after) == {} and 0.2 < waited < 30
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_socket_no_table_lists_is_waited_for_without_a_reference():
+    # the reference itself is read once the process holds no late-released socket
+    child = _child()
+    try:
+        reference, _ = fdcheck.settle({"child": child.pid})
+        _say(child, "socket")
+        assert fdcheck.released_late(child.pid) == 1
+        _say(child, "close-after 0.3")
+        after, waited = fdcheck.settle({"child": child.pid}, timeout=30)
+        assert fdcheck.released_late(child.pid) == 0 and 0.2 < waited < 30
+        assert fdcheck.differences(reference, after) == {}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_sockets_compare_by_kind_not_inode():
+    before = {"q": fdcheck.Counter({"socket": 2, "anon_inode:[eventfd]": 3})}
+    assert fdcheck.differences(before, {"q": fdcheck.Counter({"socket": 2, "anon_inode:[eventfd]": 3})}) == {}
+    assert fdcheck.differences(before, {"q": fdcheck.Counter({"socket": 1, "anon_inode:[eventfd]": 4})}) == {
+        "q": {"anon_inode:[eventfd]": 1, "socket": -1}}
