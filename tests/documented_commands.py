@@ -261,8 +261,6 @@ CASES.update({
     "scripts/bench boot --runs 5": same("scripts/bench boot"),
     "scripts/bench boot --all --runs 1": skip("boots every shipped topology (11 labs, ~10 min): "
                                               "scripts/bench boot --runs 1 runs one"),
-    "scripts/bench boot [--topology NAME | --all] | gpu-server | routes | share | supervision | channel":
-        same("scripts/bench boot"),   # and each bench below
     "scripts/bench routes": Case(group="bench", run="scripts/bench routes --sizes 1M --runs 1", timeout=900),
     "scripts/bench share": Case(group="bench", run="scripts/bench share --records 0 --plan 64:2:paced", timeout=1200),
     "scripts/bench share --records 0 --json": same("scripts/bench share"),
@@ -270,6 +268,98 @@ CASES.update({
     "scripts/bench p2p": Case(group="bench", run="scripts/bench p2p --size 1M", timeout=1200),
     "scripts/bench fabric": Case(group="bench", run="scripts/bench fabric --moves 1", timeout=900),
 })
+
+
+# GPU memory over CXL, storage, the matrix, Redfish, the pytest plugin, the FM fuzzer
+GPUMEM_TEST = "run as typed in the guest by tests/vm/test_gpumem.py::"
+STORAGE_TEST = "run in the guest by tests/vm/test_storage.py::"
+MATRIX_EXAMPLE = (ROOT / "docs/matrix-example.toml").read_text()
+CASES.update({
+    "vfio-cxl gpu run stencil --mode cxl+sr+ds --latency cxl-80ns --working-set 1M":
+        skip(GPUMEM_TEST + "test_the_readme_commands (a guest command: the lab's single VM runs it)"),
+    "vfio-cxl gpu run stream --mode uvm --working-set 1M --vram-cache 256K --unit 64K":
+        skip(GPUMEM_TEST + "test_the_readme_commands"),
+    "vfio-cxl gpu run stream --mode cxl+sr --working-set 8M":
+        skip(GPUMEM_TEST + "test_every_kernel_in_every_mode_verifies (every kernel x mode at a small size)"),
+    "vfio-cxl gpu run": same("vfio-cxl gpu run stencil --mode cxl+sr+ds --latency cxl-80ns --working-set 1M"),
+    "vfio-cxl gpu run KERNEL --mode uvm|cxl|cxl+sr|cxl+ds|cxl+sr+ds --latency cxl-80ns|cxl-250ns|ssd "
+    "--working-set SIZE [--vram-cache SIZE] [--unit 4K|64K|2M] [--warm] [--json]":
+        same("vfio-cxl gpu run stencil --mode cxl+sr+ds --latency cxl-80ns --working-set 1M"),
+    "scripts/bench gpumem --quick": Case(group="bench", timeout=1800,
+                                         expect=(r"stream.*cxl-80ns.*cxl\+sr\+ds", )),
+    "scripts/bench gpumem": skip("the full sweep (working set 0.5x-8x, every kernel, mode and latency): "
+                                 "its --quick form is run"),
+    "scripts/bench gpumem [--quick] [--json] [--figure PATH] (host: boots `single`)": same("scripts/bench gpumem --quick"),
+    "scripts/bench gpumem --json": same("scripts/bench gpumem"),
+    "scripts/bench gpumem --quick --json": same("scripts/bench gpumem --quick"),
+    "scripts/bench storage --quick": Case(group="bench", timeout=2400),
+    "scripts/bench storage --quick --kernel lab": same("scripts/bench storage --quick"),
+    "scripts/bench storage": skip("the full sweep (4 KiB-1 MiB x queue depth 1-64 on every path): "
+                                  "its --quick form is run"),
+    "vfio-cxl nvme ls|identify|read|write": same("vfio-cxl nvme ls"),
+    "vfio-cxl nvme": same("vfio-cxl nvme ls"),
+    "vfio-cxl nvme ls": skip(STORAGE_TEST + "test_bring_up_and_identify_type1 (a guest command, with --json)"),
+    "vfio-cxl nvme identify --nvme 0000:04:00.0 --json": skip(STORAGE_TEST + "test_bring_up_and_identify_type1 "
+                                                             "(the BDF comes from nvme ls)"),
+    "vfio-cxl nvme write --nvme 0000:04:00.0 --offset 8M --pattern 7 --length 1M --json":
+        skip(STORAGE_TEST + "test_round_trip_through_guest_ram_type1"),
+    "vfio-cxl nvme read --nvme 0000:04:00.0 --offset 8M --length 1M --sgl --json":
+        skip(STORAGE_TEST + "test_round_trip_through_guest_ram_type1"),
+    "scripts/bench boot [--topology NAME | --all] | gpu-server | routes | share | supervision | channel | storage":
+        same("scripts/bench boot"),
+    "scripts/bench fm-fuzz [--requests N] [--seed S] [--json]":
+        Case(run="scripts/bench fm-fuzz --requests 300 --seed 1", timeout=600),
+    "scripts/bench fm-fuzz --requests 10000 --seed 23": skip("10,000 requests (~90 s idle): the fast test "
+                                                             "runs it with --requests 300, tests/fast/test_fm_hostile.py 600"),
+    "vfio-cxl matrix run docs/matrix-example.toml --junit junit.xml --kcidb kcidb.json":
+        Case(group="bench", timeout=2400, files=(("docs/matrix-example.toml", MATRIX_EXAMPLE),)),
+    "vfio-cxl matrix run FILE [--address auto|HOST:PORT] [--junit F] [--kcidb F] [--json]":
+        Case(run="vfio-cxl matrix run docs/matrix-example.toml --dry-run",
+             files=(("docs/matrix-example.toml", MATRIX_EXAMPLE),), expect=(r"^uname kernel=debian topology=single",)),
+    "vfio-cxl matrix run FILE [--address auto|HOST:PORT] [--max-parallel N] [--provision] [--junit F] [--kcidb F] "
+    "[--origin NAME] [--json] [--out DIR] [--dry-run]":
+        same("vfio-cxl matrix run FILE [--address auto|HOST:PORT] [--junit F] [--kcidb F] [--json]"),
+    "vfio-cxl matrix run FILE": same("vfio-cxl matrix run FILE [--address auto|HOST:PORT] [--junit F] [--kcidb F] [--json]"),
+    "vfio-cxl matrix run": same("vfio-cxl matrix run FILE [--address auto|HOST:PORT] [--junit F] [--kcidb F] [--json]"),
+    ".venv/bin/pip install -e '.[matrix]'": skip("installs the extra into the checkout's venv: ./scripts/test "
+                                                "installs it (the test extra includes it)"),
+    "pip install 'vfio-cxl[matrix]'": skip("the same extra from an index: ./scripts/test installs it from the checkout"),
+    "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')":
+        skip("cluster set-up on N machines; tests/vm/test_matrix.py starts a head and a worker on this one"),
+    ".venv/bin/ray start --head --port 6379 --num-cpus 8 --resources '{\"tcg_vm\": 4}'":
+        skip("cluster set-up on N machines (8 CPUs a node); tests/vm/test_matrix.py starts a head and a worker"),
+    ".venv/bin/ray start --address HEAD:6379 --num-cpus 8 --resources '{\"tcg_vm\": 4}'":
+        skip("cluster set-up on N machines: HEAD is another machine"),
+    ".venv/bin/vfio-cxl matrix run docs/matrix-example.toml --address HEAD:6379 --junit junit.xml --kcidb kcidb.json":
+        skip("a cluster of N machines: HEAD is another machine (the local form is run)"),
+    ".venv/bin/ray stop": skip("cluster set-up on N machines"),
+    "vfio-cxl selftest vfio --kernel K --backend B [-k F]...": skip("what a matrix job of kind selftest runs: "
+                                                                   "the selftest synopsis is run"),
+    "python -m pytest SELECT... [-k K]": skip("what a matrix job of kind pytest runs (the suite itself)"),
+    "python -m vfio_cxl.bench NAME ARGS...": skip("what a matrix job of kind bench runs: each bench is run "
+                                                  "with its smallest arguments"),
+    "vfio-cxl provision": skip("the README's commands run it (./scripts/test and ./scripts/demo provision first)"),
+    "vfio-cxl vm up": same("vfio-cxl vm up shared --detach"),
+    "python -m vfio_cxl.matrix.node": skip("the node-side entry point a matrix job runs on a Ray node "
+                                           "(tests/fast/test_matrix.py runs its supervisor on real processes)"),
+    "python -m venv .venv && .venv/bin/pip install -e path/to/vfio-cxl pytest":
+        skip("a user's project: tests/vm/test_pytest_plugin.py makes that venv and runs the doc's example test"),
+    ".venv/bin/vfio-cxl provision": same("vfio-cxl provision"),
+    ".venv/bin/python -m pytest -s tests/": skip("a user's project: tests/vm/test_pytest_plugin.py runs it"),
+    "vfio-cxl fm redfish [--lab L] [--port N] [--stop]": same("vfio-cxl fm redfish"),
+    "vfio-cxl fm redfish [--lab L] [--port N]": same("vfio-cxl fm redfish"),
+    "vfio-cxl fm redfish": skip("tests/vm/test_redfish.py starts it as a user would on a fabric lab, and "
+                                "tests/fast/test_redfish.py::test_fm_redfish_serves_moves_delivers_and_stops_with_the_lab "
+                                "on the fake lab"),
+    "vfio-cxl fm redfish --stop": same("vfio-cxl fm redfish"),
+    "curl -s http://127.0.0.1:41237/redfish/v1/Fabrics/CXL/Connections":
+        skip("the port is the one `fm redfish` printed; tests/vm/test_redfish.py GETs the same URL with DMTF's client"),
+    "vfio-cxl gpu dma": same("vfio-cxl vm ssh a -- vfio-cxl gpu dma"),
+})
+# A synopsis whose concrete form is run elsewhere (a guest command, a user's project) says where, too.
+for _command, _case in list(CASES.items()):
+    if _case.same and CASES[_case.same].skip:
+        CASES[_command] = skip(CASES[_case.same].skip)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +425,7 @@ def run(command: str, case: Case, cwd: Path, stdin: str | None = None) -> Ran:
     """``bash -c COMMAND`` in its own session, as a terminal runs it.  A command with ``until``
     runs until a line matches, then gets SIGINT on its process group (Ctrl-C)."""
     for name, text in case.files:
+        (cwd / name).parent.mkdir(parents=True, exist_ok=True)
         (cwd / name).write_text(text)
     t0 = time.monotonic()
     if case.until is None:
