@@ -920,7 +920,7 @@ def errors(rep: Report, gpu: Gpu) -> None:
     gpu.set_bme(True)
     gpu.drain()
     gpu.configure(16, compl_iova=UNMAPPED_IOVA)
-    gpu.ring_mem[:32] = desc(7, cookie=0xC3)
+    gpu.ring_mem[:32] = desc(127, cookie=0xC3)
     gpu.tail = 1
     gpu.doorbell()
     check_halt(rep, gpu, "BAD_OPCODE with the completion area unmapped", status=BAD_OPCODE, index=0, addr=0,
@@ -965,7 +965,7 @@ def errors(rep: Report, gpu: Gpu) -> None:
 
 def halt_semantics(rep: Report, gpu: Gpu) -> None:
     gpu.fresh(16)
-    gpu.submit([desc(OP_NOP), desc(9, cookie=0xDD)])    # NOP retires, then BAD_OPCODE halts
+    gpu.submit([desc(OP_NOP), desc(127, cookie=0xDD)])    # NOP retires, then BAD_OPCODE halts
     gpu.wait_halted()
     gpu.wait_vector(VEC_ERROR)
     err = gpu.err()
