@@ -27,6 +27,7 @@ import time
 from ..devices.gpu import model, regs
 from ..lab import topology
 from ..lab.lab import Lab
+from .options import add_kernel_option, guest_kernel
 
 MODES = list(regs.MODES)  # cxl, cxl+sr, cxl+ds, cxl+sr+ds, uvm
 SPEED_WS = 256 << 20
@@ -131,12 +132,9 @@ def main(argv: list[str]) -> int:
                         help="PNG or SVG path (default: gpumem.svg in the run directory)")
     parser.add_argument("--backend", choices=("type1", "iommufd"), default=None,
                         help="the guest's VFIO backend (iommufd needs --kernel lab)")
-    parser.add_argument("--kernel", choices=("distro", "lab"), default="distro")
+    add_kernel_option(parser)
     args = parser.parse_args(argv)
-    kernel = None
-    if args.kernel == "lab":
-        from ..lab.kernel import lab_kernel
-        kernel = lab_kernel(provision=False)
+    kernel = guest_kernel(args)
     runs = plan(args.quick, args.vram)
     env = f"VFIO_CXL_VFIO_BACKEND={args.backend} " if args.backend else ""
     load = os.getloadavg()[0]

@@ -32,6 +32,7 @@ import os
 from ..lab import topology
 from ..lab.lab import Lab
 from .reference import host_memcpy
+from .options import add_kernel_option, guest_kernel
 
 
 def parse_size(text: str) -> int:
@@ -47,13 +48,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", type=parse_size, default=16 << 20)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--backend", choices=("type1", "iommufd"), default="type1")
-    parser.add_argument("--kernel", choices=("distro", "lab"), default="distro",
-                        help="the guest kernel: Debian's 6.12 (no IOMMUFD) or the lab kernel (7.3)")
+    add_kernel_option(parser)
     args = parser.parse_args(argv)
-    kernel = None
-    if args.kernel == "lab":
-        from ..lab.kernel import lab_kernel
-        kernel = lab_kernel(provision=False)   # an error naming the provision command if not built
+    kernel = guest_kernel(args)
     load = os.getloadavg()[0]
     with Lab(topology.load("p2p"), kernel=kernel, log=lambda *_: None) as lab:
         out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.p2p --bench --size {args.size} "

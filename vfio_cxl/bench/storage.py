@@ -27,6 +27,7 @@ import time
 
 from ..lab import topology
 from ..lab.lab import Lab
+from .options import add_kernel_option, guest_kernel
 
 
 def host_odirect(path, length: int, chunk: int = 1 << 20) -> tuple[float, str]:
@@ -75,13 +76,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--backend", choices=("type1", "iommufd"), default="type1")
-    parser.add_argument("--kernel", choices=("distro", "lab"), default="distro",
-                        help="the guest kernel: Debian's 6.12 (no IOMMUFD) or the lab kernel (7.3)")
+    add_kernel_option(parser)
     args = parser.parse_args(argv)
-    kernel = None
-    if args.kernel == "lab":
-        from ..lab.kernel import lab_kernel
-        kernel = lab_kernel(provision=False)   # an error naming the provision command if not built
+    kernel = guest_kernel(args)
     load = os.getloadavg()[0]
     topo = topology.load("storage")
     with Lab(topo, kernel=kernel, log=lambda *_: None) as lab:

@@ -36,21 +36,13 @@ from . import nvme_io
 from .farmem import FarMemory
 from .registers import MSG_WINDOW, RING_CONFIG, RegisterFile
 from .regs import Op, Status
+from .faults import FAULT_STATUS
 
 log = logging.getLogger(__name__)
 
 FETCH_BATCH = 64  # descriptors fetched per ring read
 FILL_CHUNK = 1 << 20  # VRAM bytes filled per gate hold
 
-# how a protocol-level DMA fault shows in the GPU's status codes
-FAULT_STATUS = {
-    FaultKind.UNMAPPED: Status.DMA_UNMAPPED,
-    FaultKind.PERMISSION: Status.DMA_PERMISSION,
-    FaultKind.REFUSED: Status.DMA_REFUSED,
-    FaultKind.TIMEOUT: Status.DMA_TIMEOUT,
-    FaultKind.CLOSED: Status.DMA_ABORTED,
-    FaultKind.IO: Status.DMA_IO_ERROR,
-}
 
 
 class State(Enum):

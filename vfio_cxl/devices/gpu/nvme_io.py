@@ -22,6 +22,7 @@ from typing import Callable
 from ..vfio_user.dma import DmaAborted, DmaFault, DmaPort, FaultKind
 from . import regs
 from .regs import Status
+from .faults import FAULT_STATUS
 
 SQE = struct.Struct("<BBHIQQQQIIIIII")   # NVMe 1.4 submission entry (64 bytes)
 CQE = struct.Struct("<IIHHHH")           # completion entry (16 bytes)
@@ -30,14 +31,6 @@ SGL_DATA_BLOCK = 0x00
 NVME_WRITE, NVME_READ = 0x01, 0x02
 POLL_INTERVAL = 20e-6                    # seconds between looks at an empty CQ
 
-FAULT_STATUS = {
-    FaultKind.UNMAPPED: Status.DMA_UNMAPPED,
-    FaultKind.PERMISSION: Status.DMA_PERMISSION,
-    FaultKind.REFUSED: Status.DMA_REFUSED,
-    FaultKind.TIMEOUT: Status.DMA_TIMEOUT,
-    FaultKind.CLOSED: Status.DMA_ABORTED,
-    FaultKind.IO: Status.DMA_IO_ERROR,
-}
 
 
 class _Bad(Exception):
