@@ -2,8 +2,9 @@
 
 A guest process named to forge the holders list's fields holds a GPU; a guest root replaces a
 tool the FM's bind check runs (``sleep``) with one that floods its output.  The FM kills the real holder and never pid 1,
-neither wedges the GPU nor dies, and says what the guest did.  One fabric lab for the file
-(``detached("fabric", shared=True)``), left healthy for the next test that shares it.  And on
+neither wedges the GPU nor dies, and says what the guest did.  Each test boots its own fabric lab
+(``detached("fabric")``) and it is brought down after: these tests leave gpu0 on a hot-plug port,
+and a lab handed on that way failed test_lab_fabric's check of the boot layout.  And on
 the p2p topology: a peer GPU server unmaps the VRAM of a GPU whose server ended.
 """
 
@@ -61,7 +62,7 @@ def restore_tool(lab: Detached, vm: str, tool: str) -> None:
 
 
 def test_forced_release_kills_the_real_holder_never_pid_1(detached):
-    lab = detached("fabric", shared=True)
+    lab = detached("fabric")
     [bdf] = bound_gpus(lab, "a")   # gpu0
     holder = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "ssh", "--lab", lab.name, "a", "--",
                                "python3", "-c", HOLDER, bdf, CRAFTED], stdout=subprocess.PIPE, text=True,
@@ -95,7 +96,7 @@ def test_a_guest_that_floods_the_bind_check(detached):
     """VM b's root puts `yes` over `sleep` (the bind check's poll): the FM cuts it off at 64 KiB,
     says so, the GPU is `failed` in b (not wedged `moving`), and `fm restart` brings it back once
     the guest behaves.  (The holders and kill scripts run sh builtins only: nothing to replace.)"""
-    lab = detached("fabric", shared=True)
+    lab = detached("fabric")
     events = EventFollower(lab.name)
     try:
         replace_tool(lab, "b", "sleep")
