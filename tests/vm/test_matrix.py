@@ -25,7 +25,9 @@ import kcidb_io
 import pytest
 from junitparser import JUnitXml
 
+from vfio_cxl.lab.fm.procs import comm, descendants
 from vfio_cxl.lab.kernel import cached_lab_kernel
+from vfio_cxl.matrix.engine import session_processes
 from vfio_cxl.lab.lab import free_port
 from vfio_cxl.paths import REPO_ROOT, runtime_root
 
@@ -33,53 +35,12 @@ pytestmark = pytest.mark.vm
 VENV_BIN = Path(sys.executable).parent
 
 
-def children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        kids.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    return kids
-
-
-def descendants(pid: int) -> set[int]:
-    kids, found, todo = children_map(), set(), [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def qemus_under(pid: int) -> set[int]:
     return {p for p in descendants(pid) if comm(p).startswith("qemu-system")}
 
 
-def in_session(sid: int) -> set[int]:
-    """Live processes of a session (Ray's workers make process groups of their own, not sessions)."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.add(int(stat.parent.name))
-    return found
-
-
 def kill_session(sid: int, sig: int) -> None:
-    for pid in in_session(sid):
+    for pid in session_processes(sid):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -136,11 +97,11 @@ class RayNode:
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
         try:
-            wait_until(f"ray node {self.name} to stop", lambda: not in_session(self.proc.pid), 30)
+            wait_until(f"ray node {self.name} to stop", lambda: not session_processes(self.proc.pid), 30)
         except AssertionError:
             self.kill(signal.SIGKILL)
         self.proc.wait(timeout=30)
-        wait_until(f"ray node {self.name}'s processes to go", lambda: not in_session(self.proc.pid), 30)
+        wait_until(f"ray node {self.name}'s processes to go", lambda: not session_processes(self.proc.pid), 30)
 
 
 @pytest.fixture
@@ -272,6 +233,6 @@ def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
     assert code == 130, cmd.stderr()[-3000:]
     assert "cancelling 1 job(s)" in cmd.stderr() and "interrupted" in cmd.stderr()
     assert not any(Path(f"/proc/{p}").exists() for p in qemus)    # stopped before the command returned
-    wait_until("every process of the run (Ray's too) to go", lambda: not in_session(cmd.proc.pid), 60)
+    wait_until("every process of the run (Ray's too) to go", lambda: not session_processes(cmd.proc.pid), 60)
     assert not list(runtime_root().glob("vfio-cxl-*/lab.pid")) or all(
         not Path(f"/proc/{int(p.read_text())}").exists() for p in runtime_root().glob("vfio-cxl-*/lab.pid"))
