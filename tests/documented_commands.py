@@ -253,7 +253,7 @@ CASES.update({
     "vfio-cxl selftest vfio --kernel lab": skip("every test on every mode on the lab kernel: 13 min warm, "
                                                 "32 min cold; " + LAB_KERNEL),
     "vfio-cxl selftest vfio --kernel lab --json": skip("as `selftest vfio --kernel lab`, as JSON"),
-    "vfio-cxl selftest vfio --kernel lab --backend iommufd -k driver_test --json":
+    "vfio-cxl selftest vfio --kernel lab --backend iommufd -k '*mix_and_match' --json":
         Case(group="lab-kernel", skip=LAB_KERNEL, timeout=1800),
     # benchmarks: each with its smallest arguments (each boots its own lab)
     "scripts/bench boot": Case(group="bench", run="scripts/bench boot --runs 1 --kernel debian", timeout=900),
