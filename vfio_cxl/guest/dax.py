@@ -59,6 +59,6 @@ def open_dax(path: str | Path) -> DaxMapping:
     """Map a devdax device by path, reading its size and alignment from sysfs."""
     path = Path(path)
     if not (SYS_DAX_DEVICES / path.name).exists():
-        raise CxlError(f"{path} is not a dax device", "run: python3 -m vfio_cxl.guest.cxltool up")
+        raise CxlError(f"{path} is not a dax device", "run: python3 -m vfio_cxl.guest.cmd.cxltool up")
     size, align = dax_geometry(path.name)
     return DaxMapping(DaxDevice(path.name, size, align, path, region="", resource=0))

@@ -13,7 +13,7 @@ from pathlib import Path
 from .host_tsc import boot_arguments
 from .topology import Nvme, Topology, Vm, format_size
 
-SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.netconfig
+SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.cmd.netconfig
 LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
 NIC_MAC = "52:54:00:1e:{:02x}:{:02x}"        # VM index, NIC number: topology [nics.NAME]
 SOURCE_MOUNT_TAG = "vfio_cxl_src"

@@ -261,7 +261,7 @@ class Lab:
                          f"console {vm.res.console_log})")
                 plan = region_plan(self.topology, vm.spec)
                 if plan["regions"] or plan["pmem"]:
-                    running[vm.name] = vm.start_command("python3 -m vfio_cxl.guest.cxltool regions",
+                    running[vm.name] = vm.start_command("python3 -m vfio_cxl.guest.cmd.cxltool regions",
                                                         stdin=json.dumps(plan), timeout=300)
             results = join_all(running)
             for name, out in results.items():
@@ -270,7 +270,7 @@ class Lab:
                 self.log(f"[{vm.name}] regions: " + ", ".join(
                     f"{r['name']}={r['region']}" + (f" {r['dax']}" if r.get("dax") else "")
                     + (f" {r['blockdev']}" if r.get("blockdev") else "") for r in vm.regions.values()))
-            join_all({vm.name: vm.start_command("python3 -m vfio_cxl.guest.netconfig up", timeout=120)
+            join_all({vm.name: vm.start_command("python3 -m vfio_cxl.guest.cmd.netconfig up", timeout=120)
                       for vm in self.vms.values() if vm.res.link_sockets})
         except BaseException:
             self.stop()
