@@ -144,13 +144,26 @@ def test_the_guest_library_never_imports_the_commands():
 
 
 def test_importing_every_library_module_loads_no_command():
+    """...and every public name a library module lists in ``__all__`` is there (the
+    package's own lazily loaded names included)."""
     script = ("import importlib, json, sys\n"
+              "missing = []\n"
               f"for name in {library_modules()!r}:\n"
-              "    importlib.import_module(name)\n"
-              "print(json.dumps(sorted(m for m in sys.modules if m.startswith('vfio_cxl'))))\n")
+              "    module = importlib.import_module(name)\n"
+              "    missing += [f'{name}.{n}' for n in getattr(module, '__all__', ()) if not hasattr(module, n)]\n"
+              "listed = {m: hasattr(importlib.import_module(m), '__all__') for m in "
+              f"{library_modules()!r}}}\n"
+              "loaded = sorted(m for m in sys.modules if m.startswith('vfio_cxl'))\n"
+              "print(json.dumps({'loaded': loaded, 'missing': missing, 'listed': listed}))\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=PACKAGE_DIR.parent)
     assert out.returncode == 0, out.stderr
-    loaded = json.loads(out.stdout)
-    assert "vfio_cxl.guest.drivers.gpu" in loaded and "vfio_cxl.guest.channel" in loaded
-    assert [m for m in loaded if m.startswith(COMMANDS)] == []
+    result = json.loads(out.stdout)
+    assert "vfio_cxl.guest.drivers.gpu" in result["loaded"] and "vfio_cxl.guest.channel" in result["loaded"]
+    assert [m for m in result["loaded"] if m.startswith(COMMANDS)] == []
+    assert result["missing"] == []
+    public = ["vfio_cxl.guest", "vfio_cxl.guest.vfio", "vfio_cxl.guest.cxl", "vfio_cxl.guest.dax",
+              "vfio_cxl.guest.drivers", "vfio_cxl.guest.drivers.gpu", "vfio_cxl.guest.drivers.smc",
+              "vfio_cxl.guest.drivers.nvme", "vfio_cxl.guest.storage", "vfio_cxl.guest.channel",
+              "vfio_cxl.guest.smc_channel", "vfio_cxl.guest.p2p", "vfio_cxl.guest.gpumem"]
+    assert [m for m in public if not result["listed"][m]] == [], "public modules without __all__"

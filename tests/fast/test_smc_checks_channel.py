@@ -11,7 +11,7 @@ import time
 
 from test_smc_driver import ClientDevice, drivers  # noqa: F401  (the fixture)
 
-from vfio_cxl.guest import smc_checks
+from vfio_cxl.guest.cmd import smc_checks
 from vfio_cxl.guest.cmd.smc_checks import OFF_READY, Shared
 
 

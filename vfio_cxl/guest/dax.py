@@ -8,6 +8,8 @@ from pathlib import Path
 
 from .cxl import SYS_DAX_DEVICES, CxlError, DaxDevice, dax_geometry
 
+__all__ = ["DaxMapping", "open_dax"]
+
 
 class DaxMapping:
     """A whole-device shared mapping of ``/dev/daxN.M``; close() unmaps and closes."""

@@ -35,6 +35,9 @@ from .dax import DaxMapping
 from .drivers.gpu import GpuDriver, GpuError, Transfer
 from .vfio.errors import InterruptTimeout
 
+__all__ = ["GpuMemory", "UvmPager", "Layout", "layout", "Verifier", "LruCache", "simulate_faults",
+           "GpuMemError", "FAR_IOVA", "AUX_IOVA"]
+
 FAR_IOVA = 0x1_0000_0000  # the CXL devdax region, as the GPU sees it
 AUX_IOVA = 0x0800_0000  # one page: kernel parameters and the fault buffer
 FAULT_OFFSET = 2048  # fault buffer inside the aux page

@@ -36,6 +36,9 @@ from .vfio.bind import modprobe
 from .vfio.errors import DmaMapError, describe_errno
 from .vfio.iommufd import DmaBufError, export_dma_buf
 
+__all__ = ["PeerPair", "pick_bdfs", "map_peer_bar", "open_context", "open_container", "route", "P2pError",
+           "CONTROL_IOVAS", "PEER_BAR_IOVA", "PEER_BAR_STRIDE", "BACKENDS"]
+
 # IOVA layout in the shared container (docs/gpu-device.md, "P2P"): each GPU's
 # control area at its own IOVA, the peer BARs high above guest-RAM buffers.
 CONTROL_IOVAS = (0x0010_0000, 0x0020_0000, 0x0030_0000, 0x0040_0000)

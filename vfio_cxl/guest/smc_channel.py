@@ -44,6 +44,8 @@ from .channel import Coherence, Producer, Wakeup
 from ..devices.smc.regs import Error
 from .drivers.smc import SmcDriver, SmcError, SmcTimeout
 
+__all__ = ["SmcWakeup", "FencedProducer", "semaphore_fence", "fence_tag", "DOORBELL_PAYLOAD"]
+
 DOORBELL_PAYLOAD = 0x4348414E     # "CHAN": what the channel's rings carry
 FENCE_TAG_VALID = 1 << 31         # tag = VALID | writer host << 8 | semaphore
 

@@ -35,6 +35,9 @@ from ...devices.gpu.regs import Op, Status
 from ..vfio import DmaMapping, VfioPciDevice, find_pci_devices, uapi
 from ..vfio.errors import InterruptError, VfioError
 
+__all__ = ["GpuDriver", "Transfer", "Op", "Status", "GpuError", "GpuRemovedError", "GpuCompletionError",
+           "GpuDmaError"]
+
 
 PCI_COMMAND = 0x04
 PCI_COMMAND_MEMORY = 0x2

@@ -30,6 +30,8 @@ from ...devices.smc.regs import Error
 from ..vfio import VfioPciDevice, find_pci_devices
 from ..vfio.errors import InterruptTimeout, VfioError
 
+__all__ = ["SmcDriver", "Message", "SmcError", "SmcTimeout"]
+
 PCI_COMMAND = 0x04
 PCI_COMMAND_MEMORY = 0x2
 PCI_COMMAND_MASTER = 0x4
