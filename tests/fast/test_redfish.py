@@ -8,15 +8,12 @@ from __future__ import annotations
 import copy
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -33,6 +30,7 @@ from vfio_cxl.lab.fm.redfish.process import RedfishService
 from vfio_cxl.paths import REPO_ROOT
 
 from test_lab_fm import FakeFm, env  # noqa: F401 (fixture)
+from tests.redfish_listener import Listener
 
 CONN = f"{FABRIC}/Connections"
 STATUS = {
@@ -225,29 +223,6 @@ def test_subscriptions_are_bounded_and_checked(fake):
     check_error(client.delete(f"{subs}/1"), 404, "ResourceNotFound")
 
 
-class Listener:
-    """A real HTTP listener on 127.0.0.1 that queues what is POSTed to it."""
-
-    def __init__(self):
-        received = self.received = queue.Queue()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.put(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/events"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_events_are_delivered_to_a_listener_as_redfish_events():
     subs, listener = Subscriptions(), Listener()
     try:
@@ -257,7 +232,7 @@ def test_events_are_delivered_to_a_listener_as_redfish_events():
         deliverer.offer({"seq": 8, "time": 1795430000.5, "monotonic": 2.0, "kind": "gpu-server-died",
                          "message": "GPU gpu0's server died", "gpu": "gpu0", "owner": "a", "pid": 5,
                          "returncode": -9})
-        event = listener.received.get(timeout=10)   # lab-ready is not delivered: the first is seq 8
+        event = listener.next(timeout=10)   # lab-ready is not delivered: the first is seq 8
         (record,) = event["Events"]
         assert event["Context"] == "mine" and event["@odata.type"].startswith("#Event.")
         assert record["MessageId"] == "ResourceEvent.1.3.0.ResourceStatusChangedCritical"
@@ -330,7 +305,7 @@ def test_fm_redfish_serves_moves_delivers_and_stops_with_the_lab(env):
         with fm.client() as client:
             gpu0 = client.status()["gpus"]["gpu0"]
         assert gpu0["owner"] == "b" and gpu0["state"] == "attached"
-        kinds = [listener.received.get(timeout=10)["Events"][0]["Oem"]["VfioCxl"]["kind"] for _ in range(2)]
+        kinds = [listener.next(timeout=10)["Events"][0]["Oem"]["VfioCxl"]["kind"] for _ in range(2)]
         assert kinds == ["gpu-released", "gpu-attached"]
 
         (rundir / f"deleted-{gpu0['dev_id']}").touch()
@@ -338,7 +313,7 @@ def test_fm_redfish_serves_moves_delivers_and_stops_with_the_lab(env):
         assert status == 204
         with fm.client() as client:
             assert client.status()["gpus"]["gpu0"]["state"] == "free"
-        assert listener.received.get(timeout=10)["Events"][0]["Oem"]["VfioCxl"]["kind"] == "gpu-released"
+        assert listener.next(timeout=10)["Events"][0]["Oem"]["VfioCxl"]["kind"] == "gpu-released"
 
         status, error = http("POST", f"{base}{CONN}", move_body("gpu9"))
         assert status == 400 and "gpu-gpu9" in error["error"]["message"]
@@ -348,7 +323,7 @@ def test_fm_redfish_serves_moves_delivers_and_stops_with_the_lab(env):
         with fm.client() as client:
             server_pid = client.status()["gpus"]["gpu1"]["server_pid"]
         os.kill(server_pid, signal.SIGKILL)
-        event = listener.received.get(timeout=10)["Events"][0]
+        event = listener.next(timeout=10)["Events"][0]
         assert event["MessageId"].endswith("ResourceStatusChangedCritical")
         assert event["OriginOfCondition"] == {"@odata.id": f"{FABRIC}/Endpoints/gpu-gpu1"}
     finally:
