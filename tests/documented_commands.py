@@ -141,7 +141,7 @@ CASES: dict[str, Case] = {}   # filled in below, one entry per documented comman
 
 SCRIPT_DEMO = "./scripts/demo"
 # `vm up ./my.toml` as docs/topologies.md shows it: single.toml with a window granularity CXL lacks
-BAD_TOPOLOGY = (ROOT / "qemu/topologies/single.toml").read_text().replace(
+BAD_TOPOLOGY = (ROOT / "vfio_cxl/lab/topologies/single.toml").read_text().replace(
     'size = "4G"\n', 'size = "4G"\ngranularity = "3K"\n', 1)
 CASES.update({
     # ---- no VM: tests/fast/test_documented_commands.py
@@ -342,7 +342,7 @@ CASES.update({
     "vfio-cxl vm up": same("vfio-cxl vm up shared --detach"),
     "python -m vfio_cxl.matrix.node": skip("the node-side entry point a matrix job runs on a Ray node "
                                            "(tests/fast/test_matrix.py runs its supervisor on real processes)"),
-    "python -m venv .venv && .venv/bin/pip install -e path/to/vfio-cxl pytest":
+    "python -m venv .venv && .venv/bin/pip install path/to/vfio-cxl pytest":
         skip("a user's project: tests/vm/test_pytest_plugin.py makes that venv and runs the doc's example test"),
     ".venv/bin/vfio-cxl provision": same("vfio-cxl provision"),
     ".venv/bin/python -m pytest -s tests/": skip("a user's project: tests/vm/test_pytest_plugin.py runs it"),

@@ -231,6 +231,10 @@ def selftests_root() -> Path:
 
 
 def _key(version: str) -> str:
+    if not DRIVER_DIR.is_dir():
+        raise LabError(f"the GPU's VFIO selftests driver is not here ({DRIVER_DIR}): it is GPL-2.0-only C that "
+                       "ships with the source, not in the vfio-cxl wheel",
+                       "run vfio-cxl selftest from a source checkout (pip install -e CHECKOUT)")
     files = sorted(p for p in DRIVER_DIR.iterdir() if p.suffix in (".c", ".h") or p.name == "Makefile")
     return f"vfio-{version}-{recipe_hash(RECIPE, *files)}"
 
