@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import xml.etree.ElementTree as ET
 import os
 import signal
 import subprocess
@@ -24,6 +26,7 @@ from vfio_cxl.lab.fm import protocol
 from vfio_cxl.lab.fm.procs import ProcessId
 from vfio_cxl.lab.fm.protocol import RemoteError
 from vfio_cxl.lab.fm.redfish.app import MAX_SUBSCRIPTIONS, Subscriptions, create_app
+from vfio_cxl.lab.fm.redfish.csdl import EDM, EDMX
 from vfio_cxl.lab.fm.redfish.events import Deliverer, redfish_event
 from vfio_cxl.lab.fm.redfish.model import FABRIC, ROOT
 from vfio_cxl.lab.fm.redfish.process import RedfishService
@@ -136,6 +139,57 @@ def test_every_link_resolves_and_the_fabric_is_modelled(fake):
     assert ports["PortType"] == "DownstreamPort" and ports["Links"]["AssociatedEndpoints"] == [
         {"@odata.id": f"{FABRIC}/Endpoints/mem-a-mem0"}]
     assert seen[f"{ROOT}/"]["Links"]["Sessions"]["@odata.id"] in seen
+
+
+def walk(client) -> dict[str, dict]:
+    """Every resource reachable from the service root, by path."""
+    seen, todo = {}, [f"{ROOT}/"]
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen[path] = client.get(path).get_json()
+            todo += [v for v in re.findall(r'"@odata.id": "([^"]+)"', json.dumps(seen[path]))]
+    return seen
+
+
+def test_metadata_declares_every_type_the_service_returns(fake):
+    fm, client = fake
+    response = client.get(f"{ROOT}/$metadata")
+    assert response.status_code == 200 and response.mimetype == "application/xml"
+    assert response.headers["OData-Version"] == "4.0"
+    edmx = ET.fromstring(response.get_data())
+    included = {}
+    for reference in edmx.iter(f"{{{EDMX}}}Reference"):
+        for include in reference.iter(f"{{{EDMX}}}Include"):
+            included[include.get("Namespace")] = reference.get("Uri")
+    client.post(f"{ROOT}/EventService/Subscriptions", json={"Destination": "http://127.0.0.1:9/x"})
+    resources = walk(client)
+    types = set(re.findall(r'"@odata.type": "#([^"]+)"', json.dumps(list(resources.values()))))
+    assert {"Fabric.v1_3_2.Fabric", "EndpointCollection.EndpointCollection", "VfioCxl.v1_0_0.VfioCxl",
+            "EventDestination.v1_14_0.EventDestination"} <= types
+    for odata_type in types:
+        namespace, _, name = odata_type.rpartition(".")
+        unversioned = namespace.split(".")[0]
+        assert namespace in included and unversioned in included, odata_type
+        uri = included[namespace]
+        assert uri.endswith(f"/{unversioned}_v1.xml"), (odata_type, uri)
+    container = edmx.find(f".//{{{EDM}}}EntityContainer")
+    assert container.get("Extends") == "ServiceRoot.v1_16_0.ServiceContainer"
+    # the lab's OEM schema is served where $metadata says, and defines the type the resources name
+    oem = client.get(included["VfioCxl.v1_0_0"])
+    assert oem.status_code == 200 and oem.mimetype == "application/xml"
+    schema = ET.fromstring(oem.get_data()).find(f".//{{{EDM}}}Schema[@Namespace='VfioCxl.v1_0_0']")
+    (oem_type,) = schema.iter(f"{{{EDM}}}ComplexType")
+    assert oem_type.get("Name") == "VfioCxl" and oem_type.get("BaseType") == "Resource.OemObject"
+
+
+def test_the_odata_service_document_lists_resources_that_resolve(fake):
+    fm, client = fake
+    document = client.get(f"{ROOT}/odata").get_json()
+    assert document["@odata.context"] == f"{ROOT}/$metadata"
+    assert {entry["name"] for entry in document["value"]} >= {"Service", "Fabrics", "EventService"}
+    for entry in document["value"]:
+        assert client.get(entry["url"]).status_code == 200, entry
 
 
 def test_post_a_connection_assigns_and_delete_releases(fake):
