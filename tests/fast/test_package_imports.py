@@ -21,7 +21,7 @@ PACKAGE_DIR = Path(vfio_cxl.__file__).parent
 COMMANDS = "vfio_cxl.guest.cmd"
 # The guest image's /usr/local/bin/vfio-cxl runs `python3 -m vfio_cxl.guest.cli`: an entry
 # point kept at that name (it hands over to vfio_cxl.guest.cmd.cli), not a library module.
-ENTRY_SHIMS = {"vfio_cxl.guest.cli"}
+ENTRY_SHIMS = {"vfio_cxl.guest.cli", "vfio_cxl.guest.cli.__main__"}
 
 
 def module_name(path: Path) -> str:
@@ -167,3 +167,13 @@ def test_importing_every_library_module_loads_no_command():
               "vfio_cxl.guest.drivers.nvme", "vfio_cxl.guest.storage", "vfio_cxl.guest.channel",
               "vfio_cxl.guest.smc_channel", "vfio_cxl.guest.p2p", "vfio_cxl.guest.gpumem"]
     assert [m for m in public if not result["listed"][m]] == [], "public modules without __all__"
+
+
+def test_the_name_the_image_runs_is_the_guest_command():
+    """The guest image's wrapper runs `python3 -m vfio_cxl.guest.cli`: it is the command's parser."""
+    out = subprocess.run([sys.executable, "-m", "vfio_cxl.guest.cli", "--help"], capture_output=True, text=True,
+                         timeout=120, cwd=PACKAGE_DIR.parent)
+    direct = subprocess.run([sys.executable, "-m", f"{COMMANDS}.cli", "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=PACKAGE_DIR.parent)
+    assert out.returncode == 0 == direct.returncode, out.stderr
+    assert out.stdout == direct.stdout and "gpu" in out.stdout

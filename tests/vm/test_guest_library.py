@@ -1,6 +1,7 @@
 """docs/guest-library.md's complete program, run in a guest as the page shows it: the library
 alone (no command module) drives the GPU's DMA into CXL memory, and prints the line the page shows."""
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -27,3 +28,11 @@ def test_the_documented_program_runs_on_the_library_alone(lab):
     out = lab.ssh("host0", f"python3 -c {shlex.quote(program + check)}").splitlines()
     assert out[-1] == "[]", out                  # no command module was loaded
     assert out[0] == shown, (out, shown)
+
+
+def test_the_image_s_vfio_cxl_command_runs_the_guest_commands(lab):
+    """/usr/local/bin/vfio-cxl (the image's wrapper: python3 -m vfio_cxl.guest.cli) reaches guest.cmd.cli."""
+    listed = json.loads(lab.ssh("host0", "vfio-cxl gpu ls --json"))
+    assert [gpu["bdf"] for gpu in listed["gpus"]] == ["0000:01:00.0"], listed
+    dma = json.loads(lab.ssh("host0", "vfio-cxl gpu dma --json"))
+    assert dma["match"] and dma["sha256_read"] == dma["sha256_expected"], dma

@@ -2,12 +2,11 @@
 
 The command lives in ``vfio_cxl.guest.cmd.cli``; this name stays because the
 image's /usr/local/bin/vfio-cxl calls it, and changing that script changes the
-image recipe (a new guest image).  Nothing in the library imports this module.
+image recipe (a new guest image).  Nothing in the library imports this package.
 """
 
 import sys
 
-from .cmd.cli import main
+from ..cmd.cli import main
 
-if __name__ == "__main__":
-    sys.exit(main())
+sys.exit(main())
