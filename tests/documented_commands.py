@@ -141,7 +141,7 @@ CASES: dict[str, Case] = {}   # filled in below, one entry per documented comman
 
 SCRIPT_DEMO = "./scripts/demo"
 # `vm up ./my.toml` as docs/topologies.md shows it: single.toml with a window granularity CXL lacks
-BAD_TOPOLOGY = (ROOT / "qemu/topologies/single.toml").read_text().replace(
+BAD_TOPOLOGY = (ROOT / "vfio_cxl/lab/topologies/single.toml").read_text().replace(
     'size = "4G"\n', 'size = "4G"\ngranularity = "3K"\n', 1)
 CASES.update({
     # ---- no VM: tests/fast/test_documented_commands.py
@@ -183,12 +183,12 @@ CASES.update({
     "scripts/bench": Case(run="scripts/bench", exit=2, expect=(r"^usage: python -m vfio_cxl\.bench \{",)),
     "python -m vfio_cxl.cacheline build": Case(),
     "python -m vfio_cxl.cacheline bench": Case(timeout=300),
-    "python -m vfio_cxl.guest.stream … --coherence x86":
+    "python -m vfio_cxl.guest.cmd.stream … --coherence x86":
         skip("a guest program (the channel's producer/consumer over /dev/dax): run in the guests by "
              "demo share and scripts/bench share"),
     "python -m vfio_cxl.lab.fm serve --name … --logdir … --topology …":
         same("vfio-cxl vm up shared --detach"),   # what --detach starts; not a user command
-    "python3 -m vfio_cxl.guest.cxltool regions":
+    "python3 -m vfio_cxl.guest.cmd.cxltool regions":
         same("vfio-cxl vm up shared --detach"),   # the lab runs it in every guest at boot
     "vfio-cxl provision --kernel lab": Case(group="lab-kernel", skip=LAB_KERNEL),
     "vfio-cxl vm up single --kernel ~/linux/arch/x86/boot/bzImage [--modules DIR] [--append 'dyndbg=+p']":
@@ -199,7 +199,7 @@ CASES.update({
     "vfio-cxl demo --qemu PATH NAME": skip("your own QEMU build (see vm up --qemu PATH)"),
     "vfio-cxl gpu p2p": skip("not a command yet: the docs name it as what guest.p2p's run()/main() "
                              "would hook into"),
-    "python3 -m vfio_cxl.guest.p2p [--from BDF] [--to BDF] [--size N] [--backend type1|iommufd]":
+    "python3 -m vfio_cxl.guest.cmd.p2p [--from BDF] [--to BDF] [--size N] [--backend type1|iommufd]":
         same("vfio-cxl demo p2p"),   # the demo runs it in the guest
     # ---- VM: tests/vm/test_documented_commands.py, grouped by the lab they need
     SCRIPT_DEMO: Case(group="demo", timeout=1800,
@@ -225,7 +225,7 @@ CASES.update({
     "vfio-cxl vm up shared --detach": Case(group="detached", timeout=900),
     "vfio-cxl vm ls": Case(group="detached"),
     "vfio-cxl fm status": Case(group="detached"),
-    'vfio-cxl vm ssh a -- python3 -m vfio_cxl.guest.demo_dma; echo "exit=$?"': Case(group="detached", timeout=600),
+    'vfio-cxl vm ssh a -- python3 -m vfio_cxl.guest.cmd.demo_dma; echo "exit=$?"': Case(group="detached", timeout=600),
     "vfio-cxl vm ssh b": Case(group="detached", timeout=600),   # a shell in b: the test types into it
     "vfio-cxl fm events --follow": Case(group="detached", until=r"\bvm-died\b"),
     "vfio-cxl vm down": Case(group="detached", timeout=300),
@@ -342,7 +342,7 @@ CASES.update({
     "vfio-cxl vm up": same("vfio-cxl vm up shared --detach"),
     "python -m vfio_cxl.matrix.node": skip("the node-side entry point a matrix job runs on a Ray node "
                                            "(tests/fast/test_matrix.py runs its supervisor on real processes)"),
-    "python -m venv .venv && .venv/bin/pip install -e path/to/vfio-cxl pytest":
+    "python -m venv .venv && .venv/bin/pip install path/to/vfio-cxl pytest":
         skip("a user's project: tests/vm/test_pytest_plugin.py makes that venv and runs the doc's example test"),
     ".venv/bin/vfio-cxl provision": same("vfio-cxl provision"),
     ".venv/bin/python -m pytest -s tests/": skip("a user's project: tests/vm/test_pytest_plugin.py runs it"),

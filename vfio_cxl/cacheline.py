@@ -1,7 +1,7 @@
 """Real cache-line maintenance for the channel on non-coherent shared memory (x86-64, cffi).
 
 CXL 2.0 memory shared between hosts is not coherent between them, so the
-channel (``vfio_cxl.channel``) needs its three cache operations to do real
+channel (``vfio_cxl.guest.channel``) needs its three cache operations to do real
 work.  ``x86()`` returns the ``Coherence`` that does:
 
 * ``flush``      -> CLWB over the lines (CLFLUSHOPT if the CPU has no CLWB, else CLFLUSH);
@@ -18,7 +18,7 @@ cffi in ABI mode from a shared object built on the host::
 The object goes to ``vfio_cxl/_native/`` in the checkout (not committed); the
 guests have no compiler but see the checkout, so they load the host's build.
 In the lab the memory *is* coherent and the stream passes ``channel.COHERENT``
-explicitly; ``--coherence x86`` in ``vfio_cxl.guest.stream`` exercises these
+explicitly; ``--coherence x86`` in ``vfio_cxl.guest.cmd.stream`` exercises these
 instructions anyway, to measure what real hardware would pay.
 """
 
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .channel import ChannelError, Coherence
+from .guest.channel import ChannelError, Coherence
 
 SOURCE = Path(__file__).with_name("cacheline.c")
 NATIVE_DIR = Path(__file__).with_name("_native")

@@ -8,9 +8,30 @@ live in a fresh private directory per lab, removed when the lab stops.
 """
 
 import os
+import shutil
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent   # the checkout; for an installed (non-editable) package, site-packages
+
+
+def is_checkout() -> bool:
+    """The package runs from a source checkout (``pip install -e``, or ``PYTHONPATH``), not from a wheel."""
+    return (REPO_ROOT / "pyproject.toml").is_file()
+
+
+def guest_source(rundir: Path) -> Path:
+    """The directory the lab shares read-only into its VMs as /opt/vfio-cxl (``vfio_cxl`` inside).
+
+    A checkout is shared as it is (an edit shows in the guest at once).  An installed package
+    is copied into the lab's run directory first: its parent, site-packages, also holds the
+    host's own compiled packages (cffi, ...), which must not shadow the guest's."""
+    if is_checkout():
+        return REPO_ROOT
+    dest = rundir / "guest-source"
+    shutil.copytree(PACKAGE_DIR, dest / PACKAGE_DIR.name,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "_native"), dirs_exist_ok=True)
+    return dest
 
 
 def cache_root() -> Path:

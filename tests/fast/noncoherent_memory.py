@@ -3,7 +3,7 @@
 This is test code: a model, not a driver.  One backing store (``memory``) is
 shared by several hosts; each host sees it through its own write-back cache
 with 64-byte lines, and the channel runs on a host's ``view`` with that host's
-``coherence`` (a ``vfio_cxl.channel.Coherence``):
+``coherence`` (a ``vfio_cxl.guest.channel.Coherence``):
 
 * Every line is cached by every host from the start (the worst case), so a
   host keeps reading its stale copy of a line until it invalidates it.
@@ -42,7 +42,7 @@ from __future__ import annotations
 import random
 import sys
 
-from vfio_cxl.channel import Coherence
+from vfio_cxl.guest.channel import Coherence
 
 LINE = 64
 

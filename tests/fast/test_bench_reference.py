@@ -25,7 +25,7 @@ def test_pools_are_capped_so_a_huge_cache_cannot_exhaust_memory(monkeypatch):
 
 
 def _figure(kind: str, mb_per_s: float, match: bool = True) -> dict:
-    # the shape of one entry of `python3 -m vfio_cxl.guest.p2p --bench` (guest/p2p.py bench())
+    # the shape of one entry of `python3 -m vfio_cxl.guest.cmd.p2p --bench` (guest/cmd/p2p.py bench())
     return {"mb_per_s": mb_per_s, "match": match, "path": "peer fast path",
             "route": {"kind": kind, "via": "0000:01:00.0", "path": f"{kind} path"}}
 

@@ -11,7 +11,7 @@ import pytest
 
 from vfio_cxl import cacheline
 from vfio_cxl.cacheline import CachelineError
-from vfio_cxl.channel import Consumer, Producer
+from vfio_cxl.guest.channel import Consumer, Producer
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instructions")
 needs_helper = pytest.mark.skipif(not (cacheline.library_path().exists() or shutil.which("cc")),

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vfio_cxl import channel
-from vfio_cxl.channel import (COHERENT, BadHeader, BadMagic, ChannelError, ChannelFull, ChannelTimeout, Consumer,
+from vfio_cxl.guest import channel
+from vfio_cxl.guest.channel import (COHERENT, BadHeader, BadMagic, ChannelError, ChannelFull, ChannelTimeout, Consumer,
                               CorruptRecord, NoChannel, Producer, VersionMismatch)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ payload = _ns["payload"]
 
 CHILD_PRELUDE = '''
 import json, mmap, sys, zlib
-from vfio_cxl.channel import COHERENT, ChannelFull, Consumer, Producer
+from vfio_cxl.guest.channel import COHERENT, ChannelFull, Consumer, Producer
 with open(sys.argv[1], "r+b") as f:
     mm = mmap.mmap(f.fileno(), 0)
 '''

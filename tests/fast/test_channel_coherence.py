@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 from noncoherent_memory import LINE, Crash, SharedMemoryModel
 
-from vfio_cxl import channel
-from vfio_cxl.channel import ChannelFull, ChannelTimeout, Consumer, CorruptRecord, NoChannel, Producer
+from vfio_cxl.guest import channel
+from vfio_cxl.guest.channel import ChannelFull, ChannelTimeout, Consumer, CorruptRecord, NoChannel, Producer
 
 SIZE = 4096 + 8 * 1024           # header + 8-entry ring, then an 8 KiB data area
 RING = 8

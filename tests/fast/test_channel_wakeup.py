@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from vfio_cxl.channel import (COHERENT, ChannelError, ChannelTimeout, Consumer, Producer, StaleRecord,
+from vfio_cxl.guest.channel import (COHERENT, ChannelError, ChannelTimeout, Consumer, Producer, StaleRecord,
                               Wakeup)
 
 KIB = 1024

@@ -10,7 +10,7 @@ import pytest
 
 from vfio_cxl.devices.gpu import regs
 from vfio_cxl.devices.gpu.regs import Op, Status
-from vfio_cxl.guest.gpu_driver import GpuCompletionError, GpuDmaError, GpuDriver, GpuError, Transfer
+from vfio_cxl.guest.drivers.gpu import GpuCompletionError, GpuDmaError, GpuDriver, GpuError, Transfer
 from vfio_cxl.guest.vfio import uapi
 from vfio_cxl.guest.vfio.errors import InterruptError
 

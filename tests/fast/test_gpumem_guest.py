@@ -9,7 +9,7 @@ import pytest
 
 from vfio_cxl.devices.gpu import regs
 from vfio_cxl.guest import gpumem
-from vfio_cxl.guest.cli import build_parser
+from vfio_cxl.guest.cmd.cli import build_parser
 
 
 def test_lru_evicts_the_least_recently_migrated_page():

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+from vfio_cxl.lab import topology
 from vfio_cxl.paths import REPO_ROOT
 
 
@@ -56,7 +57,7 @@ def test_dry_run_names_the_qemu_version_or_says_it_is_not_provisioned():
 
 def test_vm_up_takes_a_path(tmp_path):
     mine = tmp_path / "mine.toml"
-    mine.write_text((REPO_ROOT / "qemu" / "topologies" / "single.toml").read_text().replace('"host0"', '"box"'))
+    mine.write_text((topology.TOPOLOGY_DIR / "single.toml").read_text().replace('"host0"', '"box"'))
     result = vfio_cxl("vm", "up", str(mine), "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "-name box" in result.stdout
@@ -64,7 +65,7 @@ def test_vm_up_takes_a_path(tmp_path):
 
 def test_bad_topology_file_is_one_line_naming_file_key_and_rule(tmp_path):
     mine = tmp_path / "mine.toml"
-    mine.write_text((REPO_ROOT / "qemu" / "topologies" / "hb2.toml").read_text().replace(
+    mine.write_text((topology.TOPOLOGY_DIR / "hb2.toml").read_text().replace(
         'granularity = "8K"', 'granularity = "3K"'))
     result = vfio_cxl("vm", "up", str(mine), "--dry-run")
     assert result.returncode == 1 and "Traceback" not in result.stderr

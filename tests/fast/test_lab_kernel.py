@@ -245,7 +245,7 @@ def test_every_demo_takes_kernel_and_refuses_a_missing_one_before_booting(tmp_pa
 
 
 def test_guest_gpu_dma_takes_sizes_with_units():
-    from vfio_cxl.guest.cli import build_parser
+    from vfio_cxl.guest.cmd.cli import build_parser
 
     parse = build_parser().parse_args
     assert parse(["gpu", "dma", "--size", "16M"]).size == 16 << 20

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import xml.etree.ElementTree as ET
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,14 @@ from vfio_cxl.lab.fm import protocol
 from vfio_cxl.lab.fm.procs import ProcessId
 from vfio_cxl.lab.fm.protocol import RemoteError
 from vfio_cxl.lab.fm.redfish.app import MAX_SUBSCRIPTIONS, Subscriptions, create_app
+from vfio_cxl.lab.fm.redfish.csdl import EDM, EDMX
 from vfio_cxl.lab.fm.redfish.events import Deliverer, redfish_event
 from vfio_cxl.lab.fm.redfish.model import FABRIC, ROOT
 from vfio_cxl.lab.fm.redfish.process import RedfishService
 from vfio_cxl.paths import REPO_ROOT
 
 from test_lab_fm import FakeFm, env  # noqa: F401 (fixture)
+from tests.redfish_listener import Listener
 
 CONN = f"{FABRIC}/Connections"
 STATUS = {
@@ -140,6 +141,57 @@ def test_every_link_resolves_and_the_fabric_is_modelled(fake):
     assert seen[f"{ROOT}/"]["Links"]["Sessions"]["@odata.id"] in seen
 
 
+def walk(client) -> dict[str, dict]:
+    """Every resource reachable from the service root, by path."""
+    seen, todo = {}, [f"{ROOT}/"]
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen[path] = client.get(path).get_json()
+            todo += [v for v in re.findall(r'"@odata.id": "([^"]+)"', json.dumps(seen[path]))]
+    return seen
+
+
+def test_metadata_declares_every_type_the_service_returns(fake):
+    fm, client = fake
+    response = client.get(f"{ROOT}/$metadata")
+    assert response.status_code == 200 and response.mimetype == "application/xml"
+    assert response.headers["OData-Version"] == "4.0"
+    edmx = ET.fromstring(response.get_data())
+    included = {}
+    for reference in edmx.iter(f"{{{EDMX}}}Reference"):
+        for include in reference.iter(f"{{{EDMX}}}Include"):
+            included[include.get("Namespace")] = reference.get("Uri")
+    client.post(f"{ROOT}/EventService/Subscriptions", json={"Destination": "http://127.0.0.1:9/x"})
+    resources = walk(client)
+    types = set(re.findall(r'"@odata.type": "#([^"]+)"', json.dumps(list(resources.values()))))
+    assert {"Fabric.v1_3_2.Fabric", "EndpointCollection.EndpointCollection", "VfioCxl.v1_0_0.VfioCxl",
+            "EventDestination.v1_14_0.EventDestination"} <= types
+    for odata_type in types:
+        namespace, _, name = odata_type.rpartition(".")
+        unversioned = namespace.split(".")[0]
+        assert namespace in included and unversioned in included, odata_type
+        uri = included[namespace]
+        assert uri.endswith(f"/{unversioned}_v1.xml"), (odata_type, uri)
+    container = edmx.find(f".//{{{EDM}}}EntityContainer")
+    assert container.get("Extends") == "ServiceRoot.v1_16_0.ServiceContainer"
+    # the lab's OEM schema is served where $metadata says, and defines the type the resources name
+    oem = client.get(included["VfioCxl.v1_0_0"])
+    assert oem.status_code == 200 and oem.mimetype == "application/xml"
+    schema = ET.fromstring(oem.get_data()).find(f".//{{{EDM}}}Schema[@Namespace='VfioCxl.v1_0_0']")
+    (oem_type,) = schema.iter(f"{{{EDM}}}ComplexType")
+    assert oem_type.get("Name") == "VfioCxl" and oem_type.get("BaseType") == "Resource.OemObject"
+
+
+def test_the_odata_service_document_lists_resources_that_resolve(fake):
+    fm, client = fake
+    document = client.get(f"{ROOT}/odata").get_json()
+    assert document["@odata.context"] == f"{ROOT}/$metadata"
+    assert {entry["name"] for entry in document["value"]} >= {"Service", "Fabrics", "EventService"}
+    for entry in document["value"]:
+        assert client.get(entry["url"]).status_code == 200, entry
+
+
 def test_post_a_connection_assigns_and_delete_releases(fake):
     fm, client = fake
     response = client.post(CONN, json=move_body())
@@ -225,29 +277,6 @@ def test_subscriptions_are_bounded_and_checked(fake):
     check_error(client.delete(f"{subs}/1"), 404, "ResourceNotFound")
 
 
-class Listener:
-    """A real HTTP listener on 127.0.0.1 that queues what is POSTed to it."""
-
-    def __init__(self):
-        received = self.received = queue.Queue()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                received.put(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/events"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_events_are_delivered_to_a_listener_as_redfish_events():
     subs, listener = Subscriptions(), Listener()
     try:
@@ -257,7 +286,7 @@ def test_events_are_delivered_to_a_listener_as_redfish_events():
         deliverer.offer({"seq": 8, "time": 1795430000.5, "monotonic": 2.0, "kind": "gpu-server-died",
                          "message": "GPU gpu0's server died", "gpu": "gpu0", "owner": "a", "pid": 5,
                          "returncode": -9})
-        event = listener.received.get(timeout=10)   # lab-ready is not delivered: the first is seq 8
+        event = listener.next(timeout=10)   # lab-ready is not delivered: the first is seq 8
         (record,) = event["Events"]
         assert event["Context"] == "mine" and event["@odata.type"].startswith("#Event.")
         assert record["MessageId"] == "ResourceEvent.1.3.0.ResourceStatusChangedCritical"
@@ -330,7 +359,7 @@ def test_fm_redfish_serves_moves_delivers_and_stops_with_the_lab(env):
         with fm.client() as client:
             gpu0 = client.status()["gpus"]["gpu0"]
         assert gpu0["owner"] == "b" and gpu0["state"] == "attached"
-        kinds = [listener.received.get(timeout=10)["Events"][0]["Oem"]["VfioCxl"]["kind"] for _ in range(2)]
+        kinds = [listener.next(timeout=10)["Events"][0]["Oem"]["VfioCxl"]["kind"] for _ in range(2)]
         assert kinds == ["gpu-released", "gpu-attached"]
 
         (rundir / f"deleted-{gpu0['dev_id']}").touch()
@@ -338,7 +367,7 @@ def test_fm_redfish_serves_moves_delivers_and_stops_with_the_lab(env):
         assert status == 204
         with fm.client() as client:
             assert client.status()["gpus"]["gpu0"]["state"] == "free"
-        assert listener.received.get(timeout=10)["Events"][0]["Oem"]["VfioCxl"]["kind"] == "gpu-released"
+        assert listener.next(timeout=10)["Events"][0]["Oem"]["VfioCxl"]["kind"] == "gpu-released"
 
         status, error = http("POST", f"{base}{CONN}", move_body("gpu9"))
         assert status == 400 and "gpu-gpu9" in error["error"]["message"]
@@ -348,7 +377,7 @@ def test_fm_redfish_serves_moves_delivers_and_stops_with_the_lab(env):
         with fm.client() as client:
             server_pid = client.status()["gpus"]["gpu1"]["server_pid"]
         os.kill(server_pid, signal.SIGKILL)
-        event = listener.received.get(timeout=10)["Events"][0]
+        event = listener.next(timeout=10)["Events"][0]
         assert event["MessageId"].endswith("ResourceStatusChangedCritical")
         assert event["OriginOfCondition"] == {"@odata.id": f"{FABRIC}/Endpoints/gpu-gpu1"}
     finally:

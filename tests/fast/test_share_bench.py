@@ -4,8 +4,8 @@ import pytest
 
 from vfio_cxl.bench.share import TRANSPORTS, goal, phases
 from vfio_cxl.guest.cxl import CxlError
-from vfio_cxl.guest.share_bench import DEFAULT_PLAN, parse_plan
-from vfio_cxl.guest.share_bench import TRANSPORTS as GUEST_TRANSPORTS
+from vfio_cxl.guest.cmd.share_bench import DEFAULT_PLAN, parse_plan
+from vfio_cxl.guest.cmd.share_bench import TRANSPORTS as GUEST_TRANSPORTS
 
 
 def test_default_plan_covers_the_four_sizes_paced_and_streamed():

@@ -11,9 +11,9 @@ import threading
 import pytest
 from test_smc_driver import ClientDevice, drivers  # noqa: F401  (the fixture)
 
-from vfio_cxl.channel import COHERENT, ChannelTimeout, Consumer, Producer, StaleRecord
+from vfio_cxl.guest.channel import COHERENT, ChannelTimeout, Consumer, Producer, StaleRecord
 from vfio_cxl.guest.smc_channel import FencedProducer, SmcWakeup, fence_tag, semaphore_fence
-from vfio_cxl.guest.smc_driver import SmcError
+from vfio_cxl.guest.drivers.smc import SmcError
 
 KIB = 1024
 

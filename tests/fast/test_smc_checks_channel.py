@@ -11,8 +11,8 @@ import time
 
 from test_smc_driver import ClientDevice, drivers  # noqa: F401  (the fixture)
 
-from vfio_cxl.guest import smc_checks
-from vfio_cxl.guest.smc_checks import OFF_READY, Shared
+from vfio_cxl.guest.cmd import smc_checks
+from vfio_cxl.guest.cmd.smc_checks import OFF_READY, Shared
 
 
 class FakeDax:

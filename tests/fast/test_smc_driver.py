@@ -18,7 +18,7 @@ from vfio_cxl.devices.smc import regs
 from vfio_cxl.devices.smc.device import SmcController
 from vfio_cxl.devices.smc.regs import Error
 from vfio_cxl.devices.vfio_user.client import connect_when_ready
-from vfio_cxl.guest.smc_driver import SmcDriver, SmcError, SmcTimeout
+from vfio_cxl.guest.drivers.smc import SmcDriver, SmcError, SmcTimeout
 from vfio_cxl.guest.vfio.errors import InterruptTimeout
 
 

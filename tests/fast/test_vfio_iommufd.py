@@ -203,7 +203,7 @@ def test_cdev_found_through_sysfs_and_its_absence_explained(tmp_path):
 @pytest.mark.parametrize("iommu,expected", [(True, "iommufd"), (False, "type1")])
 def test_gpu_ls_says_which_backend_the_stack_takes(tmp_path, monkeypatch, iommu, expected):
     """`vfio-cxl gpu ls` (guest): the backend a bound GPU gets, beside the device nodes (fake sysfs)."""
-    from vfio_cxl.guest.cli import describe
+    from vfio_cxl.guest.cmd.cli import describe
 
     monkeypatch.delenv("VFIO_CXL_VFIO_BACKEND", raising=False)
     sysfs = fake_sysfs(tmp_path, cdev=True)

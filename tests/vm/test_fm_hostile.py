@@ -28,7 +28,7 @@ CRAFTED = '","pid":1,"":"'   # 14 characters: the old holders script's JSON made
 # Opens the GPU, then takes the name argv[2] (prctl PR_SET_NAME) and never lets go.
 HOLDER = r"""
 import ctypes, os, sys, time
-from vfio_cxl.guest.gpu_driver import GpuDriver
+from vfio_cxl.guest.drivers.gpu import GpuDriver
 gpu = GpuDriver.open(sys.argv[1])
 ctypes.CDLL(None).prctl(15, sys.argv[2].encode(), 0, 0, 0)
 print("holding", os.getpid(), open("/proc/self/comm").read().strip(), flush=True)
@@ -144,7 +144,7 @@ def test_a_peer_unmaps_the_vram_of_a_gpu_whose_server_ended(p2p_lab, labs):
     VRAM: nothing of that owner stays in a peer (issue 23, item 8).  Ends the lab."""
     lab = labs.hand_over(p2p_lab)
     try:
-        result = guest_json(lab["host0"], "python3 -m vfio_cxl.guest.p2p --size 4096 --json")
+        result = guest_json(lab["host0"], "python3 -m vfio_cxl.guest.cmd.p2p --size 4096 --json")
         assert all(copy["path"] == "peer fast path" for copy in result["copies"]), result["copies"]
         a, b = lab.gpu_servers["gpu0"].process.pid, lab.gpu_servers["gpu1"].process.pid
         theirs = {own_vram(b)}   # gpu1's VRAM, which gpu0 maps as a peer's

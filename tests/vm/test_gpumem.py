@@ -22,7 +22,7 @@ def plan_all(vram_cache: int) -> list[dict]:
 
 def run_plan(vm, plan, env="", gpu=None):
     gpu_arg = f" --gpu {gpu}" if gpu else ""
-    out = vm.run(f"{env}python3 -m vfio_cxl.guest.gpumem --plan '{json.dumps(plan)}'{gpu_arg}",
+    out = vm.run(f"{env}python3 -m vfio_cxl.guest.cmd.gpumem --plan '{json.dumps(plan)}'{gpu_arg}",
                  timeout=1800).stdout
     return json.loads(out)
 

@@ -144,7 +144,7 @@ def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
 # it: the kernel asks, nobody answers, the device stays held.
 HOLDER = r"""
 import os, sys, time
-from vfio_cxl.guest.gpu_driver import GpuDriver
+from vfio_cxl.guest.drivers.gpu import GpuDriver
 gpu = GpuDriver.open(sys.argv[1])
 print("holding", os.getpid(), flush=True)
 time.sleep(600)
@@ -187,7 +187,7 @@ def held(lab: Detached, reference: Held | None = None) -> Held:
 
 WAITER = r"""
 import os, sys, time
-from vfio_cxl.guest.gpu_driver import GpuDriver, GpuError
+from vfio_cxl.guest.drivers.gpu import GpuDriver, GpuError
 gpu = GpuDriver.open(sys.argv[1])
 print("waiting", flush=True)
 try:

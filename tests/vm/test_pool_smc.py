@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-CHECKS = "python3 -m vfio_cxl.guest.smc_checks"
+CHECKS = "python3 -m vfio_cxl.guest.cmd.smc_checks"
 BASE = 0x200000              # smc_checks' words (counter, ready, record) in the shared slice
 CHAN = 0x400000              # the channel, 4 MiB
 RECORD_MAGIC = 0x5245434F52445F31

@@ -1,9 +1,10 @@
 """The pytest plugin from a user's side: a project outside this repository that only installs
 vfio-cxl with pip, writes a test with ``@pytest.mark.lab("single")`` and runs pytest.
 
-The project gets a fresh venv and ``pip install -e`` of a copy of this checkout (its
-dependencies come from pip's cache or the package index; see docs/pytest-plugin.md for the time
-it takes, and why the install is editable).  The inner pytest boots its own lab, so this test first stops whatever lab the
+The project gets a fresh venv and a plain (non-editable) ``pip install`` of a copy of this
+checkout, as a user installs a release: the wheel carries the topologies and the image recipe,
+and the lab shares a copy of the installed package with its guests (its dependencies come from
+pip's cache or the package index; see docs/pytest-plugin.md for the time it takes).  The inner pytest boots its own lab, so this test first stops whatever lab the
 session pool holds (one lab at a time)."""
 
 from __future__ import annotations
@@ -56,12 +57,15 @@ def user_venv(tmp_path_factory) -> Path:
     venv = root / "venv"
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    # Editable, as scripts/_bootstrap.sh installs it: the lab reads its topologies, image recipe
-    # and the guest's source share from the checkout (docs/pytest-plugin.md, "Installing").
-    install = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "-e", str(src), "pytest"],
+    install = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(src), "pytest"],
                              capture_output=True, text=True, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
-    print(f"\nfresh venv + pip install -e vfio-cxl pytest: {time.monotonic() - t0:.1f} s")
+    print(f"\nfresh venv + pip install vfio-cxl pytest: {time.monotonic() - t0:.1f} s")
+    # Installed, not linked: the package the user's pytest imports is the venv's copy.
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import vfio_cxl; print(vfio_cxl.__file__)"],
+                           capture_output=True, text=True, cwd=root, timeout=60)
+    assert where.stdout.strip().startswith(str(venv / "lib")), where.stdout + where.stderr
+    shutil.rmtree(src)   # nothing of the source is left to fall back on
     return venv
 
 

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 import redfish
 
+from tests.redfish_listener import Listener
 from vfio_cxl.paths import REPO_ROOT
 
 pytestmark = pytest.mark.lab("fabric")
@@ -31,38 +29,6 @@ SUBS = "/redfish/v1/EventService/Subscriptions"
 def move(gpu: str, host: str) -> dict:
     return {"Links": {"InitiatorEndpoints": [{"@odata.id": f"{FABRIC}/Endpoints/host-{host}"}],
                       "TargetEndpoints": [{"@odata.id": f"{FABRIC}/Endpoints/gpu-{gpu}"}]}}
-
-
-class Listener:
-    """An HTTP listener on 127.0.0.1 that queues the events POSTed to it."""
-
-    def __init__(self):
-        received = self.received = queue.Queue()
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                received.put((time.time(), body))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/events"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def until(self, kind: str, timeout: float = 60) -> tuple[float, dict]:
-        deadline = time.monotonic() + timeout
-        while True:
-            seen, event = self.received.get(timeout=max(deadline - time.monotonic(), 0.01))
-            (record,) = event["Events"]
-            if record["Oem"]["VfioCxl"]["kind"] == kind:
-                return seen, record
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

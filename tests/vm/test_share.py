@@ -7,8 +7,8 @@ import time
 from vfio_cxl import cacheline
 from vfio_cxl.bench.share import phases, transport_run
 from vfio_cxl.demos.share import B_LINK_ADDRESS, STREAM, seed_flow, stream
-from vfio_cxl.guest.share_bench import parse_plan
-from vfio_cxl.guest.stream import CHANNEL_BASE
+from vfio_cxl.guest.cmd.share_bench import parse_plan
+from vfio_cxl.guest.cmd.stream import CHANNEL_BASE
 
 
 def test_gpu_in_a_writes_what_b_reads_with_no_copy(shared_lab):
@@ -85,7 +85,7 @@ def test_producer_vm_dying_mid_stream_is_reported_not_hung(shared_lab, labs):
     consumer = b.start_command(f"{STREAM} consume --count 100000 --max-size 4096 --timeout 10", timeout=120)
     producer = a.start_command(f"{STREAM} produce --count 100000 --max-size 4096 --peer {B_LINK_ADDRESS}",
                                timeout=120)
-    published_at = CHANNEL_BASE + 64   # the producer's published counter (vfio_cxl.channel layout)
+    published_at = CHANNEL_BASE + 64   # the producer's published counter (vfio_cxl.guest.channel layout)
     deadline = time.monotonic() + 120
     while int.from_bytes(shared_lab.read_backend("shared", published_at, 8), "little") < 50:
         if time.monotonic() > deadline:

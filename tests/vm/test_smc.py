@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-CHECKS = "python3 -m vfio_cxl.guest.smc_checks"
+CHECKS = "python3 -m vfio_cxl.guest.cmd.smc_checks"
 BASE = 0x100000
 RECORD_MAGIC = 0x5245434F52445F31
 
 
 @pytest.fixture
 def daxes(smc_lab):
-    return {name: json.loads(smc_lab[name].run("python3 -m vfio_cxl.guest.cxltool up").stdout)["path"]
+    return {name: json.loads(smc_lab[name].run("python3 -m vfio_cxl.guest.cmd.cxltool up").stdout)["path"]
             for name in ("a", "b")}
 
 

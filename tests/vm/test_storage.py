@@ -117,7 +117,7 @@ def test_iommufd_bring_up_and_round_trips(storage_lab_kernel_lab):
 # -- GPUDirect-Storage-shaped paths and GPU-initiated I/O (vfio_cxl.guest.storage) --------------
 
 def storage_check(lab, check: str, args: str = "", backend: str = "type1") -> dict:
-    result = lab["host0"].run(f"python3 -m vfio_cxl.guest.storage.checks {check} --backend {backend} {args}",
+    result = lab["host0"].run(f"python3 -m vfio_cxl.guest.cmd.storage_checks {check} --backend {backend} {args}",
                               timeout=900, check=False)
     assert result.exited == 0, result.stderr
     return json.loads(result.stdout)

@@ -29,7 +29,7 @@ import sys
 import time
 import zlib
 
-from ..channel import COHERENT, Consumer, Producer
+from ..guest.channel import COHERENT, Consumer, Producer
 
 CHANNEL_BYTES = (64 << 20) + (1 << 16)
 

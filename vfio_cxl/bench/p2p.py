@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     kernel = guest_kernel(args)
     load = os.getloadavg()[0]
     with Lab(topology.load("p2p"), kernel=kernel, log=lambda *_: None) as lab:
-        out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.p2p --bench --size {args.size} "
+        out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.cmd.p2p --bench --size {args.size} "
                                           f"--backend {args.backend}", timeout=900).stdout)
         reference = host_memcpy(args.size)   # same run, same machine load
     memcpy = reference.cold_mb_s

@@ -4,7 +4,7 @@
 
 1. Boots ``smc`` (two guests, one CXL memory, one shared-memory controller,
    a private link).  Sizes 64 B, 4 KiB, 64 KiB, 1 MiB
-   (``vfio_cxl.guest.share_bench``): the CXL channel with the consumer asleep
+   (``vfio_cxl.guest.cmd.share_bench``): the CXL channel with the consumer asleep
    on its SMC doorbell (``doorbell``), polling shared memory (``poll``), asleep
    on a "record N ready" message over the link (``link``), and TCP over the
    link between the same two guests -- same payloads, same check (one CRC32
@@ -15,7 +15,7 @@
    guest's own zlib.crc32 rate and b's CPU seconds per transport.  Then the
    cost of the x86 cache operations (``vfio_cxl.cacheline bench``) in VM b.
 2. Boots ``shared`` (``--records`` > 0): GPU-placed records
-   (``vfio_cxl.guest.stream``): GPU completion (MSI-X) in a -> record visible
+   (``vfio_cxl.guest.cmd.stream``): GPU completion (MSI-X) in a -> record visible
    in b, polling and "record N ready" over the link, 1..16 KiB.
 
 ``--json``: one object with ``channel_mb_s`` (1 MiB records, the doorbell
@@ -38,11 +38,11 @@ import sys
 
 from .. import cacheline
 from ..demos.share import B_LINK_ADDRESS, STREAM, latencies_ms, stream
-from ..guest.share_bench import DEFAULT_PLAN, parse_plan
+from ..guest.cmd.share_bench import DEFAULT_PLAN, parse_plan
 from ..lab import topology
 from ..lab.lab import Lab
 
-SHARE_BENCH = "python3 -m vfio_cxl.guest.share_bench"
+SHARE_BENCH = "python3 -m vfio_cxl.guest.cmd.share_bench"
 BOOT_TIMEOUT = 600          # s per VM to SSH: a loaded 2-core host took over 180 s
 
 

@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     load = os.getloadavg()[0]
     topo = topology.load("storage")
     with Lab(topo, kernel=kernel, log=lambda *_: None) as lab:
-        out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.storage.bench --backend {args.backend}"
+        out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.cmd.storage_bench --backend {args.backend}"
                                           + (" --quick" if args.quick else ""), timeout=3600).stdout)
         host_mb_s, host_sha = host_odirect(lab.nvme_file("host0", "nvme0"), out["data_bytes"])
     nvme0 = topo.vm("host0").nvmes[0]

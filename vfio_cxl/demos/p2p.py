@@ -32,8 +32,8 @@ def main(argv: list[str]) -> int:
     print("booting p2p (two GPUs behind one PCIe switch, a third on its own root port) ...")
     with Lab(topology.load("p2p"), kernel=kernel) as lab:
         vm = lab["host0"]
-        print(vm.run(f"python3 -m vfio_cxl.guest.p2p --size {args.size}", timeout=600).stdout, end="")
-        figures = json.loads(vm.run(f"python3 -m vfio_cxl.guest.p2p --bench --size {args.size}",
+        print(vm.run(f"python3 -m vfio_cxl.guest.cmd.p2p --size {args.size}", timeout=600).stdout, end="")
+        figures = json.loads(vm.run(f"python3 -m vfio_cxl.guest.cmd.p2p --bench --size {args.size}",
                                     timeout=900).stdout)
         memcpy = host_memcpy(args.size)
     print(report(args.size, figures, memcpy), end="")

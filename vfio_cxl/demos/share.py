@@ -5,7 +5,7 @@ are backed by one memory-backend-file.  Both bring their CXL region up as
 devdax; the GPU in "a" DMAs "DMA FROM GPU TO CXL MEMORY" + payload into
 shared CXL memory; "b" reads the same bytes -- no copy between hosts -- and
 the host's backend file agrees.  Then "a" streams records to "b" through a
-channel in the shared memory (vfio_cxl.channel), the GPU placing each
+channel in the shared memory (vfio_cxl.guest.channel), the GPU placing each
 payload, "b" learning of them by polling or over the private link.
 """
 
@@ -15,7 +15,7 @@ import argparse
 import hashlib
 import json
 
-from ..guest.demo_dma import expected_payload
+from ..guest.cmd.demo_dma import expected_payload
 from .dma import check_request
 from ..lab import topology
 from ..lab.kernel import add_kernel_options, resolve
@@ -24,10 +24,10 @@ from ..lab.lab import Lab
 
 def seed_flow(lab: Lab, size: int, offset: int) -> dict:
     a, b = lab["a"], lab["b"]
-    dax_b = json.loads(b.run("python3 -m vfio_cxl.guest.cxltool up").stdout)
-    produced = json.loads(a.run(f"python3 -m vfio_cxl.guest.demo_dma --json --size {size} --offset {offset}",
+    dax_b = json.loads(b.run("python3 -m vfio_cxl.guest.cmd.cxltool up").stdout)
+    produced = json.loads(a.run(f"python3 -m vfio_cxl.guest.cmd.demo_dma --json --size {size} --offset {offset}",
                                 timeout=300).stdout)
-    consumed = json.loads(b.run(f"python3 -m vfio_cxl.guest.cxltool digest {dax_b['path']} {offset} {size}").stdout)
+    consumed = json.loads(b.run(f"python3 -m vfio_cxl.guest.cmd.cxltool digest {dax_b['path']} {offset} {size}").stdout)
     host = hashlib.sha256(lab.read_backend("shared", offset, size)).hexdigest()
     expected = hashlib.sha256(expected_payload(size)).hexdigest()
     return {"a": produced, "b": consumed, "expected_sha256": expected,
@@ -35,8 +35,8 @@ def seed_flow(lab: Lab, size: int, offset: int) -> dict:
             "host_match": host == expected}
 
 
-STREAM = "python3 -m vfio_cxl.guest.stream"
-B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.netconfig: 169.254.<link>.<VM index>, link 0
+STREAM = "python3 -m vfio_cxl.guest.cmd.stream"
+B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.cmd.netconfig: 169.254.<link>.<VM index>, link 0
 
 
 def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ...] = (),

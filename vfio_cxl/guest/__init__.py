@@ -1,0 +1,49 @@
+"""The guest stack: a library for programs that run inside a lab VM (docs/guest-library.md).
+
+    from vfio_cxl.guest import GpuDriver, Transfer, Op, DaxMapping, ensure_ram_devdax
+
+Modules: ``vfio`` (userspace VFIO: one IOMMU-context interface, a type1 container
+and an iommufd backend behind it; device, regions, interrupts), ``cxl`` (CXL
+discovery and regions over cxl-cli/daxctl/ndctl), ``dax`` (devdax mappings),
+``drivers`` (``gpu``, ``smc``, ``nvme``), ``storage`` (the cuFile-shaped API),
+``channel`` (the cross-host record channel) and ``smc_channel`` (its SMC
+wake-ups and fences), ``p2p`` (GPUs in one IOMMU context), ``gpumem`` (GPU memory
+over CXL).  What users run in the guest -- ``vfio-cxl gpu|nvme ...``, the demos',
+checks' and benchmarks' guest halves -- is ``vfio_cxl.guest.cmd``, built on this
+library; the library never imports it.
+
+The names below load their module on first use, so ``import vfio_cxl.guest``
+costs nothing and a host program that needs only the channel does not load cffi.
+"""
+
+import importlib
+
+_HOMES = {
+    "vfio": ("VfioPciDevice", "IommuContext", "Container", "IommufdContext", "DmaMapping", "VfioError",
+             "InterruptTimeout", "find_pci_devices", "bind_vfio_pci"),
+    "cxl": ("CxlError", "DaxDevice", "ensure_ram_devdax", "bring_up"),
+    "dax": ("DaxMapping", "open_dax"),
+    "drivers.gpu": ("GpuDriver", "Transfer", "Op", "GpuError", "GpuDmaError"),
+    "drivers.smc": ("SmcDriver", "SmcError", "SmcTimeout"),
+    "drivers.nvme": ("NvmeController", "NvmeError", "IoOp"),
+    "storage": ("StorageSession", "IoParams", "StorageError"),
+    "channel": ("Producer", "Consumer", "Coherence", "COHERENT", "Wakeup", "ChannelError"),
+    "smc_channel": ("SmcWakeup", "FencedProducer"),
+    "p2p": ("PeerPair", "map_peer_bar"),
+    "gpumem": ("GpuMemory", "UvmPager"),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

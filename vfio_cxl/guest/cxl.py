@@ -28,6 +28,10 @@ from pathlib import Path
 
 import pyudev
 
+__all__ = ["CxlError", "Memdev", "DaxDevice", "tool", "memdevs", "switches", "root_decoders", "regions",
+           "cxl_list", "dax_geometry", "load_pmem_modules", "create_region", "destroy_region", "bring_up",
+           "ensure_ram_devdax"]
+
 SYS_CXL = Path("/sys/bus/cxl/devices")
 SYS_ND = Path("/sys/bus/nd/devices")
 SYS_DAX = Path("/sys/bus/dax")

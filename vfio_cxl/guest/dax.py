@@ -8,6 +8,8 @@ from pathlib import Path
 
 from .cxl import SYS_DAX_DEVICES, CxlError, DaxDevice, dax_geometry
 
+__all__ = ["DaxMapping", "open_dax"]
+
 
 class DaxMapping:
     """A whole-device shared mapping of ``/dev/daxN.M``; close() unmaps and closes."""
@@ -59,6 +61,6 @@ def open_dax(path: str | Path) -> DaxMapping:
     """Map a devdax device by path, reading its size and alignment from sysfs."""
     path = Path(path)
     if not (SYS_DAX_DEVICES / path.name).exists():
-        raise CxlError(f"{path} is not a dax device", "run: python3 -m vfio_cxl.guest.cxltool up")
+        raise CxlError(f"{path} is not a dax device", "run: python3 -m vfio_cxl.guest.cmd.cxltool up")
     size, align = dax_geometry(path.name)
     return DaxMapping(DaxDevice(path.name, size, align, path, region="", resource=0))

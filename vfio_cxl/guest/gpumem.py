@@ -32,8 +32,11 @@ from ..devices.gpu import regs
 from ..devices.gpu.regs import Kernel, Op
 from . import cxl
 from .dax import DaxMapping
-from .gpu_driver import GpuDriver, GpuError, Transfer
+from .drivers.gpu import GpuDriver, GpuError, Transfer
 from .vfio.errors import InterruptTimeout
+
+__all__ = ["GpuMemory", "UvmPager", "Layout", "layout", "Verifier", "LruCache", "simulate_faults",
+           "GpuMemError", "FAR_IOVA", "AUX_IOVA"]
 
 FAR_IOVA = 0x1_0000_0000  # the CXL devdax region, as the GPU sees it
 AUX_IOVA = 0x0800_0000  # one page: kernel parameters and the fault buffer
@@ -547,46 +550,3 @@ class GpuMemory:
         self.close()
         self.gpu.close()
         self.dax.close()
-
-
-# --------------------------------------------------------------------------
-# Many runs in one process (scripts/bench gpumem sends the plan as JSON on the command line)
-# --------------------------------------------------------------------------
-def bench(plan: list[dict], bdf: str | None = None) -> list[dict]:
-    """Each entry: kernel, mode, latency, working_set, vram_cache, unit, warm.  Inputs are
-    prepared once per (kernel, working set) and reused (scatter, which updates in place,
-    every time)."""
-    out = []
-    far = max(layout(p["kernel"], p["working_set"]).size for p in plan)
-    with GpuMemory.open(bdf, far) as mem:
-        prepared: dict = {}
-        for p in plan:
-            key = (p["kernel"], p["working_set"])
-            if p["kernel"] == "scatter" or key not in prepared:
-                lay = layout(p["kernel"], p["working_set"])
-                prepared[key] = (lay, mem.prepare(lay, p.get("seed", 1)))
-            out.append(mem.run(p["kernel"], p["mode"], p["latency"], p["working_set"],
-                               p.get("vram_cache"), p.get("unit", "64K"), p.get("warm", False),
-                               prepared=prepared[key]))
-    return out
-
-
-def main(argv: list[str]) -> int:
-    import argparse
-    import json
-    import sys
-    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.gpumem")
-    parser.add_argument("--plan", required=True, help="JSON list of runs")
-    parser.add_argument("--gpu", metavar="BDF")
-    args = parser.parse_args(argv)
-    try:
-        print(json.dumps(bench(json.loads(args.plan), args.gpu)))
-    except GpuError as err:
-        print(f"gpumem: error: {err}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-    sys.exit(main(sys.argv[1:]))

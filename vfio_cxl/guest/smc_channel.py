@@ -1,4 +1,4 @@
-"""The channel (``vfio_cxl.channel``) on the shared-memory controller: doorbells instead of
+"""The channel (``vfio_cxl.guest.channel``) on the shared-memory controller: doorbells instead of
 polling, and producers on several hosts taking turns under an SMC semaphore.
 
 One producer, one consumer (host IDs on the controller)::
@@ -29,20 +29,22 @@ The consumer asks the controller (two register reads) whether each record's
 stamp -- the semaphore's epoch and the writer's host ID -- is still the
 semaphore's holder and epoch, and rejects it otherwise (``StaleRecord``): the
 writer died, or its semaphore was forcibly released, before the consumer saw
-the record.  See "Several producers" in ``vfio_cxl.channel`` for why a
+the record.  See "Several producers" in ``vfio_cxl.guest.channel`` for why a
 producer keeps the semaphore until its record is acked.
 
 Someone must create the channel before producers attach (``Producer.create``
 once, e.g. on the consumer's host); the drivers must be open before anyone
 rings (opening resets a host's doorbell FIFO): hosts publish a "ready" word in
-shared memory after opening, as ``vfio_cxl.guest.smc_checks`` does.
+shared memory after opening, as ``vfio_cxl.guest.cmd.smc_checks`` does.
 """
 
 from __future__ import annotations
 
-from ..channel import Coherence, Producer, Wakeup
+from .channel import Coherence, Producer, Wakeup
 from ..devices.smc.regs import Error
-from .smc_driver import SmcDriver, SmcError, SmcTimeout
+from .drivers.smc import SmcDriver, SmcError, SmcTimeout
+
+__all__ = ["SmcWakeup", "FencedProducer", "semaphore_fence", "fence_tag", "DOORBELL_PAYLOAD"]
 
 DOORBELL_PAYLOAD = 0x4348414E     # "CHAN": what the channel's rings carry
 FENCE_TAG_VALID = 1 << 31         # tag = VALID | writer host << 8 | semaphore

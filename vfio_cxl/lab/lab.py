@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import LabError
-from ..paths import REPO_ROOT, runtime_root
+from ..paths import guest_source, runtime_root
 from .argv import VmResources
 from .device_process import DeviceServerProcess, smc_server
 from .gpu_process import GpuServerProcess
@@ -165,6 +165,7 @@ class Lab:
         custom = self.kernel is not None and self.kernel.image != Path()
         # read once for all VMs (a --kernel without a .config beside it is unpacked to find it)
         guest_hz = kconfig_hz(self.kernel.config) if custom else image.kernel_hz
+        source = guest_source(rundir)
         vms = []
         for index, spec in enumerate(self.topology.vms, start=1):
             if self.ssh_port is not None:
@@ -176,7 +177,7 @@ class Lab:
                 index=index, rundir=vmdir, kernel=self.kernel.image if custom else image.kernel,
                 # The image's initramfs loads the image kernel's modules: only its kernel needs it.
                 initrd=None if custom else image.initrd, rootfs=image.rootfs,
-                source=REPO_ROOT, backend_files={b: _backend_path(rundir, b) for b in self.topology.backends},
+                source=source, backend_files={b: _backend_path(rundir, b) for b in self.topology.backends},
                 ssh_port=port, accel=self.accel,
                 gpu_sockets={g.name: vmdir / f"{g.name}.sock" for g in self.topology.gpus_of(spec.name)
                              if self.gpu},
@@ -261,7 +262,7 @@ class Lab:
                          f"console {vm.res.console_log})")
                 plan = region_plan(self.topology, vm.spec)
                 if plan["regions"] or plan["pmem"]:
-                    running[vm.name] = vm.start_command("python3 -m vfio_cxl.guest.cxltool regions",
+                    running[vm.name] = vm.start_command("python3 -m vfio_cxl.guest.cmd.cxltool regions",
                                                         stdin=json.dumps(plan), timeout=300)
             results = join_all(running)
             for name, out in results.items():
@@ -270,7 +271,7 @@ class Lab:
                 self.log(f"[{vm.name}] regions: " + ", ".join(
                     f"{r['name']}={r['region']}" + (f" {r['dax']}" if r.get("dax") else "")
                     + (f" {r['blockdev']}" if r.get("blockdev") else "") for r in vm.regions.values()))
-            join_all({vm.name: vm.start_command("python3 -m vfio_cxl.guest.netconfig up", timeout=120)
+            join_all({vm.name: vm.start_command("python3 -m vfio_cxl.guest.cmd.netconfig up", timeout=120)
                       for vm in self.vms.values() if vm.res.link_sockets})
         except BaseException:
             self.stop()

@@ -15,7 +15,7 @@ test's case list (``<test>.cases``, from ``lister.c``).  The hash covers the
 recipe below and the sources of ``selftests/vfio-gpu`` (C files, headers, Makefile).
 
 **Run.**  The static binaries are copied into the guest over SSH, the devices
-bound to vfio-pci (``vfio_cxl.guest.selftest``), and every test runs on every
+bound to vfio-pci (``vfio_cxl.guest.cmd.selftest``), and every test runs on every
 device and IOMMU mode it applies to: tests with per-mode variants once per
 device with ``-r`` for the chosen cases; tests on the library's default mode
 (vfio_pci_device_test) once per mode with ``$VFIO_SELFTESTS_IOMMU_MODE``
@@ -231,6 +231,10 @@ def selftests_root() -> Path:
 
 
 def _key(version: str) -> str:
+    if not DRIVER_DIR.is_dir():
+        raise LabError(f"the GPU's VFIO selftests driver is not here ({DRIVER_DIR}): it is GPL-2.0-only C that "
+                       "ships with the source, not in the vfio-cxl wheel",
+                       "run vfio-cxl selftest from a source checkout (pip install -e CHECKOUT)")
     files = sorted(p for p in DRIVER_DIR.iterdir() if p.suffix in (".c", ".h") or p.name == "Makefile")
     return f"vfio-{version}-{recipe_hash(RECIPE, *files)}"
 
@@ -444,7 +448,7 @@ def run(lab, vm_name: str, build: Build, plan: Plan, logdir: Path, log=print) ->
     for test in plan.cases:
         vm.put(str(build.path / test), f"{GUEST_DIR}/{test}")
     vm.run(f"chmod +x {GUEST_DIR}/*")
-    guest = json.loads(vm.run("python3 -m vfio_cxl.guest.selftest prepare", timeout=300,
+    guest = json.loads(vm.run("python3 -m vfio_cxl.guest.cmd.selftest prepare", timeout=300,
                               stdin=json.dumps({"devices": [{"name": d.name, "id": d.pci_id}
                                                             for d in devices]})).stdout)
     for d in devices:

@@ -2,7 +2,7 @@
 
 docs/smc-device.md is the contract; this module writes its numbers down.
 The device model (``vfio_cxl.devices.smc``) and the guest driver
-(``vfio_cxl.guest.smc_driver``) both import it, so it uses the standard
+(``vfio_cxl.guest.drivers.smc``) both import it, so it uses the standard
 library only (the guest has Python 3.13).
 
 One SMC is shared by up to MAX_HOSTS hosts; each host sees its own PCI

@@ -22,7 +22,7 @@ import time
 from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
 from ..drivers.nvme.queue import QueuePair
-from ..gpu_driver import Transfer
+from ..drivers.gpu import Transfer
 from ..p2p import map_peer_bar
 from .session import DOORBELL_IOVA, VRAM_IOVA, StorageError, StorageSession
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ...devices.gpu.regs import Op
 from ..drivers.nvme import IoOp, NvmeController, NvmeError
-from ..gpu_driver import GpuDriver, Transfer
+from ..drivers.gpu import GpuDriver, Transfer
 from ..p2p import PEER_BAR_IOVA, map_peer_bar, open_context
 from ..vfio.errors import VfioError
 

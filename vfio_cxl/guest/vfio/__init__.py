@@ -19,10 +19,9 @@ choice), errors.
 
 from .bind import Binding, bind_vfio_pci, find_pci_devices, iommu_group, normalize_bdf
 from .container import Container
-from .iommu import IommuContext, IommuInfo
+from .iommu import DmaMapping, IommuContext, IommuInfo
 from .iommufd import IommufdContext
 from .device import Device, DeviceInfo
-from .dma import DmaMapping
 from .errors import (DeviceBoundElsewhereError, DmaMapError, DmaUnmapError, DriverBindError,
                      GroupError, GroupNotViableError, InterruptError, InterruptTimeout,
                      IommuTypeUnsupportedError, NoIommuGroupError, RegionError, VfioError)

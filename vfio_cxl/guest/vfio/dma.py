@@ -1,21 +1,18 @@
-"""DMA mappings: a buffer of this process made visible to the device at an IOVA.
+"""DMA mapping helpers both IOMMU backends use: pinning a buffer, explaining a refused MAP_DMA.
 
-A ``DmaMapping`` holds a cffi buffer handle on the Python object it maps.
-While the handle is held the object cannot be resized or closed (an ``mmap``
-refuses to close), so memory the IOMMU still points at is never freed under
-the device.  The handle is released only once the kernel has unmapped it.
+``pin_buffer`` takes a cffi buffer handle on the Python object to map.  While
+the handle is held the object cannot be resized or closed (an ``mmap`` refuses
+to close), so memory the IOMMU still points at is never freed under the
+device.  The mapping itself (``iommu.DmaMapping``) lives beside the IOMMU
+context that owns it; this module imports neither, so the three form no circle.
 """
 
 from __future__ import annotations
 
 import errno
-from typing import TYPE_CHECKING
 
 from .errors import DmaMapError
 from .uapi import ffi
-
-if TYPE_CHECKING:
-    from .container import Container
 
 ALIGN_FIX = ("allocate the buffer with mmap.mmap(-1, size) (page-aligned) and use a size and an IOVA "
              "that are multiples of the IOMMU page size")
@@ -59,50 +56,3 @@ def _nbytes(buffer) -> int:
         return memoryview(buffer).nbytes
     except TypeError:
         return 0
-
-
-class DmaMapping:
-    """One live MAP_DMA of ``buffer`` at ``iova``; unmapped by ``close()`` or on leaving ``with``."""
-
-    def __init__(self, container: "Container", buffer, handle, vaddr: int, iova: int, size: int,
-                 readable: bool, writable: bool):
-        self.container = container
-        self.buffer = buffer
-        self._handle = handle
-        self.vaddr = vaddr
-        self.iova = iova
-        self.size = size
-        self.readable = readable
-        self.writable = writable
-        self.active = True
-
-    def iova_of(self, offset: int) -> int:
-        """The device address of byte ``offset`` of the buffer."""
-        if not 0 <= offset < self.size:
-            raise ValueError(f"offset {offset:#x} is outside this {self.size:#x}-byte mapping")
-        return self.iova + offset
-
-    def overlaps(self, iova: int, size: int) -> bool:
-        return iova < self.iova + self.size and self.iova < iova + size
-
-    def close(self) -> None:
-        """Unmap from the IOMMU (once; later calls do nothing)."""
-        if self.active:
-            self.container._unmap(self)
-
-    def _release(self) -> None:
-        """Let go of the buffer: called once the kernel no longer maps it."""
-        self.active = False
-        if self._handle is not None:
-            ffi.release(self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "DmaMapping":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "mapped" if self.active else "unmapped"
-        return f"<DmaMapping iova={self.iova:#x} size={self.size:#x} {state}>"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dma import ALIGN_FIX, DmaMapping, map_error, pin_buffer
+from .dma import ALIGN_FIX, map_error, pin_buffer
 from .errors import DmaMapError, DmaUnmapError, describe_errno
 from .uapi import ffi
 
@@ -150,3 +150,49 @@ class IommuContext:
             mapping._release()
         self._mappings.clear()
 
+
+class DmaMapping:
+    """One live MAP_DMA of ``buffer`` at ``iova``; unmapped by ``close()`` or on leaving ``with``."""
+
+    def __init__(self, context: IommuContext, buffer, handle, vaddr: int, iova: int, size: int,
+                 readable: bool, writable: bool):
+        self.context = context       # the IOMMU context (type1 container or iommufd IOAS) that maps it
+        self.buffer = buffer
+        self._handle = handle
+        self.vaddr = vaddr
+        self.iova = iova
+        self.size = size
+        self.readable = readable
+        self.writable = writable
+        self.active = True
+
+    def iova_of(self, offset: int) -> int:
+        """The device address of byte ``offset`` of the buffer."""
+        if not 0 <= offset < self.size:
+            raise ValueError(f"offset {offset:#x} is outside this {self.size:#x}-byte mapping")
+        return self.iova + offset
+
+    def overlaps(self, iova: int, size: int) -> bool:
+        return iova < self.iova + self.size and self.iova < iova + size
+
+    def close(self) -> None:
+        """Unmap from the IOMMU (once; later calls do nothing)."""
+        if self.active:
+            self.context._unmap(self)
+
+    def _release(self) -> None:
+        """Let go of the buffer: called once the kernel no longer maps it."""
+        self.active = False
+        if self._handle is not None:
+            ffi.release(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "DmaMapping":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "mapped" if self.active else "unmapped"
+        return f"<DmaMapping iova={self.iova:#x} size={self.size:#x} {state}>"

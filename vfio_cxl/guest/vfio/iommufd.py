@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import syscalls
 from . import uapi_iommufd as u
-from .dma import DmaMapping
+from .iommu import DmaMapping
 from .errors import INTEL_IOMMU_HINT, DmaMapError, IoctlError, VfioError, describe_errno
 from .iommu import IommuContext, IommuInfo
 

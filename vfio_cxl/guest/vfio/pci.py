@@ -29,11 +29,10 @@ from . import iommufd, syscalls, uapi
 from .bind import Binding, Sysfs, bind_vfio_pci, iommu_group, normalize_bdf, require_vfio_pci
 from .container import CONTAINER_PATH, IOMMU_TYPES, Container, IommuInfo
 from .device import Device, DeviceInfo
-from .dma import DmaMapping
 from .errors import VfioError
 from .group import DEV_VFIO, Group
 from .interrupts import Interrupts, IrqInfo, MsixVectors
-from .iommu import IommuContext
+from .iommu import DmaMapping, IommuContext
 from .region import Region
 
 

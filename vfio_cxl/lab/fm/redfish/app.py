@@ -21,6 +21,7 @@ from werkzeug.exceptions import HTTPException
 
 from ....errors import LabError
 from ..protocol import RemoteError
+from .csdl import OEM_SCHEMA, metadata, oem_schema, service_document
 from .model import (BASE_REGISTRY, FABRIC, ROOT, TYPES, build, collection, gpu_endpoint, host_endpoint,
                     ref, resource)
 
@@ -208,6 +209,23 @@ def create_app(fm: Callable, topology, subscriptions: Subscriptions | None = Non
     @app.get("/redfish")
     def versions():
         return reply({"v1": ROOT + "/"})
+
+    def xml(text: str) -> Response:
+        response = Response(text, 200, mimetype="application/xml")
+        response.headers["OData-Version"] = "4.0"
+        return response
+
+    @app.get(f"{ROOT}/$metadata")
+    def service_metadata():
+        return xml(metadata())
+
+    @app.get(OEM_SCHEMA)
+    def oem_csdl():
+        return xml(oem_schema())
+
+    @app.get(f"{ROOT}/odata")
+    def odata():
+        return reply(service_document())
 
     @app.get("/redfish/v1", strict_slashes=False)
     @app.get("/redfish/v1/<path:path>", strict_slashes=False)

@@ -1,6 +1,6 @@
 """In the guest: route A (GPU -> guest RAM, then CPU copy into CXL) vs route B (GPU -> CXL).
 
-    python3 -m vfio_cxl.guest.bench_routes [--sizes 1M,16M] [--runs 3]   (JSON out)
+    python3 -m vfio_cxl.guest.cmd.bench_routes [--sizes 1M,16M] [--runs 3]   (JSON out)
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import statistics
 import sys
 import time
 
-from ..devices.gpu.regs import Op
-from . import cxl
-from .dax import DaxMapping
-from .gpu_driver import GpuDriver, Transfer
+from ...devices.gpu.regs import Op
+from .. import cxl
+from ..dax import DaxMapping
+from ..drivers.gpu import GpuDriver, Transfer
 
 
 def _size(text: str) -> int:
@@ -51,7 +51,7 @@ def measure(sizes: list[int], runs: int) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.bench_routes", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.bench_routes", description=__doc__)
     parser.add_argument("--sizes", default="1M,16M")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)

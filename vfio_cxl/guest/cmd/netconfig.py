@@ -55,7 +55,7 @@ def configure(ipr: IPRoute) -> list[tuple[str, str]]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] != ["up"]:
-        print("usage: python3 -m vfio_cxl.guest.netconfig up", file=sys.stderr)
+        print("usage: python3 -m vfio_cxl.guest.cmd.netconfig up", file=sys.stderr)
         return 2
     with IPRoute() as ipr:
         for name, address in configure(ipr):

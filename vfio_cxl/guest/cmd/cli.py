@@ -22,14 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-from ..devices.gpu import regs
-from ..errors import LabError
-from .cxl import CxlError
-from .vfio import bind_vfio_pci, find_pci_devices, normalize_bdf
-from .vfio.bind import Sysfs
-from .vfio.iommufd import IOMMUFD_PATH
-from .vfio.pci import choose_backend
-from .vfio.errors import VfioError
+from ...devices.gpu import regs
+from ...errors import LabError
+from ..cxl import CxlError
+from ..vfio import bind_vfio_pci, find_pci_devices, normalize_bdf
+from ..vfio.bind import Sysfs
+from ..vfio.iommufd import IOMMUFD_PATH
+from ..vfio.pci import choose_backend
+from ..vfio.errors import VfioError
 
 
 def _gpus() -> list[str]:
@@ -117,7 +117,7 @@ def cmd_dma(args) -> int:
 
 def cmd_vram(args) -> int:
     """A tag at the start of VRAM (after ``gpu dma``'s payload area it does not matter where)."""
-    from .gpu_driver import GpuDriver
+    from ..drivers.gpu import GpuDriver
     bdf = _bound(args.gpu)
     with GpuDriver.open(bdf) as gpu:
         if args.op == "vram-write":
@@ -134,7 +134,7 @@ def cmd_vram(args) -> int:
 
 def cmd_run(args) -> int:
     """A compute kernel over the CXL far window, in one memory mode (docs/gpu-memory.md)."""
-    from .gpumem import GpuMemory, layout
+    from ..gpumem import GpuMemory, layout
     bdf = _bound(args.gpu)
     with GpuMemory.open(bdf, layout(args.kernel, args.working_set).size) as mem:
         r = mem.run(args.kernel, args.mode, args.latency, args.working_set, args.vram_cache,

@@ -17,9 +17,9 @@ import json
 import random
 import time
 
-from .drivers.nvme import NvmeController, find_controllers
-from .vfio.bind import Sysfs
-from .vfio.errors import VfioError
+from ..drivers.nvme import NvmeController, find_controllers
+from ..vfio.bind import Sysfs
+from ..vfio.errors import VfioError
 
 
 def pattern(seed: int, length: int) -> bytes:
@@ -112,7 +112,7 @@ def cmd_rw(args) -> int:
 
 
 def nvme_op(name: str):
-    from .drivers.nvme import IoOp
+    from ..drivers.nvme import IoOp
     return IoOp.WRITE if name == "write" else IoOp.READ
 
 

@@ -1,12 +1,12 @@
 """Guest-side CXL/devdax tool, driven by the lab over SSH (JSON out, base64 data).
 
-    python3 -m vfio_cxl.guest.cxltool list             discovery (pyudev) + cxl list
-    python3 -m vfio_cxl.guest.cxltool up [MEMDEV]      RAM region as devdax (idempotent)
-    python3 -m vfio_cxl.guest.cxltool regions < plan   the topology's regions (JSON plan from the lab)
-    python3 -m vfio_cxl.guest.cxltool down REGION      destroy a region
-    python3 -m vfio_cxl.guest.cxltool write DAX OFFSET < base64
-    python3 -m vfio_cxl.guest.cxltool read DAX OFFSET LENGTH > base64
-    python3 -m vfio_cxl.guest.cxltool digest DAX OFFSET LENGTH   sha256 + leading text (JSON)
+    python3 -m vfio_cxl.guest.cmd.cxltool list             discovery (pyudev) + cxl list
+    python3 -m vfio_cxl.guest.cmd.cxltool up [MEMDEV]      RAM region as devdax (idempotent)
+    python3 -m vfio_cxl.guest.cmd.cxltool regions < plan   the topology's regions (JSON plan from the lab)
+    python3 -m vfio_cxl.guest.cmd.cxltool down REGION      destroy a region
+    python3 -m vfio_cxl.guest.cmd.cxltool write DAX OFFSET < base64
+    python3 -m vfio_cxl.guest.cmd.cxltool read DAX OFFSET LENGTH > base64
+    python3 -m vfio_cxl.guest.cmd.cxltool digest DAX OFFSET LENGTH   sha256 + leading text (JSON)
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import dataclasses
 import json
 import sys
 
-from . import cxl
-from .dax import open_dax
+from .. import cxl
+from ..dax import open_dax
 
 
 def _json(obj) -> str:

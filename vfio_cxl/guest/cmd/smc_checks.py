@@ -1,11 +1,11 @@
 """Guest-side programs the SMC VM tests and bench run over SSH; each prints one JSON object.
 
-    python3 -m vfio_cxl.guest.smc_checks contend  --dax P --base B --sem S --rounds N --nonce K --hosts 0,1
-    python3 -m vfio_cxl.guest.smc_checks pingpong --dax P --base B --peer H --role init|resp
+    python3 -m vfio_cxl.guest.cmd.smc_checks contend  --dax P --base B --sem S --rounds N --nonce K --hosts 0,1
+    python3 -m vfio_cxl.guest.cmd.smc_checks pingpong --dax P --base B --peer H --role init|resp
                                                   --mode irq|poll --count N --nonce K
-    python3 -m vfio_cxl.guest.smc_checks hold     --dax P --base B --sem S --peer H --nonce K
-    python3 -m vfio_cxl.guest.smc_checks survive  --dax P --base B --sem S --peer H --nonce K
-    python3 -m vfio_cxl.guest.smc_checks watch    --dax P --base B --sem S --nonce K
+    python3 -m vfio_cxl.guest.cmd.smc_checks hold     --dax P --base B --sem S --peer H --nonce K
+    python3 -m vfio_cxl.guest.cmd.smc_checks survive  --dax P --base B --sem S --peer H --nonce K
+    python3 -m vfio_cxl.guest.cmd.smc_checks watch    --dax P --base B --sem S --nonce K
 
 The channel on the controller (``vfio_cxl.guest.smc_channel``; the channel lives at ``--chan``):
     ... chan-consume --dax P --base B --peers 0[,1] --count N --nonce K [--sem S --create]
@@ -45,10 +45,10 @@ import sys
 import time
 
 from ..channel import COHERENT, ChannelError, Consumer, Producer, StaleRecord
-from ..devices.smc.regs import Error
-from .dax import open_dax
-from .smc_channel import DOORBELL_PAYLOAD, FencedProducer, SmcWakeup, fence_tag, semaphore_fence
-from .smc_driver import SmcDriver, SmcError
+from ...devices.smc.regs import Error
+from ..dax import open_dax
+from ..smc_channel import DOORBELL_PAYLOAD, FencedProducer, SmcWakeup, fence_tag, semaphore_fence
+from ..drivers.smc import SmcDriver, SmcError
 
 U64 = struct.Struct("<Q")
 RECORD = struct.Struct("<QQQ")

@@ -1,7 +1,7 @@
 """In the guest: checks of the GPU driver stack against the real kernel (JSON out).
 
-    python3 -m vfio_cxl.guest.gpu_checks isolation
-    python3 -m vfio_cxl.guest.gpu_checks random [--count 100] [--seed 1]
+    python3 -m vfio_cxl.guest.cmd.gpu_checks isolation
+    python3 -m vfio_cxl.guest.cmd.gpu_checks random [--count 100] [--seed 1]
 
 ``isolation``: a descriptor whose destination IOVA is not mapped must fail
 with the device's fault status on the error vector, and leave devdax and
@@ -20,11 +20,11 @@ import os
 import random
 import sys
 
-from ..devices.gpu import regs
-from ..devices.gpu.regs import Op, Status
-from . import cxl
-from .dax import DaxMapping
-from .gpu_driver import GpuDmaError, GpuDriver, Transfer
+from ...devices.gpu import regs
+from ...devices.gpu.regs import Op, Status
+from .. import cxl
+from ..dax import DaxMapping
+from ..drivers.gpu import GpuDmaError, GpuDriver, Transfer
 
 UNMAPPED_IOVA = 0x7000_0000
 
@@ -88,7 +88,7 @@ def random_transfers(count: int, seed: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.gpu_checks", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.gpu_checks", description=__doc__)
     parser.add_argument("check", choices=["isolation", "random"])
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1)

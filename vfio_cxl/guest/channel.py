@@ -194,6 +194,10 @@ import time
 import zlib
 from collections import deque
 
+__all__ = ["Producer", "Consumer", "Record", "Reservation", "Geometry", "read_header", "Coherence",
+           "COHERENT", "Wakeup", "ChannelError", "NoChannel", "BadMagic", "VersionMismatch", "BadHeader",
+           "ChannelFull", "ChannelTimeout", "CorruptRecord", "StaleRecord"]
+
 MAGIC = b"VCXLCHAN"
 VERSION = 3
 LINE = 64

@@ -25,10 +25,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..devices.smc import regs
-from ..devices.smc.regs import Error
-from .vfio import VfioPciDevice, find_pci_devices
-from .vfio.errors import InterruptTimeout, VfioError
+from ...devices.smc import regs
+from ...devices.smc.regs import Error
+from ..vfio import VfioPciDevice, find_pci_devices
+from ..vfio.errors import InterruptTimeout, VfioError
+
+__all__ = ["SmcDriver", "Message", "SmcError", "SmcTimeout"]
 
 PCI_COMMAND = 0x04
 PCI_COMMAND_MEMORY = 0x2

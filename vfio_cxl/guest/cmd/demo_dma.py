@@ -1,6 +1,6 @@
 """In the guest: the GPU DMAs a payload from its VRAM straight into CXL devdax (route B).
 
-    python3 -m vfio_cxl.guest.demo_dma [--size BYTES] [--offset BYTES] [--json]
+    python3 -m vfio_cxl.guest.cmd.demo_dma [--size BYTES] [--offset BYTES] [--json]
 
 The payload starts with the seed's string and continues with the GPU's PRNG
 fill; the driver checks the bytes it reads back through the devdax mapping.
@@ -14,11 +14,11 @@ import json
 import sys
 import time
 
-from ..devices.gpu import regs
-from ..devices.gpu.regs import Op
-from . import cxl
-from .dax import DaxMapping
-from .gpu_driver import GpuDriver, Transfer
+from ...devices.gpu import regs
+from ...devices.gpu.regs import Op
+from .. import cxl
+from ..dax import DaxMapping
+from ..drivers.gpu import GpuDriver, Transfer
 
 MESSAGE = b"DMA FROM GPU TO CXL MEMORY"
 SEED = 0x5EED_C0DE
@@ -59,7 +59,7 @@ def run(size: int, offset: int, bdf: str | None = None) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.demo_dma", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.demo_dma", description=__doc__)
     parser.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20)
     parser.add_argument("--offset", type=lambda s: int(s, 0), default=0)
     parser.add_argument("--json", action="store_true")

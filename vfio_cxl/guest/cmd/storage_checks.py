@@ -1,9 +1,9 @@
 """In the guest: the storage paths end to end, each printing one JSON result (VM tests, docs).
 
-    python3 -m vfio_cxl.guest.storage.checks p2p|compat [--size N] [--offset N]
-    python3 -m vfio_cxl.guest.storage.checks isolation
-    python3 -m vfio_cxl.guest.storage.checks gpu-initiated [--count N] [--size N] [--depth N]
-    python3 -m vfio_cxl.guest.storage.checks reset
+    python3 -m vfio_cxl.guest.cmd.storage_checks p2p|compat [--size N] [--offset N]
+    python3 -m vfio_cxl.guest.cmd.storage_checks isolation
+    python3 -m vfio_cxl.guest.cmd.storage_checks gpu-initiated [--count N] [--size N] [--depth N]
+    python3 -m vfio_cxl.guest.cmd.storage_checks reset
     (all take --nvme BDF --gpu BDF --backend type1|iommufd; default: the GPU and the NVMe
     controller that shares its PCIe switch)
 
@@ -23,12 +23,12 @@ import sys
 from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
 from ..drivers.nvme import IoOp, NvmeCommandError, NvmeError, find_controllers
-from ..gpu_driver import Transfer
+from ..drivers.gpu import Transfer
 from ..p2p import route
 from ..vfio import find_pci_devices
 from ..vfio.errors import VfioError
-from .gpu_initiated import GpuQueue
-from .session import VRAM_IOVA, StorageSession
+from ..storage.gpu_initiated import GpuQueue
+from ..storage.session import VRAM_IOVA, StorageSession
 
 
 def pattern(seed: int, length: int) -> bytes:
@@ -153,7 +153,7 @@ def check_reset(s: StorageSession) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.storage.checks")
+    p = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.storage_checks")
     p.add_argument("check", choices=("p2p", "compat", "isolation", "gpu-initiated", "reset"))
     p.add_argument("--nvme")
     p.add_argument("--gpu")

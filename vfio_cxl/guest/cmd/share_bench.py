@@ -1,7 +1,7 @@
 """In the guests: the CXL channel against TCP over the private link, same payloads, same checks.
 
-    b$ python3 -m vfio_cxl.guest.share_bench recv --transport T [--plan PLAN] [--smc-peer 0]
-    a$ python3 -m vfio_cxl.guest.share_bench send --transport T [--plan PLAN] [--peer 169.254.0.2] [--smc-peer 1]
+    b$ python3 -m vfio_cxl.guest.cmd.share_bench recv --transport T [--plan PLAN] [--smc-peer 0]
+    a$ python3 -m vfio_cxl.guest.cmd.share_bench send --transport T [--plan PLAN] [--peer 169.254.0.2] [--smc-peer 1]
 
 Transports: ``channel`` (the CXL channel, the consumer polls shared memory),
 ``doorbell`` (the channel, the consumer sleeps on its shared-memory
@@ -21,10 +21,10 @@ its CLOCK_MONOTONIC.  The sender records when each payload was handed over
 (just before ``publish`` / ``sendmsg``) and, for paced records, when it saw
 b's ack (the channel's acked count, or one byte back): a round trip on a's
 clock alone.  It also measures the clock offset to b over the link
-(``vfio_cxl.guest.stream``) for one-way figures.  ``recv`` also reports the
+(``vfio_cxl.guest.cmd.stream``) for one-way figures.  ``recv`` also reports the
 guest's own zlib.crc32 rate over 1 MiB of devdax memory.
 
-The channel uses the devdax region of ``vfio_cxl.guest.stream``; TCP runs
+The channel uses the devdax region of ``vfio_cxl.guest.cmd.stream``; TCP runs
 over the private link with TCP_NODELAY.  ``recv`` also reports its CPU
 seconds (a polling consumer burns its vCPU while it waits; a sleeping one
 does not).
@@ -43,10 +43,10 @@ import time
 import zlib
 
 from ..channel import ChannelError, Consumer, CorruptRecord, Producer
-from . import cxl
-from .dax import DaxMapping
-from .smc_channel import SmcWakeup
-from .smc_driver import SmcDriver, SmcError
+from .. import cxl
+from ..dax import DaxMapping
+from ..smc_channel import SmcWakeup
+from ..drivers.smc import SmcDriver, SmcError
 from .stream import (CLOCK_PORT, channel_view, coherence, connect_with_retry, measure_clock_offset, prefault,
                      serve_clock)
 
@@ -277,7 +277,7 @@ def recv(transport: str, plan, timeout: float, coherence_name: str, smc_peer: in
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.share_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.share_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=["send", "recv"])
     parser.add_argument("--transport", choices=TRANSPORTS, required=True)

@@ -30,10 +30,13 @@ import mmap
 import select
 from dataclasses import dataclass
 
-from ..devices.gpu import regs
-from ..devices.gpu.regs import Op, Status
-from .vfio import DmaMapping, VfioPciDevice, find_pci_devices, uapi
-from .vfio.errors import InterruptError, VfioError
+from ...devices.gpu import regs
+from ...devices.gpu.regs import Op, Status
+from ..vfio import DmaMapping, VfioPciDevice, find_pci_devices, uapi
+from ..vfio.errors import InterruptError, VfioError
+
+__all__ = ["GpuDriver", "Transfer", "Op", "Status", "GpuError", "GpuRemovedError", "GpuCompletionError",
+           "GpuDmaError"]
 
 
 PCI_COMMAND = 0x04

@@ -1,6 +1,6 @@
 """In the guest: the storage paths side by side (``scripts/bench storage`` runs this).
 
-    python3 -m vfio_cxl.guest.storage.bench [--quick] [--nvme BDF --gpu BDF] [--backend type1|iommufd]
+    python3 -m vfio_cxl.guest.cmd.storage_bench [--quick] [--nvme BDF --gpu BDF] [--backend type1|iommufd]
 
 Cells: path (bounce, p2p, gpu-initiated) x I/O size x queue depth, each reading ``WORK`` bytes
 of the namespace (written once beforehand, a seeded pattern) into VRAM:
@@ -31,10 +31,10 @@ import time
 from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
 from ..drivers.nvme import IoOp
-from ..gpu_driver import Transfer
-from .checks import pick, put
-from .gpu_initiated import GpuQueue
-from .session import VRAM_IOVA, StorageSession
+from ..drivers.gpu import Transfer
+from .storage_checks import pick, put
+from ..storage.gpu_initiated import GpuQueue
+from ..storage.session import VRAM_IOVA, StorageSession
 
 SEED = 2026
 FULL = {"sizes": (4096, 65536, 1 << 20), "depths": (1, 8, 32, 64), "work": 16 << 20}
@@ -120,7 +120,7 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.storage.bench")
+    p = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.storage_bench")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--nvme")
     p.add_argument("--gpu")

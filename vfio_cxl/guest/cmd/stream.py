@@ -1,10 +1,10 @@
 """In the guests: stream records from VM a's GPU to VM b through shared CXL memory.
 
-    a$ python3 -m vfio_cxl.guest.stream produce --count N --peer 169.254.0.2 [--notify] [--corrupt 5,17]
-    b$ python3 -m vfio_cxl.guest.stream consume --count N [--notify]
-    a$ python3 -m vfio_cxl.guest.stream reset         # forget any earlier channel
+    a$ python3 -m vfio_cxl.guest.cmd.stream produce --count N --peer 169.254.0.2 [--notify] [--corrupt 5,17]
+    b$ python3 -m vfio_cxl.guest.cmd.stream consume --count N [--notify]
+    a$ python3 -m vfio_cxl.guest.cmd.stream reset         # forget any earlier channel
 
-The channel (``vfio_cxl.channel``) lives in the devdax device from
+The channel (``vfio_cxl.guest.channel``) lives in the devdax device from
 CHANNEL_BASE on.  For each record the producer reserves space, has the GPU
 fill VRAM with the record's PRNG stream and DMA it into the reserved range
 (route B: straight into CXL), then publishes the record; optionally it also
@@ -27,12 +27,12 @@ import threading
 import time
 import zlib
 
-from .. import cacheline
+from ... import cacheline
 from ..channel import COHERENT, ChannelFull, ChannelTimeout, Coherence, Consumer, CorruptRecord, Producer
-from ..devices.gpu import regs
-from ..devices.gpu.regs import Op
-from . import cxl
-from .dax import DaxMapping
+from ...devices.gpu import regs
+from ...devices.gpu.regs import Op
+from .. import cxl
+from ..dax import DaxMapping
 
 CHANNEL_BASE = 128 << 20
 CHANNEL_SIZE = 64 << 20
@@ -148,7 +148,7 @@ def connect_with_retry(host: str, port: int, timeout: float) -> socket.socket:
 def produce(count: int, seed: int, max_size: int, ring_entries: int, peer: str, notify: bool,
             corrupt: set[int], timeout: float, paced: bool = False, report_full: bool = False,
             coherence_name: str = "coherent") -> dict:
-    from .gpu_driver import GpuDriver, Transfer   # only VM a has the GPU
+    from ..drivers.gpu import GpuDriver, Transfer   # only VM a has the GPU
 
     dax_device = cxl.ensure_ram_devdax()
     clock = measure_clock_offset(peer, CLOCK_PORT, timeout)
@@ -280,7 +280,7 @@ def reset() -> dict:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.stream", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.stream", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", choices=["produce", "consume", "reset"])
     parser.add_argument("--count", type=int, default=1000)

@@ -1,6 +1,6 @@
 """Guest side of ``vfio-cxl selftest vfio``: get the VM ready for the kernel's VFIO selftests.
 
-    echo '{"devices": [{"name": "gpu0", "id": "0601:1991"}]}' | python3 -m vfio_cxl.guest.selftest prepare
+    echo '{"devices": [{"name": "gpu0", "id": "0601:1991"}]}' | python3 -m vfio_cxl.guest.cmd.selftest prepare
 
 binds each device to vfio-pci (the selftests open it through VFIO, by BDF), and
 prepares what the tests use when it is there, saying what it got:
@@ -28,9 +28,9 @@ import platform
 import sys
 from pathlib import Path
 
-from ..errors import LabError
-from .vfio import bind_vfio_pci, find_pci_devices, iommu_group
-from .vfio.errors import VfioError
+from ...errors import LabError
+from ..vfio import bind_vfio_pci, find_pci_devices, iommu_group
+from ..vfio.errors import VfioError
 
 THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 HUGEPAGES = {"2M": Path("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"),
@@ -87,7 +87,7 @@ def prepare(devices: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.selftest", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.selftest", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("prepare", help="bind the devices (JSON on stdin) to vfio-pci; print what the VM has")
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             print(json.dumps(prepare(json.load(sys.stdin)["devices"])))
     except (LabError, VfioError) as err:
-        print(f"vfio_cxl.guest.selftest: error: {err}", file=sys.stderr)
+        print(f"vfio_cxl.guest.cmd.selftest: error: {err}", file=sys.stderr)
         return 1
     return 0
 

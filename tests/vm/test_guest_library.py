@@ -1,0 +1,38 @@
+"""docs/guest-library.md's complete program, run in a guest as the page shows it: the library
+alone (no command module) drives the GPU's DMA into CXL memory, and prints the line the page shows."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "guest-library.md"
+
+pytestmark = pytest.mark.lab("single")
+
+
+def program_and_output() -> tuple[str, str]:
+    """The page's first python block (the program) and the first untagged block after it (its output)."""
+    text = DOC.read_text()
+    program = re.search(r"^```python\n(.*?)^```$", text, re.S | re.M)
+    output = re.search(r"^```\n(.*?)^```$", text[program.end():], re.S | re.M)
+    return program.group(1), output.group(1).strip()
+
+
+def test_the_documented_program_runs_on_the_library_alone(lab):
+    program, shown = program_and_output()
+    assert "vfio_cxl.guest.cmd" not in program
+    check = "\nimport sys\nprint(sorted(m for m in sys.modules if m.startswith('vfio_cxl.guest.cmd')))\n"
+    out = lab.ssh("host0", f"python3 -c {shlex.quote(program + check)}").splitlines()
+    assert out[-1] == "[]", out                  # no command module was loaded
+    assert out[0] == shown, (out, shown)
+
+
+def test_the_image_s_vfio_cxl_command_runs_the_guest_commands(lab):
+    """/usr/local/bin/vfio-cxl (the image's wrapper: python3 -m vfio_cxl.guest.cli) reaches guest.cmd.cli."""
+    listed = json.loads(lab.ssh("host0", "vfio-cxl gpu ls --json"))
+    assert [gpu["bdf"] for gpu in listed["gpus"]] == ["0000:01:00.0"], listed
+    dma = json.loads(lab.ssh("host0", "vfio-cxl gpu dma --json"))
+    assert dma["match"] and dma["sha256_read"] == dma["sha256_expected"], dma
