@@ -141,7 +141,7 @@ CASES: dict[str, Case] = {}   # filled in below, one entry per documented comman
 
 SCRIPT_DEMO = "./scripts/demo"
 # `vm up ./my.toml` as docs/topologies.md shows it: single.toml with a window granularity CXL lacks
-BAD_TOPOLOGY = (ROOT / "vfio_cxl/lab/topologies/single.toml").read_text().replace(
+BAD_TOPOLOGY = (ROOT / "qemu/topologies/single.toml").read_text().replace(
     'size = "4G"\n', 'size = "4G"\ngranularity = "3K"\n', 1)
 CASES.update({
     # ---- no VM: tests/fast/test_documented_commands.py

@@ -15,9 +15,20 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent   # the checkout; for an installed (non-editable) package, site-packages
 
 
+# What the lab reads at run time besides Python: where a checkout keeps it, by name.  A wheel
+# carries a copy of each under vfio_cxl/_data/NAME (setup.py copies them at build time), so a
+# plain `pip install` works without the checkout.
+DATA = {"topologies": "qemu/topologies", "images": "images", "kernel-config": "qemu/kernel"}
+
+
 def is_checkout() -> bool:
     """The package runs from a source checkout (``pip install -e``, or ``PYTHONPATH``), not from a wheel."""
     return (REPO_ROOT / "pyproject.toml").is_file()
+
+
+def data_dir(name: str) -> Path:
+    """The directory of the run-time data ``name`` (a key of DATA): the checkout's, or the wheel's copy."""
+    return REPO_ROOT / DATA[name] if is_checkout() else PACKAGE_DIR / "_data" / name
 
 
 def guest_source(rundir: Path) -> Path:

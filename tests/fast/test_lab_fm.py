@@ -407,7 +407,7 @@ def test_lab_names_come_from_any_topology_stem(env, stem, name):
 def test_vm_up_detach_of_a_topology_file_with_any_stem(env, tmp_path):
     """The same through the CLI, up to where the lab fails for a taken SSH port (before QEMU)."""
     topo = tmp_path / "my_lab.toml"
-    topo.write_text((REPO_ROOT / "vfio_cxl/lab/topologies/single.toml").read_text())
+    topo.write_text((REPO_ROOT / "qemu/topologies/single.toml").read_text())
     registry.reserve_name("my_lab")   # an earlier lab's logs
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

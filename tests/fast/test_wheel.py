@@ -22,7 +22,7 @@ import pytest
 import vfio_cxl
 from vfio_cxl.lab import image, kernel, topology
 from vfio_cxl.lab.recipe import recipe_hash
-from vfio_cxl.paths import REPO_ROOT
+from vfio_cxl.paths import DATA, REPO_ROOT
 
 PACKAGE_DIR = Path(vfio_cxl.__file__).parent
 SKIP = shutil.ignore_patterns(".venv", ".git", "*.egg-info", "__pycache__", "build", "dist", ".pytest_cache",
@@ -30,12 +30,18 @@ SKIP = shutil.ignore_patterns(".venv", ".git", "*.egg-info", "__pycache__", "bui
 
 
 def package_data() -> dict[str, int]:
-    """Every file of the package that is not Python source: its path in a wheel, and its mode."""
+    """Every file a wheel must carry that is not Python source: its path in the wheel, and its mode.
+    The package's own non-Python files, and the run-time data the checkout keeps outside it
+    (paths.DATA: qemu/topologies, images, qemu/kernel), which a wheel carries at vfio_cxl/_data/NAME."""
     out = {}
     for path in PACKAGE_DIR.rglob("*"):
         rel = path.relative_to(PACKAGE_DIR.parent)
         if path.is_file() and path.suffix not in (".py", ".pyc") and not {"__pycache__", "_native"} & set(rel.parts):
             out[rel.as_posix()] = path.stat().st_mode
+    for name, source in DATA.items():
+        for path in (REPO_ROOT / source).rglob("*"):
+            if path.is_file():
+                out[f"vfio_cxl/_data/{name}/{path.relative_to(REPO_ROOT / source).as_posix()}"] = path.stat().st_mode
     return out
 
 
@@ -53,12 +59,12 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_package_data_the_lab_reads_is_known():
     data = package_data()
-    assert "vfio_cxl/lab/topologies/single.toml" in data
-    assert "vfio_cxl/lab/images/guest.toml" in data and "vfio_cxl/lab/images/rootfs/sbin/vfio-cxl-init" in data
-    assert "vfio_cxl/lab/kernel-config/lab.config" in data and "vfio_cxl/cacheline.c" in data
-    # the modules read them from inside the package, not from a checkout around it
-    assert topology.TOPOLOGY_DIR.is_relative_to(PACKAGE_DIR) and image.IMAGES_DIR.is_relative_to(PACKAGE_DIR)
-    assert kernel.FRAGMENT.is_relative_to(PACKAGE_DIR)
+    assert "vfio_cxl/_data/topologies/single.toml" in data
+    assert "vfio_cxl/_data/images/guest.toml" in data and "vfio_cxl/_data/images/rootfs/sbin/vfio-cxl-init" in data
+    assert "vfio_cxl/_data/kernel-config/lab.config" in data and "vfio_cxl/cacheline.c" in data
+    # a checkout reads them where the repository keeps them
+    assert topology.TOPOLOGY_DIR == REPO_ROOT / "qemu/topologies" and image.IMAGES_DIR == REPO_ROOT / "images"
+    assert kernel.FRAGMENT == REPO_ROOT / "qemu/kernel/lab.config"
 
 
 def test_the_wheel_carries_every_data_file_with_its_mode(wheel):
@@ -90,7 +96,7 @@ def test_an_installed_wheel_finds_its_topologies_recipe_and_guest_source(wheel, 
         "source = paths.guest_source(Path(sys.argv[1]))\n"
         "print(json.dumps({'package': paths.PACKAGE_DIR.as_posix(), 'checkout': paths.is_checkout(),\n"
         "    'vms': [vm.name for vm in topo.vms], 'available': topology.available(),\n"
-        "    'image': image.image_path().name, 'kernel': recipe_hash(kernel.LAB_RECIPE, kernel.FRAGMENT),\n"
+        "    'topologies': topology.TOPOLOGY_DIR.as_posix(), 'image': image.image_path().name, 'kernel': recipe_hash(kernel.LAB_RECIPE, kernel.FRAGMENT),\n"
         "    'source': source.as_posix(), 'guest_cli': (source / 'vfio_cxl/guest/cmd/cli.py').is_file(),\n"
         "    'only_the_package': sorted(p.name for p in source.iterdir())}))\n")
     rundir = tmp_path / "run"
@@ -101,6 +107,7 @@ def test_an_installed_wheel_finds_its_topologies_recipe_and_guest_source(wheel, 
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     assert got["package"] == (target / "vfio_cxl").as_posix() and got["checkout"] is False
+    assert got["topologies"] == (target / "vfio_cxl/_data/topologies").as_posix()
     assert got["vms"] == ["host0"] and set(got["available"]) == set(topology.available())
     # the same recipe, so the same cached guest image and lab kernel as the checkout's
     assert got["image"] == image.image_path().name

@@ -18,7 +18,7 @@ LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
 NIC_MAC = "52:54:00:1e:{:02x}:{:02x}"        # VM index, NIC number: topology [nics.NAME]
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
 MODULES_MOUNT_TAG = "vfio_cxl_modules"   # --modules DIR: the guest mounts it at /lib/modules/$(uname -r)
-GUEST_INIT = "/sbin/vfio-cxl-init"   # PID 1 of a lab VM (vfio_cxl/lab/images/rootfs/sbin/vfio-cxl-init)
+GUEST_INIT = "/sbin/vfio-cxl-init"   # PID 1 of a lab VM (images/rootfs/sbin/vfio-cxl-init)
 SMC_ROOT_PORT = "smc_port"   # not a topology name ('_' is not allowed there)
 
 

@@ -1,7 +1,7 @@
 """The guest image: a Debian trixie rootfs, kernel 6.12 and a tiny initramfs.
 
-Built from ``vfio_cxl/lab/images/guest.toml`` (plus ``vfio_cxl/lab/images/rootfs/`` and
-``vfio_cxl/lab/images/initramfs-init``) into ``<cache>/images/<recipe hash>/``:
+Built from ``images/guest.toml`` (plus ``images/rootfs/`` and
+``images/initramfs-init``) into ``<cache>/images/<recipe hash>/``:
 
 * ``vmlinuz``, ``initrd.img`` -- booted directly with -kernel/-initrd;
 * ``config``                  -- that kernel's configuration (its CONFIG_HZ sets timer
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LabError
-from ..paths import cache_root
+from ..paths import cache_root, data_dir
 from . import apt
 from .kconfig import kconfig_hz, parse_config
 from .recipe import Progress, building, recipe_hash
 
-IMAGES_DIR = Path(__file__).with_name("images")   # the recipe: package data, shipped in the wheel
+IMAGES_DIR = data_dir("images")   # the recipe: images/ of the checkout; a wheel carries a copy
 GUEST_HOST_KEY = "/etc/dropbear/dropbear_ed25519_host_key"   # the guest init starts dropbear with it
 HOST_PACKAGES = ["mmdebstrap", "cpio", "e2fsprogs", "openssh-client", "kmod", "debian-archive-keyring"]
 
@@ -159,7 +159,7 @@ def _module_closure(rootfs: Path, version: str, names: list[str]) -> list[str]:
     for name in names:
         if name not in by_name:
             raise LabError(f"module {name} is not a module of kernel {version} (built in?)",
-                           "remove it from initramfs_modules in vfio_cxl/lab/images/guest.toml")
+                           "remove it from initramfs_modules in images/guest.toml")
         visit(by_name[name])
     return ordered
 
@@ -203,7 +203,7 @@ def _configure_rootfs(rootfs: Path, out: Path) -> None:
     public = [line for line in shown.splitlines() if line.startswith("ssh-ed25519 ")]
     if len(public) != 1:
         raise LabError(f"dropbearkey -y printed no ssh-ed25519 public key:\n{shown}",
-                       "check the dropbear-bin package in vfio_cxl/lab/images/guest.toml")
+                       "check the dropbear-bin package in images/guest.toml")
     (out / "ssh_host_ed25519_key.pub").write_text(public[0] + "\n")
     (rootfs / "etc/hostname").write_text("vfio-cxl\n")
     (rootfs / "etc/fstab").write_text("/dev/vda / ext4 rw 0 1\n")
@@ -222,7 +222,7 @@ def build_image(dest: Path, log=print) -> GuestImage:
     recipe = load_recipe()
     apt.ensure_host_packages(HOST_PACKAGES, log)
     progress = Progress("image", log)
-    progress.step(f"building guest image {dest.name} from vfio_cxl/lab/images/guest.toml")
+    progress.step(f"building guest image {dest.name} from images/guest.toml")
     with building(dest) as out:
         work = out / "work"
         version, kernel = _fetch_kernel(recipe, work, progress)

@@ -2,7 +2,7 @@
 
 The **lab kernel** is built from Debian's packaged kernel source
 (``linux-source-*`` from trixie-backports, fetched through the private apt)
-with ``vfio_cxl/lab/kernel-config/lab.config`` merged over ``tinyconfig``: everything the lab's VMs use built in (IOMMUFD, VFIO cdev, CXL,
+with ``qemu/kernel/lab.config`` merged over ``tinyconfig``: everything the lab's VMs use built in (IOMMUFD, VFIO cdev, CXL,
 DAX, virtio, 9p), no modules, and what a Q35 TCG guest never touches left out.
 It lands in ``<cache>/kernels/lab-<source version>-<hash of recipe and
 fragment>/`` (``bzImage``, ``config``, ``manifest.json``, ``build.log``).
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LabError
-from ..paths import REPO_ROOT, cache_root
+from ..paths import REPO_ROOT, cache_root, data_dir
 from . import apt
 from .kconfig import check_config, parse_config, read_kernel_config
 from .recipe import Progress, building, recipe_hash
 
-FRAGMENT = Path(__file__).with_name("kernel-config") / "lab.config"   # package data
+FRAGMENT = data_dir("kernel-config") / "lab.config"   # qemu/kernel/lab.config; a wheel carries a copy
 LAB_RECIPE = {
     "format": 1,
     "suite": "trixie-backports",

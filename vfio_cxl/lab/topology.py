@@ -1,4 +1,4 @@
-"""Topologies: any CXL/PCIe fabric as data (``vfio_cxl/lab/topologies/*.toml``), checked strictly.
+"""Topologies: any CXL/PCIe fabric as data (``qemu/topologies/*.toml``), checked strictly.
 
     from vfio_cxl.lab import topology
     topo = topology.load("fabric")            # a shipped name, or a path to a .toml file
@@ -33,8 +33,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from ..errors import LabError
+from ..paths import data_dir
 
-TOPOLOGY_DIR = Path(__file__).with_name("topologies")   # package data: shipped in the wheel
+TOPOLOGY_DIR = data_dir("topologies")   # qemu/topologies; a wheel carries a copy
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -139,7 +139,7 @@ def kcidb(table: list[dict], name: str, origin: str = ORIGIN, started: float | N
             "id": build_id, "origin": origin, "checkout_id": run_id, "architecture": "x86_64",
             "config_name": kernel, "status": "PASS", "start_time": stamp,
             "comment": {"debian": "the guest image's Debian kernel", "lab": "the lab kernel (tinyconfig + "
-                        "vfio_cxl/lab/kernel-config/lab.config)", "default": "the kernels the run boots itself"}.get(kernel, kernel),
+                        "qemu/kernel/lab.config)", "default": "the kernels the run boots itself"}.get(kernel, kernel),
             "misc": {"recipe": r["recipes"].get("kernel", "")}})
         env = " ".join(f"{k}={r['cell'][k]}" for k in ("topology", "backend") if r["cell"].get(k))
         tests_of = r["tests"] or [{"name": r["id"], "status": r["status"], "seconds": r["seconds"],
