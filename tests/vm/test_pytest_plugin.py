@@ -57,7 +57,9 @@ def user_venv(tmp_path_factory) -> Path:
     venv = root / "venv"
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    install = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", str(src), "pytest"],
+    # --no-compile: byte-compiling numpy, matplotlib and the rest is most of pip's CPU here; Python
+    # compiles what the test imports on first use, as it does for any user
+    install = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--no-compile", str(src), "pytest"],
                              capture_output=True, text=True, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
     print(f"\nfresh venv + pip install vfio-cxl pytest: {time.monotonic() - t0:.1f} s")
