@@ -119,7 +119,9 @@ def cluster(ray_env, tmp_path):
         port = free_port()
         nodes.append(RayNode("head", ["--head", "--port", str(port), "--include-dashboard=false",
                                       "--disable-usage-stats", "--temp-dir", str(temp)], ray_env, tmp_path))
-        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], ray_env, tmp_path))
+        # Its own IP (all of 127/8 is this machine's): Ray attaches a driver to a raylet of the
+        # driver's IP, and with both nodes on one IP that may be the worker this test kills.
+        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], ray_env, tmp_path, ip="127.0.0.2"))
         yield {"address": f"127.0.0.1:{port}", "head": nodes[0], "worker": nodes[1]}
     finally:
         for node in reversed(nodes):
@@ -165,16 +167,17 @@ class Command:
         return "".join(self.lines)
 
 
+def fast_matrix(path: Path) -> Path:
+    """Two runs of this checkout's fast tests: jobs that boot no lab."""
+    path.write_text("".join(f'[[run]]\nname = "{name}"\ntests = {{ select = ["tests/fast/test_matrix.py"], k = "{k}" }}\n'
+                            for name, k in (("expand", "expands"), ("junit", "junit"))))
+    return path
+
+
 def results(data: dict) -> dict:
     return {j["id"]: (j["status"], [t["output"].strip() for t in j["tests"]]) for j in data["jobs"]}
 
 
-# Ray 2.49 attaches the driver to either raylet when two nodes share one IP: in 2 of 4 runs it
-# took the worker's, and killing the worker then took the driver's raylet with it (every job lost,
-# LocalRayletDiedError).  Until the driver is pinned to the head's raylet, this test runs on demand.
-@pytest.mark.skipif(os.environ.get("VFIO_CXL_RAY_CLUSTER_TEST") != "1",
-                    reason="flaky with two raylets on one IP (the driver may attach to the worker it then "
-                           "kills): run with VFIO_CXL_RAY_CLUSTER_TEST=1")
 def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, ray_env, tmp_path):
     matrix = write_matrix(tmp_path / "m.toml", ["single", "hb2"])
     host = socket.gethostname()
@@ -193,9 +196,9 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
     finally:
         code, out = cmd.finish()
     assert code == 0, cmd.stderr()[-4000:]
-    # --json's stdout came back empty from cluster runs that exited 0 (not understood yet): the
-    # same report, as written to --out, is read instead
-    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert f"driver attached to {head} (the head)" in cmd.stderr()
+    data = json.loads(out)                                  # --json: the report on stdout
+    assert data == json.loads((tmp_path / "out" / "report.json").read_text())
     lost = [j for j in data["jobs"] if j["infra_retries"]]
     assert [j["id"] for j in lost] == [line.group(1)], cmd.stderr()[-4000:]
     (job,) = lost
@@ -213,11 +216,13 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
     assert xml.tests == len(data["jobs"]) and xml.failures == 0 and xml.errors == 0
     kcidb_io.schema.LATEST.validate(json.loads((tmp_path / "kcidb.json").read_text()))
 
-    # The same matrix on a local Ray (no --address): the same results.
+    # The same matrix on a local Ray (no --address): the same results, and nothing left behind.
+    before = set(runtime_root().iterdir())
     local = Command([str(matrix), "--json", "--out", str(tmp_path / "local")], ray_env)
     code, out = local.finish()
     assert code == 0, local.stderr()[-4000:]
-    assert results(json.loads((tmp_path / "local" / "report.json").read_text())) == results(data)
+    assert results(json.loads(out)) == results(data)
+    assert set(runtime_root().iterdir()) <= before           # the local Ray's temp dir went with it
 
 
 def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
@@ -236,3 +241,18 @@ def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
     wait_until("every process of the run (Ray's too) to go", lambda: not session_processes(cmd.proc.pid), 60)
     assert not list(runtime_root().glob("vfio-cxl-*/lab.pid")) or all(
         not Path(f"/proc/{int(p.read_text())}").exists() for p in runtime_root().glob("vfio-cxl-*/lab.pid"))
+
+
+def test_a_local_run_prints_its_report_on_stdout_and_leaves_no_ray_behind(ray_env, tmp_path):
+    before = set(runtime_root().iterdir())
+    cmd = Command([str(fast_matrix(tmp_path / "m.toml")), "--json", "--out", str(tmp_path / "out"),
+                   "--junit", str(tmp_path / "junit.xml")], ray_env)
+    code, out = cmd.finish(timeout=600)
+    assert code == 0, cmd.stderr()[-3000:]
+    data = json.loads(out)
+    assert data == json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [(j["id"], j["status"]) for j in data["jobs"]] == [("expand", "pass"), ("junit", "pass")]
+    assert all(j["tests"] and all(t["status"] == "pass" for t in j["tests"]) for j in data["jobs"])
+    assert "cell" in cmd.stderr() and "2 passed, 0 failed" in cmd.stderr()      # the table went to stderr
+    wait_until("every process of the run (Ray's too) to go", lambda: not session_processes(cmd.proc.pid), 60)
+    assert set(runtime_root().iterdir()) <= before, sorted(set(runtime_root().iterdir()) - before)
