@@ -9,6 +9,7 @@ run locally gives the same results.  Ctrl-C stops every job and leaves no VM.  S
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -111,22 +112,30 @@ def ray_env(tmp_path):
             "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "300000", "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
 
 
-@pytest.fixture
-def cluster(ray_env, tmp_path):
+@contextlib.contextmanager
+def ray_cluster(env: dict, tmp_path: Path, worker_env: dict | None = None):
+    """A head and a worker, started with `ray start` on this machine, one tcg_vm slot each."""
     temp = runtime_root() / f"ray-{os.getpid()}"
     nodes = []
     try:
         port = free_port()
         nodes.append(RayNode("head", ["--head", "--port", str(port), "--include-dashboard=false",
-                                      "--disable-usage-stats", "--temp-dir", str(temp)], ray_env, tmp_path))
+                                      "--disable-usage-stats", "--temp-dir", str(temp)], env, tmp_path))
         # Its own IP (all of 127/8 is this machine's): Ray attaches a driver to a raylet of the
         # driver's IP, and with both nodes on one IP that may be the worker this test kills.
-        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], ray_env, tmp_path, ip="127.0.0.2"))
+        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], worker_env or env, tmp_path,
+                             ip="127.0.0.2"))
         yield {"address": f"127.0.0.1:{port}", "head": nodes[0], "worker": nodes[1]}
     finally:
         for node in reversed(nodes):
             node.stop()
         subprocess.run(["rm", "-rf", str(temp)], check=False)
+
+
+@pytest.fixture
+def cluster(ray_env, tmp_path):
+    with ray_cluster(ray_env, tmp_path) as found:
+        yield found
 
 
 def kernels() -> list[str]:
@@ -169,9 +178,16 @@ class Command:
 
 def fast_matrix(path: Path) -> Path:
     """Two runs of this checkout's fast tests: jobs that boot no lab."""
-    path.write_text("".join(f'[[run]]\nname = "{name}"\ntests = {{ select = ["tests/fast/test_matrix.py"], k = "{k}" }}\n'
+    path.write_text("".join(f'[[run]]\nname = "{name}"\n'
+                            f'tests = {{ select = ["tests/fast/test_matrix.py"], k = "{k}" }}\n'
                             for name, k in (("expand", "expands"), ("junit", "junit"))))
     return path
+
+
+def left_behind(before: set[Path]) -> list[Path]:
+    """What a run left in the run-directory parent: Ray's temp dir, job work dirs, lab run dirs."""
+    return sorted(p for p in set(runtime_root().iterdir()) - before
+                  if p.name.startswith(("ray-", "matrix-", "vfio-cxl-")))
 
 
 def results(data: dict) -> dict:
@@ -222,7 +238,7 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
     code, out = local.finish()
     assert code == 0, local.stderr()[-4000:]
     assert results(json.loads(out)) == results(data)
-    assert set(runtime_root().iterdir()) <= before           # the local Ray's temp dir went with it
+    assert not left_behind(before)                            # the local Ray's temp dir went with it
 
 
 def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
@@ -255,4 +271,21 @@ def test_a_local_run_prints_its_report_on_stdout_and_leaves_no_ray_behind(ray_en
     assert all(j["tests"] and all(t["status"] == "pass" for t in j["tests"]) for j in data["jobs"])
     assert "cell" in cmd.stderr() and "2 passed, 0 failed" in cmd.stderr()      # the table went to stderr
     wait_until("every process of the run (Ray's too) to go", lambda: not session_processes(cmd.proc.pid), 60)
-    assert set(runtime_root().iterdir()) <= before, sorted(set(runtime_root().iterdir()) - before)
+    assert not left_behind(before)
+
+
+def test_a_cluster_node_without_qemu_is_refused_before_any_job(ray_env, tmp_path):
+    """The worker's cache is empty (no QEMU tree, no image): the run names it and starts nothing."""
+    bare = {**ray_env, "VFIO_CXL_CACHE": str(tmp_path / "empty-cache")}
+    with ray_cluster(ray_env, tmp_path, worker_env=bare) as found:
+        worker = f"{socket.gethostname()}:{found['worker'].node_manager_port}"
+        head = f"{socket.gethostname()}:{found['head'].node_manager_port}"
+        cmd = Command([str(write_matrix(tmp_path / "m.toml", ["single"])), "--address", found["address"],
+                       "--out", str(tmp_path / "out")], ray_env)
+        code, out = cmd.finish(timeout=600)
+    err = cmd.stderr()
+    assert code == 1, err[-3000:]
+    assert f"nodes cannot run the matrix:\n  node {worker}: QEMU is not provisioned, the guest image" in err, err
+    assert "--provision" in err and f"node {head}:" not in err   # the head is provisioned: only the worker named
+    assert "running on" not in err and not (tmp_path / "out" / "report.json").exists()   # no job started
+    assert not list((tmp_path / "empty-cache").rglob("rootfs.raw"))                      # nothing built

@@ -420,8 +420,9 @@ class RayEngine:
         from ray import exceptions as rex
 
         # Lost with its node or worker: retried elsewhere, never a test failure.
-        self.LOST = tuple(getattr(rex, n) for n in ("NodeDiedError", "WorkerCrashedError", "ObjectLostError", "OwnerDiedError", "RaySystemError",
-                                                    "TaskUnschedulableError") if hasattr(rex, n))
+        self.LOST = tuple(getattr(rex, n) for n in ("NodeDiedError", "WorkerCrashedError", "ObjectLostError",
+                                                    "OwnerDiedError", "RaySystemError", "TaskUnschedulableError")
+                          if hasattr(rex, n))
         # The driver's own raylet died: the run is lost (see DriverLost), not one job.
         self.driver_lost = getattr(rex, "LocalRayletDiedError", ())
         self.cancelled = getattr(rex, "TaskCancelledError", ())
