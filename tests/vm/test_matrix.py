@@ -289,3 +289,25 @@ def test_a_cluster_node_without_qemu_is_refused_before_any_job(ray_env, tmp_path
     assert "--provision" in err and f"node {head}:" not in err   # the head is provisioned: only the worker named
     assert "running on" not in err and not (tmp_path / "out" / "report.json").exists()   # no job started
     assert not list((tmp_path / "empty-cache").rglob("rootfs.raw"))                      # nothing built
+
+
+def test_a_driver_whose_own_node_dies_stops_the_run_naming_it(cluster, ray_env, tmp_path):
+    """A driver told to attach to the worker (--address by the worker's IP) loses its raylet with
+    it: the run stops with the cause and what to do, not with every job counted lost or failed."""
+    worker = f"{socket.gethostname()}:{cluster['worker'].node_manager_port}"
+    port = cluster["address"].rpartition(":")[2]
+    cmd = Command([str(fast_matrix(tmp_path / "m.toml")), "--address", f"127.0.0.2:{port}", "--json",
+                   "--out", str(tmp_path / "out")], ray_env)
+    try:
+        wait_until("the driver to attach", lambda: any("driver attached to" in line for line in cmd.lines), 300)
+        assert any(f"driver attached to {worker}, not the head" in line for line in cmd.lines), cmd.stderr()
+        wait_until("a job running on the worker", lambda: any(f"running on {worker}" in line for line in cmd.lines),
+                   300)
+        cluster["worker"].kill()
+    finally:
+        code, out = cmd.finish(timeout=600)
+    err = cmd.stderr()
+    assert code == 1 and out == "", err[-3000:]
+    assert f"the Ray node this driver ran on ({worker}) died" in err and "the run is lost" in err, err[-3000:]
+    assert "run the driver on the head" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "report.json").exists()
