@@ -107,7 +107,8 @@ class RayNode:
 
 @pytest.fixture
 def ray_env(tmp_path):
-    """Ray's token auth with a token of our own (nothing read from or written to ~/.ray)."""
+    """Ray's environment: a token of our own for Ray's token auth (Ray below 2.50, the extra's,
+    has none and ignores it), no usage stats, patient agents, this venv's ray first."""
     return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
             "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "300000", "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
 
@@ -243,6 +244,7 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
 
 def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
     matrix = write_matrix(tmp_path / "m.toml", ["single"])
+    before = set(runtime_root().iterdir())
     cmd = Command([str(matrix), "--json", "--out", str(tmp_path / "out")], ray_env)
     try:
         qemus = wait_until("the first job's QEMU", lambda: qemus_under(cmd.proc.pid), 600)
@@ -255,6 +257,7 @@ def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
     assert "cancelling 1 job(s)" in cmd.stderr() and "interrupted" in cmd.stderr()
     assert not any(Path(f"/proc/{p}").exists() for p in qemus)    # stopped before the command returned
     wait_until("every process of the run (Ray's too) to go", lambda: not session_processes(cmd.proc.pid), 60)
+    assert not left_behind(before)          # the lab's run directory, the job's, Ray's temp dir
     assert not list(runtime_root().glob("vfio-cxl-*/lab.pid")) or all(
         not Path(f"/proc/{int(p.read_text())}").exists() for p in runtime_root().glob("vfio-cxl-*/lab.pid"))
 
