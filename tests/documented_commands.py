@@ -267,6 +267,9 @@ CASES.update({
     "scripts/bench supervision": Case(group="bench", timeout=900),
     "scripts/bench p2p": Case(group="bench", run="scripts/bench p2p --size 1M", timeout=1200),
     "scripts/bench fabric": Case(group="bench", run="scripts/bench fabric --moves 1", timeout=900),
+    "scripts/bench matrix-node": Case(group="bench", timeout=600,
+                                      expect=(r"^ray start \(head: .*\d+\.\d s +\d+\.\d s$",
+                                              r"^artefacts each node builds")),
 })
 
 
@@ -324,8 +327,6 @@ CASES.update({
     ".venv/bin/pip install -e '.[matrix]'": skip("installs the extra into the checkout's venv: ./scripts/test "
                                                 "installs it (the test extra includes it)"),
     "pip install 'vfio-cxl[matrix]'": skip("the same extra from an index: ./scripts/test installs it from the checkout"),
-    "export RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(python3 -c 'import secrets; print(secrets.token_hex(32))')":
-        skip("cluster set-up on N machines; tests/vm/test_matrix.py starts a head and a worker on this one"),
     ".venv/bin/ray start --head --port 6379 --num-cpus 8 --resources '{\"tcg_vm\": 4}'":
         skip("cluster set-up on N machines (8 CPUs a node); tests/vm/test_matrix.py starts a head and a worker"),
     ".venv/bin/ray start --address HEAD:6379 --num-cpus 8 --resources '{\"tcg_vm\": 4}'":

@@ -182,6 +182,29 @@ def test_an_unreachable_address_fails_at_once():
         engine.check_address("somewhere")
 
 
+def test_an_unreachable_address_is_refused_before_ray_or_any_lab_starts(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(engine, "RayEngine", lambda *a, **k: pytest.fail("Ray started for an unreachable address"))
+    (tmp_path / "m.toml").write_text(TWO_BY_TWO)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert cli.main(["matrix", "run", str(tmp_path / "m.toml"), "--address", f"127.0.0.1:{port}",
+                     "--out", str(tmp_path / "out")]) == 1
+    err = capfd.readouterr().err
+    assert f"--address 127.0.0.1:{port}: cannot reach a Ray head" in err and "ray start --head --port" in err
+
+
+def test_the_driver_attaches_by_the_heads_ip_when_this_machine_has_it():
+    ray = pytest.importorskip("ray")
+    here = ray.util.get_node_ip_address()
+    # `ray start` registers a head given 127.0.0.1 under the machine's address: so does the driver
+    assert engine.driver_ip("127.0.0.1:6379") == engine.driver_ip("localhost:6379") == here
+    assert engine.driver_ip(f"{here}:6379") == here
+    assert engine.driver_ip("127.0.0.2:6379") == "127.0.0.2"       # a second node on this machine
+    assert engine.driver_ip("203.0.113.1:6379") is None              # a head elsewhere: Ray's own choice
+    assert engine.driver_ip("auto") is None
+
+
 # ---------------------------------------------------------------- scheduling logic on a fake engine
 
 PROVISIONED = {"host": "h", "recipes": {"image": "a7eb7380d42730d1"}, "qemu": "QEMU emulator version 11.1.3", "image": True, "lab_kernel": True}
@@ -317,6 +340,33 @@ def test_an_interrupt_cancels_every_running_job():
     assert fake.cancelled == [([("uname-debian-single", 1), ("uname-debian-hb2", 1)], False)]
 
 
+def test_json_stdout_is_the_report_alone_whatever_ray_prints(tmp_path, capfd, monkeypatch):
+    class Chatty(FakeEngine):     # Ray prints a dead node's message on the driver's sys.stdout
+        def outcome(self, handle):
+            print("(raylet) Raylet is terminated. Termination is unexpected.")
+            return super().outcome(handle)
+
+        def close(self):
+            print("(raylet) leftover lines flushed by ray.shutdown()")
+    monkeypatch.setattr(engine, "RayEngine", lambda *a, **k: Chatty({}))
+    (tmp_path / "m.toml").write_text(TWO_BY_TWO + "[[exclude]]\nkernel='lab'\n")
+    assert cli.main(["matrix", "run", str(tmp_path / "m.toml"), "--json", "--out", str(tmp_path / "out")]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out) == json.loads((tmp_path / "out" / "report.json").read_text())
+    assert "Raylet is terminated" in err and "leftover lines" in err and "2 passed" in err
+
+
+def test_losing_the_drivers_own_node_aborts_the_run_naming_it():
+    class DriverNodeDied(FakeEngine):
+        def outcome(self, handle):
+            raise engine.DriverLost("the Ray node this driver ran on (b) died: ... the run is lost",
+                                    "run the driver on the head")
+    fake = DriverNodeDied({})
+    with pytest.raises(engine.DriverLost, match=r"driver ran on \(b\) died.*the run is lost") as err:
+        run_fake(fake, two_jobs())
+    assert isinstance(err.value, LabError) and fake.cancelled == []      # a clear error, no job reported
+
+
 # ---------------------------------------------------------------- the node side, on real processes
 
 def test_a_job_on_a_node_with_another_checkout_is_an_infrastructure_failure():
@@ -329,10 +379,12 @@ def test_work_directories_of_dead_workers_are_removed(tmp_path, monkeypatch):
     monkeypatch.setattr(job, "runtime_root", lambda: tmp_path)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    (tmp_path / "matrix" / f"uname-debian-hb2-1-{dead.pid}").mkdir(parents=True)
-    (tmp_path / "matrix" / f"uname-debian-hb2-2-{os.getpid()}").mkdir()
+    (tmp_path / f"matrix-uname-debian-hb2-1-{dead.pid}").mkdir()
+    (tmp_path / f"matrix-uname-debian-hb2-2-{os.getpid()}").mkdir()
+    (tmp_path / "vfio-cxl-other-lab").mkdir()
     job.remove_stale_workdirs()
-    assert [p.name for p in (tmp_path / "matrix").iterdir()] == [f"uname-debian-hb2-2-{os.getpid()}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"matrix-uname-debian-hb2-2-{os.getpid()}",
+                                                           "vfio-cxl-other-lab"]
 
 
 STOPPABLE = """

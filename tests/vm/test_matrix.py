@@ -9,6 +9,7 @@ run locally gives the same results.  Ctrl-C stops every job and leaves no VM.  S
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -106,25 +107,36 @@ class RayNode:
 
 @pytest.fixture
 def ray_env(tmp_path):
-    """Ray's token auth with a token of our own (nothing read from or written to ~/.ray)."""
+    """Ray's environment: a token of our own for Ray's token auth (Ray below 2.50, the extra's,
+    has none and ignores it), no usage stats, patient agents, this venv's ray first."""
     return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
             "RAY_USAGE_STATS_ENABLED": "0", "RAY_agent_register_timeout_ms": "300000", "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
 
 
-@pytest.fixture
-def cluster(ray_env, tmp_path):
+@contextlib.contextmanager
+def ray_cluster(env: dict, tmp_path: Path, worker_env: dict | None = None):
+    """A head and a worker, started with `ray start` on this machine, one tcg_vm slot each."""
     temp = runtime_root() / f"ray-{os.getpid()}"
     nodes = []
     try:
         port = free_port()
         nodes.append(RayNode("head", ["--head", "--port", str(port), "--include-dashboard=false",
-                                      "--disable-usage-stats", "--temp-dir", str(temp)], ray_env, tmp_path))
-        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], ray_env, tmp_path))
+                                      "--disable-usage-stats", "--temp-dir", str(temp)], env, tmp_path))
+        # Its own IP (all of 127/8 is this machine's): Ray attaches a driver to a raylet of the
+        # driver's IP, and with both nodes on one IP that may be the worker this test kills.
+        nodes.append(RayNode("worker", ["--address", f"127.0.0.1:{port}"], worker_env or env, tmp_path,
+                             ip="127.0.0.2"))
         yield {"address": f"127.0.0.1:{port}", "head": nodes[0], "worker": nodes[1]}
     finally:
         for node in reversed(nodes):
             node.stop()
         subprocess.run(["rm", "-rf", str(temp)], check=False)
+
+
+@pytest.fixture
+def cluster(ray_env, tmp_path):
+    with ray_cluster(ray_env, tmp_path) as found:
+        yield found
 
 
 def kernels() -> list[str]:
@@ -165,16 +177,24 @@ class Command:
         return "".join(self.lines)
 
 
+def fast_matrix(path: Path) -> Path:
+    """Two runs of this checkout's fast tests: jobs that boot no lab."""
+    path.write_text("".join(f'[[run]]\nname = "{name}"\n'
+                            f'tests = {{ select = ["tests/fast/test_matrix.py"], k = "{k}" }}\n'
+                            for name, k in (("expand", "expands"), ("junit", "junit"))))
+    return path
+
+
+def left_behind(before: set[Path]) -> list[Path]:
+    """What a run left in the run-directory parent: Ray's temp dir, job work dirs, lab run dirs."""
+    return sorted(p for p in set(runtime_root().iterdir()) - before
+                  if p.name.startswith(("ray-", "matrix-", "vfio-cxl-")))
+
+
 def results(data: dict) -> dict:
     return {j["id"]: (j["status"], [t["output"].strip() for t in j["tests"]]) for j in data["jobs"]}
 
 
-# Ray 2.49 attaches the driver to either raylet when two nodes share one IP: in 2 of 4 runs it
-# took the worker's, and killing the worker then took the driver's raylet with it (every job lost,
-# LocalRayletDiedError).  Until the driver is pinned to the head's raylet, this test runs on demand.
-@pytest.mark.skipif(os.environ.get("VFIO_CXL_RAY_CLUSTER_TEST") != "1",
-                    reason="flaky with two raylets on one IP (the driver may attach to the worker it then "
-                           "kills): run with VFIO_CXL_RAY_CLUSTER_TEST=1")
 def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, ray_env, tmp_path):
     matrix = write_matrix(tmp_path / "m.toml", ["single", "hb2"])
     host = socket.gethostname()
@@ -193,9 +213,9 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
     finally:
         code, out = cmd.finish()
     assert code == 0, cmd.stderr()[-4000:]
-    # --json's stdout came back empty from cluster runs that exited 0 (not understood yet): the
-    # same report, as written to --out, is read instead
-    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert f"driver attached to {head} (the head)" in cmd.stderr()
+    data = json.loads(out)                                  # --json: the report on stdout
+    assert data == json.loads((tmp_path / "out" / "report.json").read_text())
     lost = [j for j in data["jobs"] if j["infra_retries"]]
     assert [j["id"] for j in lost] == [line.group(1)], cmd.stderr()[-4000:]
     (job,) = lost
@@ -213,15 +233,18 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
     assert xml.tests == len(data["jobs"]) and xml.failures == 0 and xml.errors == 0
     kcidb_io.schema.LATEST.validate(json.loads((tmp_path / "kcidb.json").read_text()))
 
-    # The same matrix on a local Ray (no --address): the same results.
+    # The same matrix on a local Ray (no --address): the same results, and nothing left behind.
+    before = set(runtime_root().iterdir())
     local = Command([str(matrix), "--json", "--out", str(tmp_path / "local")], ray_env)
     code, out = local.finish()
     assert code == 0, local.stderr()[-4000:]
-    assert results(json.loads((tmp_path / "local" / "report.json").read_text())) == results(data)
+    assert results(json.loads(out)) == results(data)
+    assert not left_behind(before)                            # the local Ray's temp dir went with it
 
 
 def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
     matrix = write_matrix(tmp_path / "m.toml", ["single"])
+    before = set(runtime_root().iterdir())
     cmd = Command([str(matrix), "--json", "--out", str(tmp_path / "out")], ray_env)
     try:
         qemus = wait_until("the first job's QEMU", lambda: qemus_under(cmd.proc.pid), 600)
@@ -234,5 +257,60 @@ def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
     assert "cancelling 1 job(s)" in cmd.stderr() and "interrupted" in cmd.stderr()
     assert not any(Path(f"/proc/{p}").exists() for p in qemus)    # stopped before the command returned
     wait_until("every process of the run (Ray's too) to go", lambda: not session_processes(cmd.proc.pid), 60)
+    assert not left_behind(before)          # the lab's run directory, the job's, Ray's temp dir
     assert not list(runtime_root().glob("vfio-cxl-*/lab.pid")) or all(
         not Path(f"/proc/{int(p.read_text())}").exists() for p in runtime_root().glob("vfio-cxl-*/lab.pid"))
+
+
+def test_a_local_run_prints_its_report_on_stdout_and_leaves_no_ray_behind(ray_env, tmp_path):
+    before = set(runtime_root().iterdir())
+    cmd = Command([str(fast_matrix(tmp_path / "m.toml")), "--json", "--out", str(tmp_path / "out"),
+                   "--junit", str(tmp_path / "junit.xml")], ray_env)
+    code, out = cmd.finish(timeout=600)
+    assert code == 0, cmd.stderr()[-3000:]
+    data = json.loads(out)
+    assert data == json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [(j["id"], j["status"]) for j in data["jobs"]] == [("expand", "pass"), ("junit", "pass")]
+    assert all(j["tests"] and all(t["status"] == "pass" for t in j["tests"]) for j in data["jobs"])
+    assert "cell" in cmd.stderr() and "2 passed, 0 failed" in cmd.stderr()      # the table went to stderr
+    wait_until("every process of the run (Ray's too) to go", lambda: not session_processes(cmd.proc.pid), 60)
+    assert not left_behind(before)
+
+
+def test_a_cluster_node_without_qemu_is_refused_before_any_job(ray_env, tmp_path):
+    """The worker's cache is empty (no QEMU tree, no image): the run names it and starts nothing."""
+    bare = {**ray_env, "VFIO_CXL_CACHE": str(tmp_path / "empty-cache")}
+    with ray_cluster(ray_env, tmp_path, worker_env=bare) as found:
+        worker = f"{socket.gethostname()}:{found['worker'].node_manager_port}"
+        head = f"{socket.gethostname()}:{found['head'].node_manager_port}"
+        cmd = Command([str(write_matrix(tmp_path / "m.toml", ["single"])), "--address", found["address"],
+                       "--out", str(tmp_path / "out")], ray_env)
+        code, out = cmd.finish(timeout=600)
+    err = cmd.stderr()
+    assert code == 1, err[-3000:]
+    assert f"nodes cannot run the matrix:\n  node {worker}: QEMU is not provisioned, the guest image" in err, err
+    assert "--provision" in err and f"node {head}:" not in err   # the head is provisioned: only the worker named
+    assert "running on" not in err and not (tmp_path / "out" / "report.json").exists()   # no job started
+    assert not list((tmp_path / "empty-cache").rglob("rootfs.raw"))                      # nothing built
+
+
+def test_a_driver_whose_own_node_dies_stops_the_run_naming_it(cluster, ray_env, tmp_path):
+    """A driver told to attach to the worker (--address by the worker's IP) loses its raylet with
+    it: the run stops with the cause and what to do, not with every job counted lost or failed."""
+    worker = f"{socket.gethostname()}:{cluster['worker'].node_manager_port}"
+    port = cluster["address"].rpartition(":")[2]
+    cmd = Command([str(fast_matrix(tmp_path / "m.toml")), "--address", f"127.0.0.2:{port}", "--json",
+                   "--out", str(tmp_path / "out")], ray_env)
+    try:
+        wait_until("the driver to attach", lambda: any("driver attached to" in line for line in cmd.lines), 300)
+        assert any(f"driver attached to {worker}, not the head" in line for line in cmd.lines), cmd.stderr()
+        wait_until("a job running on the worker", lambda: any(f"running on {worker}" in line for line in cmd.lines),
+                   300)
+        cluster["worker"].kill()
+    finally:
+        code, out = cmd.finish(timeout=600)
+    err = cmd.stderr()
+    assert code == 1 and out == "", err[-3000:]
+    assert f"the Ray node this driver ran on ({worker}) died" in err and "the run is lost" in err, err[-3000:]
+    assert "run the driver on the head" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "report.json").exists()

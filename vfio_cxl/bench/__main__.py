@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "fabric": "vfio_cxl.bench.fabric",
     "storage": "vfio_cxl.bench.storage",
     "gpumem": "vfio_cxl.bench.gpumem",
+    "matrix-node": "vfio_cxl.bench.matrix_node",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -69,13 +70,17 @@ def run_command(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.address:
         engine.check_address(args.address)
-    ray_engine = engine.RayEngine(args.address, slots=args.max_parallel,
-                                  log=lambda m: print(m, file=sys.stderr, flush=True))
-    try:
-        states = engine.run(jobs, ray_engine, max_parallel=args.max_parallel, provision=args.provision,
-                            out_dir=out_dir)
-    finally:
-        ray_engine.close()
+    # Ray prints its cluster's error messages ("(raylet) Raylet is terminated ..." when a node dies)
+    # on the driver's sys.stdout, up to ray.shutdown(): while Ray runs, stdout is stderr, so that
+    # stdout holds the report alone (--json: one JSON document).
+    with contextlib.redirect_stdout(sys.stderr):
+        ray_engine = engine.RayEngine(args.address, slots=args.max_parallel,
+                                      log=lambda m: print(m, file=sys.stderr, flush=True))
+        try:
+            states = engine.run(jobs, ray_engine, max_parallel=args.max_parallel, provision=args.provision,
+                                out_dir=out_dir)
+        finally:
+            ray_engine.close()
     table = report.rows(states)
     data = report.summary(table, matrix.name, time.time() - started)
     data["logs"] = str(out_dir)
@@ -87,7 +92,6 @@ def run_command(args) -> int:
     shown = report.text(table) + (f"{data['passed']} passed, {data['failed']} failed, {data['infra_failed']} lost "
                                   f"({data['infra_retries']} infrastructure retries) in {data['seconds']:.0f} s; "
                                   f"logs in {out_dir}\n")
-    # flushed here: Ray's exit handlers may leave the process without flushing a piped stdout
     if args.json:
         print(shown, end="", file=sys.stderr, flush=True)
         print(json.dumps(data, indent=1), flush=True)

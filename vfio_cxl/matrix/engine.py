@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +43,10 @@ INSTALL_HINT = ("install the matrix extra into this checkout's venv: .venv/bin/p
 
 class InfraFailure(Exception):
     """The job was lost with its node or worker: not the job's fault."""
+
+
+class DriverLost(LabError):
+    """The Ray node the driver attached to died: every job's result went with it (the run is lost)."""
 
 
 class Engine(Protocol):
@@ -192,6 +197,8 @@ def run(jobs_: list[dict], engine: Engine, *, max_parallel: int | None = None, p
                 state.status, state.outcome = outcome["status"], outcome
                 progress.show(states, f"{state.job['id']}: {outcome['status']} on {label} "
                                       f"in {outcome.get('seconds', 0):.0f} s")
+    except DriverLost:
+        raise     # nothing left to cancel through: the jobs elsewhere die with this driver's Ray job
     except BaseException:
         if running:
             log(f"[matrix] cancelling {len(running)} job(s); each stops its lab")
@@ -246,6 +253,29 @@ def check_address(address: str, timeout: float = 5.0) -> None:
         raise LabError(f"--address {address}: cannot reach a Ray head there ({err.strerror or err})",
                        "start it with 'ray start --head --port PORT' on that machine, or check the address "
                        "and the firewall") from None
+
+
+def driver_ip(address: str) -> str | None:
+    """The IP the driver attaches by: the head's (the host of ``--address``) when this machine has it.
+
+    Ray attaches a driver to the first alive raylet registered with its node IP (read from the
+    session's ``node_ip_address.json``, which the node started last on this machine wrote); with
+    two nodes on one machine that may be a worker, and the run is lost with it.  The head's raylet
+    registers with the GCS host's IP (``ray start`` turns 127.0.0.1 into the machine's address),
+    so naming that IP attaches the driver to the head.  ``auto``, or a head on another machine:
+    Ray's own choice."""
+    if address == "auto":
+        return None
+    host = address.removeprefix("ray://").rpartition(":")[0].strip("[]")
+    ray = _ray()
+    try:
+        ip = ray.util.get_node_ip_address() if host in ("127.0.0.1", "localhost", "::1") else \
+            socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET) as s:
+            s.bind((ip, 0))        # an address of this machine
+    except OSError:
+        return None
+    return ip
 
 
 def _task(job: dict, tracker, kernel_file) -> dict:
@@ -311,14 +341,17 @@ class LocalHead:
              "--dashboard-agent-listen-port", "--metrics-export-port", "--runtime-env-agent-port")
 
     def __init__(self, slots: int, log):
-        self.temp = runtime_root() / "ray"
+        # Ray's temp dir of this run (its session, sockets, logs), removed when the run ends;
+        # kept only when the head did not start (the error names its logs).
+        self.temp = runtime_root() / f"ray-{os.getpid()}"
         self.temp.mkdir(parents=True, exist_ok=True)
-        # One token for this run's Ray and its driver (Ray's token auth; nothing read from ~/.ray).
+        # Ray below 2.50 (the extra) has no authentication and ignores these; later Ray uses the
+        # token for this run's Ray and its driver (nothing read from ~/.ray).
         if "RAY_AUTH_MODE" not in os.environ:
             os.environ["RAY_AUTH_MODE"] = "token"
             os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        self.log_file = self.temp / f"head-{os.getpid()}.log"
+        self.log_file = self.temp / "head.log"
         for attempt in range(1, HEAD_ATTEMPTS + 1):
             try:
                 self._start(slots, log)
@@ -355,11 +388,12 @@ class LocalHead:
                                    f"see {self.log_file} and {self.temp}/session_latest/logs/raylet.out")
                 time.sleep(0.5)
         except BaseException:
-            self.stop()
+            self.stop(remove=False)
             raise
         log(f"[matrix] local Ray started in {time.monotonic() - started:.1f} s ({slots} tcg_vm)")
 
-    def stop(self) -> None:
+    def stop(self, remove: bool = True) -> None:
+        """Stop every process of the head's session; then remove its temp dir (unless ``remove`` is false)."""
         for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             for pid in session_processes(self.proc.pid):
                 try:
@@ -372,6 +406,8 @@ class LocalHead:
             if not session_processes(self.proc.pid):
                 break
         self.proc.wait()
+        if remove:
+            shutil.rmtree(self.temp, ignore_errors=True)
 
 
 class RayEngine:
@@ -380,17 +416,23 @@ class RayEngine:
     def __init__(self, address: str | None = None, slots: int | None = None, log=None):
         ray = self.ray = _ray()
         self.head: LocalHead | None = None
+        self.nodes_seen: dict[str, str] = {}     # node id -> label, dead ones too
         from ray import exceptions as rex
 
         # Lost with its node or worker: retried elsewhere, never a test failure.
-        self.LOST = tuple(getattr(rex, n) for n in ("NodeDiedError", "WorkerCrashedError", "LocalRayletDiedError",
-                                                    "ObjectLostError", "OwnerDiedError", "RaySystemError",
-                                                    "TaskUnschedulableError") if hasattr(rex, n))
+        self.LOST = tuple(getattr(rex, n) for n in ("NodeDiedError", "WorkerCrashedError", "ObjectLostError",
+                                                    "OwnerDiedError", "RaySystemError", "TaskUnschedulableError")
+                          if hasattr(rex, n))
+        # The driver's own raylet died: the run is lost (see DriverLost), not one job.
+        self.driver_lost = getattr(rex, "LocalRayletDiedError", ())
         self.cancelled = getattr(rex, "TaskCancelledError", ())
+        self.log = log or (lambda m: None)
         if address:
             check_address(address)
+            ip = driver_ip(address)
             try:
-                ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+                ray.init(address=address, log_to_driver=False, logging_level="ERROR",
+                         **({"_node_ip_address": ip} if ip else {}))
             except (ConnectionError, RuntimeError, ValueError) as err:
                 raise LabError(f"--address {address}: cannot join the Ray cluster: {err}",
                                "check that the head runs (ray status --address HOST:PORT) and that this "
@@ -403,8 +445,16 @@ class RayEngine:
                 self.head.stop()
                 raise
         # The tracker lives on the head (it outlives any worker node), else on the driver's node.
+        self.driver_node = ray.get_runtime_context().get_node_id()
         here = next((n["NodeID"] for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n["Resources"]),
-                    ray.get_runtime_context().get_node_id())
+                    self.driver_node)
+        if address:
+            label = self.nodes().get(self.driver_node, {}).get("label", self.driver_node)
+            if here == self.driver_node:
+                self.log(f"[matrix] driver attached to {label} (the head)")
+            else:
+                self.log(f"[matrix] driver attached to {label}, not the head: the run is lost if that node dies "
+                         "(run it on the head; two nodes on one machine need --node-ip-address of their own)")
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.pin = lambda node: NodeAffinitySchedulingStrategy(node, soft=False)
@@ -415,9 +465,11 @@ class RayEngine:
     def nodes(self) -> dict[str, dict]:
         alive = [n for n in self.ray.nodes() if n["Alive"]]
         hosts = [n["NodeManagerHostname"] for n in alive]
-        return {n["NodeID"]: {"label": n["NodeManagerHostname"] if hosts.count(n["NodeManagerHostname"]) == 1
-                              else f"{n['NodeManagerHostname']}:{n['NodeManagerPort']}",
-                              "resources": n["Resources"]} for n in alive}
+        found = {n["NodeID"]: {"label": n["NodeManagerHostname"] if hosts.count(n["NodeManagerHostname"]) == 1
+                               else f"{n['NodeManagerHostname']}:{n['NodeManagerPort']}",
+                               "resources": n["Resources"]} for n in alive}
+        self.nodes_seen.update((node, info["label"]) for node, info in found.items())
+        return found
 
     def probe(self, node: str, kernels: list[str]) -> dict:
         fn = self.ray.remote(num_cpus=0)(_probe).options(scheduling_strategy=self.pin(node))
@@ -454,6 +506,12 @@ class RayEngine:
     def outcome(self, handle) -> dict:
         try:
             return self.ray.get(handle)
+        except self.driver_lost as err:
+            label = self.nodes_seen.get(self.driver_node, self.driver_node)
+            raise DriverLost(f"the Ray node this driver ran on ({label}) died: every running job's result went "
+                             f"with it, the run is lost ({type(err).__name__})",
+                             "run the driver on the head (vfio-cxl matrix run ... --address HEAD:PORT there); "
+                             "nodes sharing one machine need an --node-ip-address each") from None
         except self.LOST as err:
             raise InfraFailure(f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
 

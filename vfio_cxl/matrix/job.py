@@ -309,7 +309,7 @@ def pack_logs(workdir: Path, budget: int = LOG_BUDGET) -> bytes:
 
 def remove_stale_workdirs() -> None:
     """Work directories of jobs whose worker is gone (killed with its node: nothing removed them)."""
-    for workdir in (runtime_root() / "matrix").glob("*-*"):
+    for workdir in runtime_root().glob("matrix-*-*"):
         pid = workdir.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(workdir, ignore_errors=True)
@@ -336,7 +336,8 @@ def execute(job: dict, node: dict, kernel_file: tuple[bytes, str, str | None] | 
         return {**outcome, "status": INFRA, "seconds": 0.0,
                 "message": f"{', '.join(missing)} on {facts['host']}"}
     remove_stale_workdirs()
-    workdir = runtime_root() / "matrix" / f"{job['id']}-{job.get('attempt', 1)}-{os.getpid()}"
+    # beside the labs' run directories, no parent of its own: nothing is left once it goes
+    workdir = runtime_root() / f"matrix-{job['id']}-{job.get('attempt', 1)}-{os.getpid()}"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     try:
