@@ -11,8 +11,8 @@ from vfio_cxl.guest.drivers.nvme import prp
 from vfio_cxl.guest.drivers.nvme.errors import NvmeError
 from vfio_cxl.guest.drivers.nvme.iova import IovaWindow
 from vfio_cxl.guest.drivers.nvme.queue import QueuePair
-from vfio_cxl.guest.drivers.nvme.spec import (PAGE, Cap, Completion, ControllerInfo, IoOp, NamespaceInfo,
-                                              pack_sqe, status_name)
+from vfio_cxl.guest.drivers.nvme.spec import (PAGE, Cap, CmbInfo, Completion, ControllerInfo, IoOp,
+                                              NamespaceInfo, pack_sqe, status_name)
 from vfio_cxl.guest.drivers.nvme.tracker import SLOT_BITS, RequestTracker
 
 LIST_IOVA = 0x7000
@@ -45,6 +45,18 @@ def test_cap_decodes_qemu_values_and_doorbell_stride():
     assert (c.sq_doorbell(0), c.cq_doorbell(0), c.sq_doorbell(1), c.cq_doorbell(1)) == (0x1000, 0x1004, 0x1008, 0x100C)
     wide = Cap.decode(cap | 2 << 32)          # DSTRD 2: 16-byte doorbell stride
     assert (wide.sq_doorbell(1), wide.cq_doorbell(1)) == (0x1020, 0x1030)
+
+
+def test_cmb_registers_decode_as_qemu_sets_them():
+    # QEMU 11.1 after CMBMSC.CRE (nvme_cmb_enable_regs): CMBLOC BIR 2, OFST 0, CDPCILS and CDPMLS;
+    # CMBSZ SQS 1, CQS 0, LISTS 1, RDS 1, WDS 1, SZU 2 (1 MiB units), SZ = cmb_size_mb
+    cmbloc = 2 | 1 << 8 | 1 << 9
+    cmbsz = 1 | 1 << 2 | 1 << 3 | 1 << 4 | 2 << 8 | 4 << 12
+    c = CmbInfo.decode(cmbloc, cmbsz)
+    assert (c.bir, c.offset, c.size, c.sqs, c.cqs, c.lists, c.rds, c.wds) == (2, 0, 4 << 20, True, False, True,
+                                                                              True, True)
+    assert CmbInfo.decode(0, 0).size == 0          # before CRE: both registers read 0
+    assert CmbInfo.decode(2 | 3 << 12, 0 << 8 | 16 << 12).offset == 3 * 4096   # SZU 0: 4 KiB units
 
 
 def test_identify_decoding():

@@ -59,11 +59,7 @@ class GpuQueue:
 
     def _set_window(self) -> None:
         """The GPU's message window over the NVMe's doorbells (again after any GPU reset)."""
-        bar0 = self.session.gpu.bar0
-        bar0.write32(regs.REG_MSGWIN_BASE_LO, DOORBELL_IOVA & 0xFFFFFFFF)
-        bar0.write32(regs.REG_MSGWIN_BASE_HI, DOORBELL_IOVA >> 32)
-        bar0.write32(regs.REG_MSGWIN_SIZE_LO, self.session.nvme.bar0.size & 0xFFFFFFFF)
-        bar0.write32(regs.REG_MSGWIN_SIZE_HI, self.session.nvme.bar0.size >> 32)
+        self.session.set_window(DOORBELL_IOVA, self.session.nvme.bar0.size, "doorbells")
 
     def run(self, requests: list[tuple[int, int, int]], *, depth: int = 32, op: str = "read",
             timeout: float = 120) -> dict:
@@ -94,6 +90,8 @@ class GpuQueue:
             ns.block_size.bit_length() - 1, sq_tail=sq_tail, cq_head=cq_head, phase=phase,
             timeout_ms=self.timeout_ms)
         gpu.vram.view(self.requests_off, len(table))[:] = table
+        if s.window != "doorbells":     # the CMB path may have moved it
+            self._set_window()
         writes0 = gpu.bar0.read32(regs.REG_MSGWIN_WRITES)
         t0 = time.perf_counter()
         try:
@@ -127,6 +125,7 @@ class GpuQueue:
             self.doorbells.close()
         for reg in (regs.REG_MSGWIN_SIZE_LO, regs.REG_MSGWIN_SIZE_HI):
             self.session.gpu.bar0.write32(reg, 0)
+        self.session.window = None
 
 
 def _cpu_never(value: int) -> None:

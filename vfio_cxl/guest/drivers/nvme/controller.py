@@ -33,6 +33,8 @@ from . import prp as dptr
 from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeTimeout
 from .iova import IovaWindow
 from .queue import QueuePair
+from .spec import (CMBMSC_CMSE, CMBMSC_CRE, CMBSTS_CBAI, REG_CMBLOC, REG_CMBMSC, REG_CMBSTS, REG_CMBSZ,
+                   CmbInfo)
 from .spec import (CC_CSS_NVM, CC_EN, CC_IOCQES_SHIFT, CC_IOSQES_SHIFT, CC_MPS_SHIFT, CSTS_CFS, CSTS_RDY,
                    CQE_SIZE, FEAT_NUMBER_OF_QUEUES, PAGE, PSDT_PRP, PSDT_SGL, REG_ACQ, REG_AQA, REG_ASQ, REG_CAP,
                    REG_CC, REG_CSTS, REG_VS, SQE_SIZE, SQES_LOG2, CQES_LOG2, AdminOp, Cap, Cns, ControllerInfo,
@@ -88,6 +90,8 @@ class NvmeController:
         self._io_queue_count = io_queues
         self.io_queues = io_queues          # the driver's own I/O queues: qid 1..io_queues
         self.spare_queues = spare_queues    # granted by Set Features, created by their owner (create_io_queue)
+        self.cmb: CmbInfo | None = None     # the Controller Memory Buffer, once enable_cmb() turned it on
+        self.cmb_base: int | None = None    # the controller address (CMBMSC.CBA) data pointers use for it
         command = device.config.read16(PCI_COMMAND)
         device.config.write16(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)
         self.bar0 = device.bar(0)
@@ -149,6 +153,8 @@ class NvmeController:
                         self._admin(AdminOp.DELETE_SQ, cdw10=qid, what=f"delete SQ {qid}")
                         self._admin(AdminOp.DELETE_CQ, cdw10=qid, what=f"delete CQ {qid}")
                 self._disable()
+                if self.cmb_base is not None:      # the CMB off, as at power-on
+                    self.bar0.write32(REG_CMBMSC, 0)
             except NvmeError:
                 pass
         self.failed = self.failed or "was shut down"
@@ -233,6 +239,30 @@ class NvmeController:
             sq, cq, pages = lay.io(qid)
             self.create_io_queue(qid, self._queue(qid, self.queue_entries, sq, cq, pages, self.queue_entries - 1,
                                                   qid if self.vectors else None))
+        if self.cmb_base is not None:          # a reset: the CMB comes back at the same address
+            self.enable_cmb(self.cmb_base)
+
+    def enable_cmb(self, base: int) -> CmbInfo:
+        """Turn the Controller Memory Buffer on (NVMe 1.4 CMBMSC): CRE makes CMBLOC/CMBSZ
+        readable, CMSE with CBA = ``base`` makes the controller serve every data pointer (and
+        queue address) in [base, base + size) from the CMB itself, with no DMA and no IOMMU
+        translation.  ``base`` is a controller address of our choosing: pick one that no IOVA
+        the controller must reach overlaps.  Raises if the controller has no CMB."""
+        if not self.cap.cmbs:
+            raise NvmeError(f"{self.bdf} has no Controller Memory Buffer (CAP.CMBS = 0)",
+                            "use a controller with one (topology: cmb = \"4M\" on the [[vm.nvme]])")
+        if base % PAGE:
+            raise NvmeError(f"CMB base address {base:#x} is not 4 KiB aligned", "CMBMSC.CBA holds bits 63:12")
+        self.bar0.write32(REG_CMBMSC + 4, base >> 32)           # the high half first: the low write acts
+        self.bar0.write32(REG_CMBMSC, (base & ALL_ONES) | CMBMSC_CRE | CMBMSC_CMSE)
+        if self.bar0.read32(REG_CMBSTS) & CMBSTS_CBAI:
+            raise NvmeError(f"{self.bdf} refused CMB base address {base:#x} (CMBSTS.CBAI)",
+                            "choose a base address whose range does not wrap")
+        info = CmbInfo.decode(self.bar0.read32(REG_CMBLOC), self.bar0.read32(REG_CMBSZ))
+        if info.size == 0:
+            raise NvmeError(f"{self.bdf}: CMBSZ reads 0 after CMBMSC.CRE = 1", "the controller's CMB is unusable")
+        self.cmb, self.cmb_base = info, base
+        return info
 
     def _queue(self, qid: int, entries: int, sq: int, cq: int, pages: int, depth: int, vector) -> QueuePair:
         view = self._control_view
