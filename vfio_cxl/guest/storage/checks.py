@@ -1,11 +1,14 @@
 """In the guest: the storage paths end to end, each printing one JSON result (VM tests, docs).
 
-    python3 -m vfio_cxl.guest.storage.checks p2p|compat [--size N] [--offset N]
+    python3 -m vfio_cxl.guest.storage.checks p2p|compat|cmb [--size N] [--offset N]
     python3 -m vfio_cxl.guest.storage.checks isolation
     python3 -m vfio_cxl.guest.storage.checks gpu-initiated [--count N] [--size N] [--depth N]
     python3 -m vfio_cxl.guest.storage.checks reset
     (all take --nvme BDF --gpu BDF --backend type1|iommufd; default: the GPU and the NVMe
     controller that shares its PCIe switch)
+    python3 -m vfio_cxl.guest.storage.checks hot-remove --nvme BDF --marker PATH
+    (no GPU: batches of reads in flight until the controller fails; the host hot-removes it
+    once PATH exists)
 
 Every byte is checked: what lands in VRAM is read back through the GPU's BAR2 mmap and compared
 with what the namespace holds (written beforehand through guest RAM); what the NVMe wrote from
@@ -16,13 +19,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
-from ..drivers.nvme import IoOp, NvmeCommandError, NvmeError, find_controllers
+from ..drivers.nvme import IoOp, NvmeCommandError, NvmeController, NvmeError, find_controllers
 from ..gpu_driver import Transfer
 from ..p2p import route
 from ..vfio import find_pci_devices
@@ -152,9 +158,59 @@ def check_reset(s: StorageSession) -> dict:
             "wait_error": error, "after_reset_match": s.gpu.vram.read(0, 4096) == pattern(3, 4096)}
 
 
+def vfio_fds() -> list[str]:
+    """This process's open fds into VFIO or iommufd (what a released device must not leave)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(("/dev/vfio", "/dev/iommu")) or "vfio" in target:
+            found.append(target)
+    return found
+
+
+def check_hot_remove(bdf: str, backend: str, marker: str, size: int = 512 << 10, count: int = 32) -> dict:
+    """Batches of ``count`` reads in flight, one after another, until the controller fails
+    (the host hot-removes it once ``marker`` exists); then what the driver left: its queues,
+    the error, and -- after close -- open VFIO fds, and whether the kernel finished the removal."""
+    fds0 = vfio_fds()
+    nvme = NvmeController.open(bdf, backend=backend, interrupts=True)
+    batches, error, failed, error_at = 0, None, 0, None
+    try:
+        buf = nvme.dma_buffer(size * count)
+        queue = nvme.queues[1]
+        deadline = time.monotonic() + 600
+        while error is None and time.monotonic() < deadline:
+            reqs = [nvme.submit_rw(queue, IoOp.READ, 1, i * size, size, buf.iova + i * size) for i in range(count)]
+            queue.ring()
+            if batches == 0:
+                Path(marker).write_text("in flight\n")
+            try:
+                nvme.wait(queue, reqs, 30)
+            except NvmeError as err:
+                error_at = time.time()
+                error = {"type": type(err).__name__, "what": err.what, "fix": err.fix}
+                failed = sum(1 for r in reqs if r.completion is None)
+            batches += 1
+        state = {"queues_after_error": len(nvme.queues), "requests_failed": failed,
+                 "request_error": next((r.extra.get("error") for r in reqs if r.completion is None), None)}
+    finally:
+        nvme.close()
+    closed_at = time.time()
+    sysfs = Path("/sys/bus/pci/devices", bdf)
+    while sysfs.exists() and time.time() - closed_at < 60:   # the kernel finishing the removal
+        time.sleep(0.1)
+    return {"nvme": bdf, "batches": batches, "error": error, "error_at": error_at, "closed_at": closed_at,
+            "removed": not sysfs.exists(), "removed_after_close_s": time.time() - closed_at,
+            "vfio_fds_left": [fd for fd in vfio_fds() if fd not in fds0], **state}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.storage.checks")
-    p.add_argument("check", choices=("p2p", "compat", "isolation", "gpu-initiated", "reset"))
+    p.add_argument("check", choices=("p2p", "compat", "cmb", "isolation", "gpu-initiated", "reset", "hot-remove"))
+    p.add_argument("--marker", default="/tmp/storage-hot-remove.inflight")
     p.add_argument("--nvme")
     p.add_argument("--gpu")
     p.add_argument("--backend", default="type1", choices=("type1", "iommufd"))
@@ -164,10 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=32)
     args = p.parse_args(argv)
     try:
+        if args.check == "hot-remove":
+            if not args.nvme:
+                p.error("hot-remove needs --nvme BDF (the controller the host will remove)")
+            print(json.dumps(check_hot_remove(args.nvme, args.backend, args.marker)))
+            return 0
         nvme, gpu = pick(args.nvme, args.gpu)
-        mode = "compat" if args.check == "compat" else "p2p"
+        mode = args.check if args.check in ("compat", "cmb") else "p2p"
         with StorageSession.open(nvme, gpu, mode=mode, backend=args.backend) as s:
-            if args.check in ("p2p", "compat"):
+            if args.check in ("p2p", "compat", "cmb"):
                 out = check_paths(s, args.size, args.offset)
             elif args.check == "isolation":
                 out = check_isolation(s)

@@ -14,7 +14,9 @@ first).  Completions are polled (CQ IEN = 0) or signalled by MSI-X (vector q for
 the admin queue) on eventfds.
 
 Every wait has a deadline and looks at CSTS on the way: Controller Fatal Status, or a controller
-that reads all ones (gone), fails every outstanding request with ``NvmeFatalError`` at once;
+that reads all ones (gone), fails every outstanding request with ``NvmeFatalError`` at once; so
+does the kernel's release request (VFIO_PCI_REQ_IRQ_INDEX: the device is being hot-removed),
+after which the queues are torn down and the owner closes the controller (``NvmeRemovedError``);
 ``reset()`` brings the controller back with its queues empty.  Data pointers are PRPs, or SGLs on
 I/O commands when asked (``sgl=True``) and the controller supports them; each request builds its
 PRP list or SGL segment in a page of its own (``tracker.RequestTracker``).
@@ -22,15 +24,17 @@ PRP list or SGL segment in a page of its own (``tracker.RequestTracker``).
 
 from __future__ import annotations
 
+import math
 import mmap
+import select
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...vfio import DmaMapping, VfioPciDevice, uapi
-from ...vfio.errors import InterruptTimeout
+from ...vfio.errors import InterruptError, InterruptTimeout
 from . import prp as dptr
-from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeTimeout
+from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeRemovedError, NvmeTimeout
 from .iova import IovaWindow
 from .queue import QueuePair
 from .spec import (CMBMSC_CMSE, CMBMSC_CRE, CMBSTS_CBAI, REG_CMBLOC, REG_CMBMSC, REG_CMBSTS, REG_CMBSZ,
@@ -86,6 +90,7 @@ class NvmeController:
         self.failed: str | None = None          # why the controller is unusable until reset()
         self.queues: dict[int, QueuePair] = {}
         self.vectors = None
+        self.request = None                 # the kernel's release request, on an eventfd
         self._buffers: list[DmaBuffer] = []
         self._io_queue_count = io_queues
         self.io_queues = io_queues          # the driver's own I/O queues: qid 1..io_queues
@@ -125,14 +130,31 @@ class NvmeController:
                     raise NvmeError(f"{self.bdf}: {count} MSI-X vectors for {io_queues} I/O queues + admin",
                                     f"use at most {max(count - 1, 0)} I/O queues, or polled completions")
                 self.vectors = device.msix(1 + io_queues)
+            self.request = self._enable_request(device)
             self._enable()
         except BaseException:   # nothing left behind in a caller-owned IOMMU context either
+            if self.request is not None:
+                self.request.close()
             if self.vectors is not None:
                 self.vectors.close()
             self._control_dma.close()
             raise
 
     # -- opening and closing -------------------------------------------------
+
+    @staticmethod
+    def _enable_request(device):
+        """vfio-pci's release request (VFIO_PCI_REQ_IRQ_INDEX) on an eventfd: when the device is
+        hot-removed the kernel signals it and waits for the fd to be closed; without it the
+        removal blocks ("blocked until released by user")."""
+        try:
+            return device.interrupts(uapi.VFIO_PCI_REQ_IRQ_INDEX, 1)
+        except InterruptError:
+            return None
+
+    def release_requested(self) -> bool:
+        """The kernel asked for the device back since last asked (non-blocking)."""
+        return self.request is not None and self.request.pending(0) > 0
 
     @classmethod
     def open(cls, bdf: str, *, backend: str | None = None, container=None, ioas=None, **kwargs) -> "NvmeController":
@@ -170,6 +192,9 @@ class NvmeController:
             if self.vectors is not None:
                 self.vectors.close()
                 self.vectors = None
+            if self.request is not None:
+                self.request.close()
+                self.request = None
             self._control_dma.close()
         finally:
             self.device.close()
@@ -406,13 +431,12 @@ class NvmeController:
                 continue
             spins += 1
             if queue.vector is not None and self.vectors is not None:
-                try:
-                    self.vectors.wait(queue.vector, min(0.2, max(deadline - time.monotonic(), 0)))
-                except InterruptTimeout:
-                    pass
+                self._sleep(queue.vector, min(0.2, max(deadline - time.monotonic(), 0)))
                 spins = 256
             if spins >= 256:          # every 256 empty polls: is the controller still alive?
                 spins = 0
+                if self.release_requested():
+                    raise self._removed()
                 csts = self._csts()
                 if csts == ALL_ONES:
                     raise self._fatal("reads all ones: it is gone (hot-removed?)")
@@ -424,6 +448,20 @@ class NvmeController:
                     late = next(r for r in reqs if r.completion is None)
                     raise NvmeTimeout(f"{self.bdf}: {late.what} (CID {late.cid:#x}, queue {queue.qid}) did not "
                                       f"complete within {timeout:g} s", "reset the controller (reset())")
+
+    def _sleep(self, vector: int, timeout: float) -> None:
+        """Until queue ``vector``'s MSI-X or the kernel's release request fires, ``timeout`` at most."""
+        if self.request is None:
+            try:
+                self.vectors.wait(vector, timeout)
+            except InterruptTimeout:
+                pass
+            return
+        poller = select.poll()
+        for fd in (self.vectors.eventfds[vector], *self.request.eventfds):
+            poller.register(fd, select.POLLIN)
+        poller.poll(max(0, math.ceil(timeout * 1000)))
+        self.vectors.pending(vector)          # consumed: the CQ is reaped next either way
 
     def _check(self, req: Request) -> None:
         c = req.completion
@@ -504,6 +542,21 @@ class NvmeController:
             for req in queue.tracker.drain():
                 req.extra["error"] = self.failed
         return NvmeFatalError(f"{self.bdf}: {self.failed}", "reset the controller (NvmeController.reset())")
+
+    def _removed(self) -> NvmeRemovedError:
+        """The kernel wants the device back: stop its DMA (CC.EN = 0 deletes every queue), fail
+        what is outstanding, and say so; the owner closes the controller (fds, mappings)."""
+        why = ("is being removed from this VM (the kernel's VFIO release request): its queues were "
+               "torn down and every outstanding request failed")
+        try:
+            if self._csts() != ALL_ONES:
+                self._disable()
+        except NvmeError:
+            pass                                # gone already: nothing left to stop
+        self._fatal(why)
+        self.queues = {}
+        return NvmeRemovedError(f"{self.bdf}: {self.failed}",
+                                "close the controller so the removal can finish, then use another one")
 
     def reset(self) -> None:
         """Controller reset (CC.EN 1 -> 0 -> 1): requests still outstanding fail with
