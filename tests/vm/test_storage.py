@@ -166,6 +166,16 @@ def test_gpu_initiated_reads_4k_x_1024_at_qd32(storage_lab):
     assert out["again_ok"]
 
 
+def test_gpu_initiated_with_the_sq_in_the_nvme_cmb(storage_lab):
+    """GPU interface 1.3: the GPU writes the submission entries into nvme0's CMB by peer writes
+    (DMA_WRITE messages through its window), the NVMe reads them inside itself."""
+    out = storage_check(storage_lab, "gpu-initiated", "--count 256 --size 4096 --depth 32 --sq-in-cmb")
+    assert out["sq_in_cmb"] and out["sq_iova"] >= 0x20_0100_0000, out      # CMB_IOVA: in the CMB
+    assert out["bytes"] == 256 * 4096 and out["statuses_ok"] and out["mismatched"] == [], out
+    # the window carries the entries too: more messages than doorbells alone, fewer than 3 per request
+    assert 0 < out["doorbell_messages"] < 3 * 256 and out["again_ok"]
+
+
 def test_controller_reset_mid_batch_fails_the_batch_cleanly(storage_lab):
     out = storage_check(storage_lab, "reset")
     assert out["events"] == 64 and out["failed_count"] >= 1, out

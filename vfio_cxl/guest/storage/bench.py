@@ -12,7 +12,9 @@ bytes of the namespace (written once beforehand, a seeded pattern) into VRAM:
 * cmb: the NVMe reads ``depth`` requests into its own Controller Memory Buffer (served inside
   the controller, no DMA), then the GPU copies each CMB -> VRAM by peer reads (DMA_READ
   messages through its window); depth is bounded by the CMB's size;
-* gpu-initiated: one NVME_IO descriptor; the GPU drives an NVMe queue pair in its VRAM.
+* gpu-initiated: one NVME_IO descriptor; the GPU drives an NVMe queue pair in its VRAM;
+* gpu-initiated-cmb-sq: the same with the SQ in the NVMe's CMB (the GPU writes the entries
+  there by peer writes; GPU interface 1.3).
 
 The cells run in ``--rounds`` rounds, every path once per round, so paths are compared under
 the same host load (the host's other work inflates a TCG guest's CPU times: see ``cpu_seconds``).
@@ -45,9 +47,12 @@ from .session import CMB_IOVA, VRAM_IOVA, StorageSession
 
 SEED = 2026
 FULL = {"sizes": (4096, 65536, 1 << 20), "depths": (1, 8, 32, 64), "work": 16 << 20}
-PATHS = ("bounce", "p2p", "cmb", "gpu-initiated")
+PATHS = ("bounce", "p2p", "cmb", "gpu-initiated", "gpu-initiated-cmb-sq")
+GPU_PATHS = {"gpu-initiated": False, "gpu-initiated-cmb-sq": True}     # path -> SQ in the CMB
 QUICK = {"cells": [("bounce", 1 << 20, 8), ("p2p", 1 << 20, 8), ("cmb", 1 << 20, 4), ("gpu-initiated", 1 << 20, 8),
-                   ("bounce", 4096, 32), ("p2p", 4096, 32), ("cmb", 4096, 32), ("gpu-initiated", 4096, 32)],
+                   ("gpu-initiated-cmb-sq", 1 << 20, 8),
+                   ("bounce", 4096, 32), ("p2p", 4096, 32), ("cmb", 4096, 32), ("gpu-initiated", 4096, 32),
+                   ("gpu-initiated-cmb-sq", 4096, 32)],
          "work": {1 << 20: 8 << 20, 4096: 4 << 20}, "rounds": 3}
 
 
@@ -86,13 +91,13 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
     runs = 0
     writes0, reads0 = gpu.bar0.read32(regs.REG_MSGWIN_WRITES), gpu.bar0.read32(regs.REG_MSGWIN_READS)
     guest_ram = qemu_bar = cmb_bytes = 0
-    if path == "cmb" and s.window != "cmb":
+    if path == "cmb" and s.window not in ("cmb", "doorbells+cmb"):
         s.set_cmb_window()
     steal0, wall0 = steal_ticks(), time.time()
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     step = nvme.max_transfer                       # a request of more than MDTS is several commands
     pieces = -(-size // step)
-    if path == "gpu-initiated":
+    if path in GPU_PATHS:
         depth_used = min(depth, gq.entries - 1, regs.NVME_MAX_DEPTH)
         cmds = [(order[i] * size + o, min(step, size - o), i * size + o) for i in range(count)
                 for o in range(0, size, step)]
@@ -105,7 +110,7 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
         queue = nvme.queues[1]
         depth_used = max(1, min(depth, queue.tracker.depth // pieces))
         if path == "cmb":
-            depth_used = max(1, min(depth_used, nvme.cmb.size // size))
+            depth_used = max(1, min(depth_used, s.cmb_staging // size))
         ok_status = True
         if path == "bounce":
             depth_used = max(1, min(depth_used, bounce.size // size))
@@ -183,18 +188,26 @@ def main(argv: list[str] | None = None) -> int:
             s.map_cmb()
         else:
             skipped["cmb"] = f"{nvme_bdf} has no Controller Memory Buffer (CAP.CMBS = 0)"
-        gq = GpuQueue(s, entries=128)
+            skipped["gpu-initiated-cmb-sq"] = skipped["cmb"]
+        gq = None
         staging = s.nvme.dma_buffer(max([min(work_of[size], depth * size) for path, size, depth in cells
                                          if path == "bounce"] or [4096]))
         try:
             for r in range(rounds):
                 for path, size, depth in cells:
-                    if path not in skipped:
-                        rows.append({"round": r, **run_cell(s, gq, path, size, depth, work_of[size],
-                                                            data[:work_of[size]], staging)})
+                    if path in skipped:
+                        continue
+                    if path in GPU_PATHS and (gq is None or gq.sq_in_cmb != GPU_PATHS[path]):
+                        if gq is not None:   # one GPU queue at a time (one spare queue, one doorbell mapping)
+                            gq.close()
+                            gq = None
+                        gq = GpuQueue(s, entries=128, sq_in_cmb=GPU_PATHS[path])
+                    rows.append({"round": r, **run_cell(s, gq, path, size, depth, work_of[size],
+                                                        data[:work_of[size]], staging)})
         finally:
             s.nvme.free(staging)
-            gq.close()
+            if gq is not None:
+                gq.close()
         bounce = s.nvme.max_transfer
         cmb = vars(s.nvme.cmb) if s.nvme.cmb else None
     print(json.dumps({"nvme": nvme_bdf, "gpu": gpu_bdf, "backend": args.backend, "mdts": bounce,

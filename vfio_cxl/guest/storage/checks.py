@@ -2,7 +2,7 @@
 
     python3 -m vfio_cxl.guest.storage.checks p2p|compat|cmb [--size N] [--offset N]
     python3 -m vfio_cxl.guest.storage.checks isolation
-    python3 -m vfio_cxl.guest.storage.checks gpu-initiated [--count N] [--size N] [--depth N]
+    python3 -m vfio_cxl.guest.storage.checks gpu-initiated [--count N] [--size N] [--depth N] [--sq-in-cmb]
     python3 -m vfio_cxl.guest.storage.checks reset
     (all take --nvme BDF --gpu BDF --backend type1|iommufd; default: the GPU and the NVMe
     controller that shares its PCIe switch)
@@ -110,12 +110,13 @@ def check_isolation(s: StorageSession) -> dict:
             "mapped_read_match": s.gpu.vram.read(0, size) == pattern(99, size)}
 
 
-def check_gpu_initiated(s: StorageSession, count: int, size: int, depth: int, entries: int = 64) -> dict:
+def check_gpu_initiated(s: StorageSession, count: int, size: int, depth: int, entries: int = 64,
+                        sq_in_cmb: bool = False) -> dict:
     total = count * size
     want = pattern(count ^ size, total)
     put(s, 0, want)
     s.gpu.vram.view(0, total)[:] = bytes(total)
-    q = GpuQueue(s, entries=entries)
+    q = GpuQueue(s, entries=entries, sq_in_cmb=sq_in_cmb)
     try:
         order = list(range(count))
         random.Random(1).shuffle(order)          # request i reads block order[i] into slot i
@@ -129,6 +130,7 @@ def check_gpu_initiated(s: StorageSession, count: int, size: int, depth: int, en
     return {"count": count, "size": size, "depth": depth, "bytes": result["bytes"], "seconds": result["seconds"],
             "statuses_ok": all(st == 0 for st in result["statuses"]), "mismatched": bad[:8],
             "doorbell_messages": result["doorbell_messages"], "again_ok": again["statuses"] == [0],
+            "sq_iova": q.sq_iova, "sq_in_cmb": sq_in_cmb,
             "lat_p50_us": lat[len(lat) // 2], "lat_p99_us": lat[min(len(lat) - 1, len(lat) * 99 // 100)]}
 
 
@@ -218,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--count", type=int, default=1024)
     p.add_argument("--depth", type=int, default=32)
+    p.add_argument("--sq-in-cmb", action="store_true", help="gpu-initiated: the SQ in the NVMe's CMB")
     args = p.parse_args(argv)
     try:
         if args.check == "hot-remove":
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             elif args.check == "isolation":
                 out = check_isolation(s)
             elif args.check == "gpu-initiated":
-                out = check_gpu_initiated(s, args.count, args.size if args.size != 1 << 20 else 4096, args.depth)
+                out = check_gpu_initiated(s, args.count, args.size if args.size != 1 << 20 else 4096, args.depth,
+                                          sq_in_cmb=args.sq_in_cmb)
             else:
                 out = check_reset(s)
         out |= {"nvme": nvme, "gpu": gpu, "route": route(nvme, gpu)["kind"]}

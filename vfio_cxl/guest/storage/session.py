@@ -126,6 +126,7 @@ class StorageSession:
         self.vram_mapping = None
         self.bounce = None
         self.cmb_mapping = None
+        self.cmb_claims: dict[int, int] = {}   # CMB IOVA -> bytes held by a GPU queue's SQ (the top of the CMB)
         self.window: str | None = None   # what the GPU's message window covers: "cmb", "doorbells"; None: unknown
         self.kernel: dict[str, str] = {}
         self.stats = {"p2p_bytes": 0, "bounced_bytes": 0, "cmb_bytes": 0, "commands": 0, "gpu_copies": 0}
@@ -171,6 +172,23 @@ class StorageSession:
             self.cmb_mapping = map_peer_bar(self.gpu, self.nvme, CMB_IOVA - cmb.offset, region=cmb.bir,
                                             size=cmb.offset + cmb.size, notes=self.kernel)
         self.set_cmb_window()
+
+    @property
+    def cmb_staging(self) -> int:
+        """Bytes of the CMB the staging path may use: all but what SQs hold at its top."""
+        return self.nvme.cmb.size - sum(self.cmb_claims.values())
+
+    def claim_cmb(self, size: int) -> int:
+        """``size`` bytes at the top of the CMB for an SQ; -> their IOVA (= controller address)."""
+        if size > self.cmb_staging - 4096:
+            raise StorageError(f"{size} bytes of the CMB for a queue, {self.cmb_staging} left",
+                               "use a smaller queue or a larger CMB (topology: cmb)")
+        iova = CMB_IOVA + self.cmb_staging - size
+        self.cmb_claims[iova] = size
+        return iova
+
+    def release_cmb(self, iova: int) -> None:
+        self.cmb_claims.pop(iova, None)
 
     def set_cmb_window(self) -> None:
         """The GPU's message window over the CMB (again after a GPU reset, which clears it)."""
@@ -243,8 +261,8 @@ class StorageSession:
             self.stats["p2p_bytes"] += size
             return size
         if self.mode == "cmb":
-            for done in range(0, size, self.nvme.cmb.size):
-                n = min(self.nvme.cmb.size, size - done)
+            for done in range(0, size, self.cmb_staging):
+                n = min(self.cmb_staging, size - done)
                 self.stats["commands"] += self.nvme.read(fh.nsid, file_offset + done, CMB_IOVA, n, sgl=True)
                 self.gpu_copy(Transfer(Op.HOST_TO_VRAM, src=CMB_IOVA, dst=vram + done, length=n))
                 self.stats["cmb_bytes"] += n
@@ -264,8 +282,8 @@ class StorageSession:
             self.stats["p2p_bytes"] += size
             return size
         if self.mode == "cmb":
-            for done in range(0, size, self.nvme.cmb.size):
-                n = min(self.nvme.cmb.size, size - done)
+            for done in range(0, size, self.cmb_staging):
+                n = min(self.cmb_staging, size - done)
                 self.gpu_copy(Transfer(Op.VRAM_TO_HOST, src=vram + done, dst=CMB_IOVA, length=n))
                 self.stats["commands"] += self.nvme.write(fh.nsid, file_offset + done, CMB_IOVA, n, sgl=True)
                 self.stats["cmb_bytes"] += n
@@ -281,7 +299,7 @@ class StorageSession:
     def gpu_copy(self, *transfers: Transfer, timeout: float = 60) -> list[dict]:
         """GPU copies to or from the CMB (the window set over it first if it is not); a failed
         copy resets the GPU, which clears the window."""
-        if self.window != "cmb":
+        if self.window not in ("cmb", "doorbells+cmb"):
             self.set_cmb_window()
         try:
             return self.gpu.run(list(transfers), timeout=timeout)
