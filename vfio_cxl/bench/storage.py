@@ -1,6 +1,7 @@
 """Storage straight into the GPU, every path side by side in one run (boots ``storage``).
 
     scripts/bench storage [--quick] [--json] [--backend type1|iommufd] [--kernel distro|lab]
+                          [--bounce-buffer SIZE]
 
 Paths (docs/storage.md): bounce (NVMe -> guest RAM -> GPU copy: cuFile's compatibility mode),
 p2p (NVMe -> VRAM through the GPU's BAR2 mapped in the NVMe's IOMMU context), cmb (NVMe -> its
@@ -9,13 +10,17 @@ queue pair in its VRAM: NVME_IO).  The full sweep: I/O size 4K, 64K, 1M x queue 
 64, one round; ``--quick``: 1 MiB at depth 8 (cmb: 4, what its 4M CMB holds) and 4 KiB at depth
 32 on each path, three rounds with the paths interleaved.
 
-Per cell: MB/s, IOPS, latency p50/p99, guest CPU seconds per GB (the guest process's user +
-system time), the host's load while it ran (busy share of all host CPUs from /proc/stat, and the
+Per cell: MB/s, IOPS, latency p50/p99, guest CPU seconds per GB (the guest process's CPU time,
+CLOCK_PROCESS_CPUTIME_ID; the bounce buffer is mapped once before the cells, as set-up), the host's load while it ran (busy share of all host CPUs from /proc/stat, and the
 1-minute load average), GPU vfio-user messages per I/O, bytes through guest RAM and bytes QEMU carried into
 the BAR, and ``verified`` (every byte read back through the BAR2 mmap).  The reference: the host
 reading the same bytes of the namespace's backing file with O_DIRECT, and their sha256 against
 what the guest wrote.  Targets (issue 22): p2p >= bounce in MB/s at 1 MiB with <= 50 % of its
 guest CPU per GB; gpu-initiated at depth >= 16 with <= 10 % of the bounce's guest CPU per GB.
+``--bounce-buffer`` sets nvme0's ``x-max-bounce-buffer-size`` (the topology's ``bounce_buffer``,
+1M as shipped): QEMU carries the NVMe's DMA into the GPU's BAR through a bounce buffer of that
+many bytes per device, so it bounds how much p2p data is in flight.
+
 A TCG guest's CPU times grow with the host's load (the guest has no steal time: see
 vfio_cxl/guest/storage/bench.py), so each ratio is taken within one round, where the paths ran
 back to back, and the median over the rounds is the figure.
@@ -32,6 +37,9 @@ import statistics
 import threading
 import time
 
+from pydantic import ValidationError
+
+from ..errors import LabError
 from ..lab import topology
 from ..lab.lab import Lab
 from .options import add_kernel_option, guest_kernel
@@ -98,6 +106,19 @@ class LoadSampler:
         return {"host_busy_pct": 100 * busy, "load_average_1min": a[3]}
 
 
+def with_bounce_buffer(topo, text: str, parser: argparse.ArgumentParser):
+    """``storage`` with nvme0's bounce buffer set to ``text`` (checked as the topology checks it)."""
+    vm = topo.vm("host0")
+    try:
+        nvme0 = topology.Nvme.model_validate({**vm.nvmes[0].model_dump(), "bounce_buffer": text})
+    except ValidationError as err:
+        parser.error(f"--bounce-buffer {text}: {err.errors()[0]['msg'].removeprefix('Value error, ')}")
+    except LabError as err:
+        parser.error(f"--bounce-buffer {text}: {err.what}")
+    vm = vm.model_copy(update={"nvmes": [nvme0, *vm.nvmes[1:]]})
+    return topo.model_copy(update={"vms": [vm if v.name == "host0" else v for v in topo.vms]})
+
+
 def targets(cells: list[dict]) -> dict:
     """The issue's two targets, each ratio taken within one round (paths back to back, one
     load), the median over rounds as the figure and every round's beside it."""
@@ -138,11 +159,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--backend", choices=("type1", "iommufd"), default="type1")
+    parser.add_argument("--bounce-buffer", metavar="SIZE",
+                        help="nvme0's x-max-bounce-buffer-size (power of two, 4K-64M; storage ships 1M)")
     add_kernel_option(parser)
     args = parser.parse_args(argv)
     kernel = guest_kernel(args)
     load = os.getloadavg()[0]
     topo = topology.load("storage")
+    if args.bounce_buffer:
+        topo = with_bounce_buffer(topo, args.bounce_buffer, parser)
     with Lab(topo, kernel=kernel, log=lambda *_: None) as lab:
         with LoadSampler() as sampler:
             out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.storage.bench --backend {args.backend}"

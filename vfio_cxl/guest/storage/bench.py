@@ -20,7 +20,7 @@ The cells run in ``--rounds`` rounds, every path once per round, so paths are co
 the same host load (the host's other work inflates a TCG guest's CPU times: see ``cpu_seconds``).
 
 Per cell: wall time, per-request latency (submit -> completion seen), guest CPU seconds of this
-process (``os.times``: user + system, all threads) per GB, its wall-clock start and end (the
+process (``time.process_time``: the scheduler's runtime of all its threads) per GB, its wall-clock start and end (the
 host maps them to its load), GPU messages per I/O (the driver's RING_TAIL
 writes, each one vfio-user REGION_WRITE, plus the GPU's doorbell DMA_WRITEs counted by
 MSGWIN_WRITES), bytes through guest RAM and bytes QEMU carried into the BAR; and every byte
@@ -53,15 +53,24 @@ QUICK = {"cells": [("bounce", 1 << 20, 8), ("p2p", 1 << 20, 8), ("cmb", 1 << 20,
                    ("gpu-initiated-cmb-sq", 1 << 20, 8),
                    ("bounce", 4096, 32), ("p2p", 4096, 32), ("cmb", 4096, 32), ("gpu-initiated", 4096, 32),
                    ("gpu-initiated-cmb-sq", 4096, 32)],
-         "work": {1 << 20: 8 << 20, 4096: 4 << 20}, "rounds": 3}
+         "work": {1 << 20: 16 << 20, 4096: 4 << 20}, "rounds": 3}
 
 
 def cpu_seconds() -> float:
-    """This process's CPU time (user + system, every thread; not its children, not wall time).
-    Under TCG the guest clock follows the host's, and the guest kernel has no steal time for a
-    vCPU thread the host preempted (``/proc/stat`` steal stays 0): time the host gives to
-    others while this process is on the vCPU is charged to it.  So a figure taken under load
-    is inflated by the load at that moment; the bench compares paths within one round."""
+    """This process's CPU time, every thread, not its children, not wall time:
+    CLOCK_PROCESS_CPUTIME_ID, the scheduler's own runtime count (nanoseconds).  Not ``os.times``:
+    user/system there are sampled at the timer tick (10 ms here), so a cell that spends 5 ms
+    of CPU is charged 0 or 10 ms depending on where the ticks fell -- at a few ms per cell the
+    figure was mostly noise.  Under TCG the guest clock follows the host's, and the guest
+    kernel has no steal time for a vCPU thread the host preempted (``/proc/stat`` steal stays
+    0): time the host gives to others while this process is on the vCPU is charged to it.  So
+    a figure taken under load is inflated by the load at that moment; the bench compares paths
+    within one round."""
+    return time.process_time()
+
+
+def tick_cpu_seconds() -> float:
+    """The same from ``os.times`` (user + system at tick resolution), reported beside."""
     t = os.times()
     return t.user + t.system
 
@@ -93,7 +102,7 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
     guest_ram = qemu_bar = cmb_bytes = 0
     if path == "cmb" and s.window not in ("cmb", "doorbells+cmb"):
         s.set_cmb_window()
-    steal0, wall0 = steal_ticks(), time.time()
+    steal0, wall0, ticks0 = steal_ticks(), time.time(), tick_cpu_seconds()
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     step = nvme.max_transfer                       # a request of more than MDTS is several commands
     pieces = -(-size // step)
@@ -146,6 +155,7 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
             i += n
     seconds = time.perf_counter() - t0
     cpu = cpu_seconds() - cpu0
+    ticks = tick_cpu_seconds() - ticks0
     wall1, steal = time.time(), steal_ticks() - steal0
     window_reads = (gpu.bar0.read32(regs.REG_MSGWIN_READS) - reads0) & 0xFFFFFFFF
     messages = runs + ((gpu.bar0.read32(regs.REG_MSGWIN_WRITES) - writes0) & 0xFFFFFFFF) + window_reads
@@ -155,6 +165,7 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
     return {"path": path, "io_size": size, "queue_depth": depth_used, "requests": count, "bytes": work,
             "mb_s": work / seconds / 1e6, "iops": count / seconds, "lat_p50_us": percentile(lat, 50),
             "lat_p99_us": percentile(lat, 99), "guest_cpu_s": cpu, "guest_cpu_s_per_gb": cpu / (work / 1e9),
+            "guest_cpu_ticks_s": ticks,
             "gpu_messages_per_io": messages / count, "gpu_window_reads": window_reads,
             "guest_ram_bytes": guest_ram, "qemu_bar_bytes": qemu_bar, "cmb_bytes": cmb_bytes,
             "guest_steal_ticks": steal, "t_start": wall0, "t_end": wall1, "verified": verified}
