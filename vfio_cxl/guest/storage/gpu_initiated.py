@@ -94,8 +94,11 @@ class GpuQueue:
         return "doorbells+cmb" if self.sq_in_cmb else "doorbells"
 
     def run(self, requests: list[tuple[int, int, int]], *, depth: int = 32, op: str = "read",
-            timeout: float = 120) -> dict:
-        """``requests``: (file byte offset, length, VRAM offset); one NVME_IO descriptor."""
+            timeout: float = 120, count_messages: bool = True) -> dict:
+        """``requests``: (file byte offset, length, VRAM offset); one NVME_IO descriptor.
+        ``count_messages``: read MSGWIN_WRITES before and after for ``doorbell_messages`` (two
+        register reads, each a vfio-user round trip that stalls this vCPU: a caller measuring
+        CPU time reads them outside its measurement instead)."""
         s, gpu, nvme = self.session, self.session.gpu, self.session.nvme
         ns = nvme.namespace(1)
         if not 1 <= depth <= min(regs.NVME_MAX_DEPTH, self.entries - 1):
@@ -124,14 +127,16 @@ class GpuQueue:
         gpu.vram.view(self.requests_off, len(table))[:] = table
         if s.window != self.window:     # the CMB staging path may have moved it
             self._set_window()
-        writes0 = gpu.bar0.read32(regs.REG_MSGWIN_WRITES)
+        writes0 = gpu.bar0.read32(regs.REG_MSGWIN_WRITES) if count_messages else None
         t0 = time.perf_counter()
         try:
             (done,) = gpu.run([Transfer(Op.NVME_IO, src=self.block_off, dst=self.requests_off,
                                         length=len(requests))], timeout=timeout)
+        except BaseException:
+            self._set_window()        # a failed descriptor resets the GPU (and its window)
+            raise
         finally:
             self.state = struct.unpack_from("<HHB", gpu.vram.read(self.block_off + 40, 5))
-            self._set_window()        # a failed descriptor resets the GPU (and its window)
         seconds = time.perf_counter() - t0
         out = gpu.vram.read(self.requests_off, len(table))
         statuses, latencies = [], []
@@ -141,7 +146,8 @@ class GpuQueue:
             latencies.append(lat)
         s.stats["p2p_bytes"] += done["bytes_done"]
         return {"seconds": seconds, "bytes": done["bytes_done"], "statuses": statuses, "latency_us": latencies,
-                "doorbell_messages": (gpu.bar0.read32(regs.REG_MSGWIN_WRITES) - writes0) & 0xFFFFFFFF,
+                "doorbell_messages": None if writes0 is None else
+                (gpu.bar0.read32(regs.REG_MSGWIN_WRITES) - writes0) & 0xFFFFFFFF,
                 "device_ns": done["duration_ns"]}
 
     def close(self) -> None:
