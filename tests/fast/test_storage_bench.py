@@ -44,6 +44,28 @@ def test_targets_pair_paths_within_a_round_and_take_the_median():
     assert t["cmb_vs_bounce_mb_s"] == 1.1 and t["cmb_cpu_vs_bounce"] == 0.9
     assert t["gpu_initiated_cpu_vs_bounce_rounds"] == [0.05, 1.5 / 20, 0.05]
     assert t["gpu_initiated_cpu_vs_bounce"] == 0.05 and t["gpu_initiated_target_met"]
+    assert "gpu_initiated_cpu_vs_bounce_same_size" not in t          # no bounce cell at 4K x 32
+    cells.append(cell("bounce", 4096, 32, 8, 40.0, rnd=0))
+    assert targets(cells)["gpu_initiated_cpu_vs_bounce_same_size_rounds"] == [0.5 / 40.0]
+
+
+def test_bounce_buffer_option_checks_the_size_as_the_topology_does(capsys):
+    import argparse
+
+    import pytest
+
+    from vfio_cxl.bench.storage import with_bounce_buffer
+    from vfio_cxl.lab import topology
+
+    topo = with_bounce_buffer(topology.load("storage"), "16M", argparse.ArgumentParser())
+    nvme0, nvme1 = topo.vm("host0").nvmes
+    assert (nvme0.bounce_buffer, nvme0.cmb, nvme1.bounce_buffer) == (16 << 20, 4 << 20, 1 << 20)
+    for bad, why in (("3M", "a power of two from 4K to 64M"), ("xx", "bad size")):
+        parser = argparse.ArgumentParser(prog="scripts/bench storage")
+        with pytest.raises(SystemExit):
+            with_bounce_buffer(topology.load("storage"), bad, parser)
+        err = capsys.readouterr().err
+        assert f"--bounce-buffer {bad}: " in err and why in err, err
 
 
 def test_load_sampler_reports_the_busy_share_between_two_moments():

@@ -7,8 +7,8 @@ Paths (docs/storage.md): bounce (NVMe -> guest RAM -> GPU copy: cuFile's compati
 p2p (NVMe -> VRAM through the GPU's BAR2 mapped in the NVMe's IOMMU context), cmb (NVMe -> its
 own Controller Memory Buffer -> GPU peer copy into VRAM), gpu-initiated (the GPU drives an NVMe
 queue pair in its VRAM: NVME_IO).  The full sweep: I/O size 4K, 64K, 1M x queue depth 1, 8, 32,
-64, one round; ``--quick``: 1 MiB at depth 8 (cmb: 4, what its 4M CMB holds) and 4 KiB at depth
-32 on each path, three rounds with the paths interleaved.
+64, one round; ``--quick``: 1 MiB at depth 8 (cmb: 4, what its 4M CMB holds; gpu-initiated: 16)
+and 4 KiB at depth 32 on each path, three rounds with the paths interleaved.
 
 Per cell: MB/s, IOPS, latency p50/p99, guest CPU seconds per GB (the guest process's CPU time,
 CLOCK_PROCESS_CPUTIME_ID; the bounce buffer is mapped once before the cells, as set-up), the host's load while it ran (busy share of all host CPUs from /proc/stat, and the
@@ -16,7 +16,8 @@ CLOCK_PROCESS_CPUTIME_ID; the bounce buffer is mapped once before the cells, as 
 the BAR, and ``verified`` (every byte read back through the BAR2 mmap).  The reference: the host
 reading the same bytes of the namespace's backing file with O_DIRECT, and their sha256 against
 what the guest wrote.  Targets (issue 22): p2p >= bounce in MB/s at 1 MiB with <= 50 % of its
-guest CPU per GB; gpu-initiated at depth >= 16 with <= 10 % of the bounce's guest CPU per GB.
+guest CPU per GB; gpu-initiated at depth >= 16 with <= 10 % of the bounce's guest CPU per GB,
+both at 1 MiB (beside it, the ratio at 4 KiB x 32 where both paths ran that cell).
 ``--bounce-buffer`` sets nvme0's ``x-max-bounce-buffer-size`` (the topology's ``bounce_buffer``,
 1M as shipped): QEMU carries the NVMe's DMA into the GPU's BAR through a bounce buffer of that
 many bytes per device, so it bounds how much p2p data is in flight.
@@ -138,13 +139,13 @@ def targets(cells: list[dict]) -> dict:
             if row:
                 per_round[f"{name}_vs_bounce_mb_s"].append(row["mb_s"] / bounce["mb_s"])
                 per_round[f"{name}_cpu_vs_bounce"].append(row["guest_cpu_s_per_gb"] / bounce["guest_cpu_s_per_gb"])
-        gpu = best(rows, "gpu-initiated", None, 16)
+        gpu = best(rows, "gpu-initiated", 1 << 20, 16) or best(rows, "gpu-initiated", None, 16)
         if gpu:
             per_round["gpu_initiated_cpu_vs_bounce"].append(gpu["guest_cpu_s_per_gb"] / bounce["guest_cpu_s_per_gb"])
     # beside the issue's target (against the bounce at its best, 1 MiB): the same I/O size and depth
     for r in sorted({c.get("round", 0) for c in cells}):
         rows = [c for c in cells if c.get("round", 0) == r]
-        gpu = best(rows, "gpu-initiated", None, 16)
+        gpu = best(rows, "gpu-initiated", 4096, 16)
         same = gpu and next((c for c in rows if c["path"] == "bounce" and c["io_size"] == gpu["io_size"]
                              and c["queue_depth"] == gpu["queue_depth"] and c["verified"]), None)
         if same:
@@ -200,15 +201,15 @@ def main(argv: list[str]) -> int:
           f"host load average {load:.2f} at the start; {out['rounds']} round(s), paths interleaved")
     for path, why in out["skipped"].items():
         print(f"{path}: not measured: {why}")
-    print(f"{'rd':>2} {'path':14} {'size':>7} {'QD':>3} {'MB/s':>8} {'IOPS':>8} {'p50 us':>8} {'p99 us':>8} "
+    print(f"{'rd':>2} {'path':20} {'size':>7} {'QD':>3} {'MB/s':>8} {'IOPS':>8} {'p50 us':>8} {'p99 us':>8} "
           f"{'CPU s/GB':>9} {'msg/IO':>7} {'guestRAM':>9} {'QEMU BAR':>9} {'CMB':>6} {'host busy':>9} {'load':>5} ok")
     for c in out["cells"]:
-        print(f"{c['round']:>2} {c['path']:14} {c['io_size'] >> 10:>6}K {c['queue_depth']:>3} {c['mb_s']:>8.1f} "
+        print(f"{c['round']:>2} {c['path']:20} {c['io_size'] >> 10:>6}K {c['queue_depth']:>3} {c['mb_s']:>8.1f} "
               f"{c['iops']:>8.0f} {c['lat_p50_us']:>8.0f} {c['lat_p99_us']:>8.0f} {c['guest_cpu_s_per_gb']:>9.2f} "
               f"{c['gpu_messages_per_io']:>7.2f} {c['guest_ram_bytes'] >> 20:>8}M {c['qemu_bar_bytes'] >> 20:>8}M "
               f"{c['cmb_bytes'] >> 20:>5}M {c['host_busy_pct']:>8.0f}% {c['load_average_1min']:>5.1f} "
               f"{'yes' if c['verified'] else 'NO'}")
-    print(f"{'host O_DIRECT':14} {'':>7} {'':>3} {host_mb_s:>8.1f}  reference: the backing file's first "
+    print(f"{'':>2} {'host O_DIRECT':20} {'':>7} {'':>3} {host_mb_s:>8.1f}  reference: the backing file's first "
           f"{out['data_bytes'] >> 20} MiB, sha256 {'matches' if result['host_sha256_match'] else 'DIFFERS from'} "
           "what the guest wrote")
     t = result["targets"]
@@ -226,7 +227,7 @@ def main(argv: list[str]) -> int:
         print(f"gpu-initiated at QD >= 16: {100 * t['gpu_initiated_cpu_vs_bounce']:.1f} % of the bounce's guest "
               f"CPU per GB at 1 MiB (target <= 10 %; rounds {rounds('gpu_initiated_cpu_vs_bounce', 100, '.1f')})")
     if "gpu_initiated_cpu_vs_bounce_same_size" in t:
-        print(f"gpu-initiated at QD >= 16: {100 * t['gpu_initiated_cpu_vs_bounce_same_size']:.1f} % of the bounce's "
-              f"guest CPU per GB at the same size and depth (rounds "
+        print(f"gpu-initiated at 4 KiB x QD 32: {100 * t['gpu_initiated_cpu_vs_bounce_same_size']:.1f} % of the "
+              f"bounce's guest CPU per GB at the same size and depth (rounds "
               f"{rounds('gpu_initiated_cpu_vs_bounce_same_size', 100, '.1f')})")
     return 0

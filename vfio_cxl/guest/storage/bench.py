@@ -49,8 +49,8 @@ SEED = 2026
 FULL = {"sizes": (4096, 65536, 1 << 20), "depths": (1, 8, 32, 64), "work": 16 << 20}
 PATHS = ("bounce", "p2p", "cmb", "gpu-initiated", "gpu-initiated-cmb-sq")
 GPU_PATHS = {"gpu-initiated": False, "gpu-initiated-cmb-sq": True}     # path -> SQ in the CMB
-QUICK = {"cells": [("bounce", 1 << 20, 8), ("p2p", 1 << 20, 8), ("cmb", 1 << 20, 4), ("gpu-initiated", 1 << 20, 8),
-                   ("gpu-initiated-cmb-sq", 1 << 20, 8),
+QUICK = {"cells": [("bounce", 1 << 20, 8), ("p2p", 1 << 20, 8), ("cmb", 1 << 20, 4), ("gpu-initiated", 1 << 20, 16),
+                   ("gpu-initiated-cmb-sq", 1 << 20, 16),
                    ("bounce", 4096, 32), ("p2p", 4096, 32), ("cmb", 4096, 32), ("gpu-initiated", 4096, 32),
                    ("gpu-initiated-cmb-sq", 4096, 32)],
          "work": {1 << 20: 16 << 20, 4096: 4 << 20}, "rounds": 3}
