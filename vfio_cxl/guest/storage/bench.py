@@ -115,7 +115,9 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
         lat = [float(max(r["latency_us"][i * pieces:(i + 1) * pieces])) for i in range(count)]
         ok_status = all(st == 0 for st in r["statuses"])
         qemu_bar = work
+        split = {k: r[k] for k in ("submit_s", "submit_cpu_s", "wait_s", "wait_cpu_s")}
     else:
+        split = {}
         queue = nvme.queues[1]
         depth_used = max(1, min(depth, queue.tracker.depth // pieces))
         if path == "cmb":
@@ -168,7 +170,7 @@ def run_cell(s: StorageSession, gq: GpuQueue, path: str, size: int, depth: int, 
             "guest_cpu_ticks_s": ticks,
             "gpu_messages_per_io": messages / count, "gpu_window_reads": window_reads,
             "guest_ram_bytes": guest_ram, "qemu_bar_bytes": qemu_bar, "cmb_bytes": cmb_bytes,
-            "guest_steal_ticks": steal, "t_start": wall0, "t_end": wall1, "verified": verified}
+            "guest_steal_ticks": steal, "t_start": wall0, "t_end": wall1, "verified": verified, **split}
 
 
 def main(argv: list[str] | None = None) -> int:
