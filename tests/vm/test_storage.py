@@ -186,13 +186,19 @@ def test_controller_reset_mid_batch_fails_the_batch_cleanly(storage_lab):
 
 def test_iommufd_p2p_and_gpu_initiated(storage_lab_kernel_lab):
     """The same paths with both devices in one iommufd IOAS: the GPU's BAR2 and the NVMe's BAR0
-    go in as VFIO dma-bufs (IOMMU_IOAS_MAP_FILE)."""
+    and BAR2 (its CMB) go in as VFIO dma-bufs (IOMMU_IOAS_MAP_FILE)."""
     lab = storage_lab_kernel_lab
     out = storage_check(lab, "p2p", f"--size {MIB} --offset {112 * MIB}", backend="iommufd")
     assert out["vfio_backend"] == "iommufd" and out["read_match"], out
     assert host_sha256(lab, out["written_at"], MIB) == out["sha256_written"]
     gpu = storage_check(lab, "gpu-initiated", "--count 256 --size 4096 --depth 32", backend="iommufd")
     assert gpu["statuses_ok"] and gpu["mismatched"] == [], gpu
+    # the NVMe's CMB as a dma-buf too: CMB staging, and the SQ in the CMB
+    cmb = storage_check(lab, "cmb", f"--size {MIB} --offset {120 * MIB}", backend="iommufd")
+    assert cmb["read_match"] and cmb["stats"]["cmb_bytes"] == 2 * MIB, cmb
+    assert host_sha256(lab, cmb["written_at"], MIB) == cmb["sha256_written"]
+    sq = storage_check(lab, "gpu-initiated", "--count 64 --size 4096 --depth 16 --sq-in-cmb", backend="iommufd")
+    assert sq["statuses_ok"] and sq["mismatched"] == [] and sq["sq_in_cmb"], sq
 
 
 def pci_ids(vm) -> set[str]:
