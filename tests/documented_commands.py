@@ -297,6 +297,9 @@ CASES.update({
     "scripts/bench gpumem --quick --json": same("scripts/bench gpumem --quick"),
     "scripts/bench storage --quick": Case(group="bench", timeout=2400),
     "scripts/bench storage --quick --kernel lab": same("scripts/bench storage --quick"),
+    "scripts/bench storage --quick --kernel lab --json": same("scripts/bench storage --quick"),
+    "scripts/bench storage --quick --kernel lab --bounce-buffer 16M --json":
+        Case(group="bench", timeout=2400, expect=(r'"bounce_buffer": 16777216', )),
     "scripts/bench storage": skip("the full sweep (4 KiB-1 MiB x queue depth 1-64 on every path): "
                                   "its --quick form is run"),
     "vfio-cxl nvme ls|identify|read|write": same("vfio-cxl nvme ls"),

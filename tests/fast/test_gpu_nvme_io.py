@@ -1,4 +1,4 @@
-"""NVME_IO and the message window (docs/gpu-device.md, interface 1.2), on the in-process server.
+"""NVME_IO and the message window (docs/gpu-device.md, interfaces 1.2 and 1.3), on the in-process server.
 
 A stand-in NVMe controller answers the GPU's doorbell writes: it sits behind the client's DMA
 handler, as QEMU's nvme sits behind the vIOMMU, reads the submission entries the device wrote
@@ -19,6 +19,7 @@ SQ_DB, CQ_DB = DOORBELLS + 0x1008, DOORBELLS + 0x100C   # queue 1, 4-byte stride
 VRAM_IOVA = 0x10_0000_0000       # VRAM as the NVMe reaches it
 BLOCK = 512
 SQ, CQ, QBLOCK, REQS, DATA = 0x0, 0x10000, 0x20000, 0x21000, 0x100000
+CMB = DOORBELLS + 0x10000        # the NVMe's CMB, as the GPU's IOVA (interface 1.3: the SQ there)
 
 
 class FakeNvme:
@@ -30,6 +31,7 @@ class FakeNvme:
         self.phase = 1
         self.sq_doorbells = self.cq_doorbells = 0
         self.cq_head_seen = 0
+        self.sq_in_cmb = False           # where the submission entries are: VRAM at SQ, or the CMB
 
     def after_write(self) -> None:
         tail, head = struct.unpack("<II", bytes(self.memory.view(SQ_DB, 8)))
@@ -40,8 +42,9 @@ class FakeNvme:
         self.sq_doorbells += 1
         self.tail = tail
         while self.head != self.tail:
-            opc, flags, cid, nsid, _, _, addr, word, slba, _hi, nlb, *_ = struct.unpack_from(
-                "<BBHIQQQQIIIIII", self.vram, SQ + self.head * 64)
+            raw = (bytes(self.memory.view(CMB + self.head * 64, 64)) if self.sq_in_cmb
+                   else bytes(self.vram[SQ + self.head * 64:SQ + self.head * 64 + 64]))
+            opc, flags, cid, nsid, _, _, addr, word, slba, _hi, nlb, *_ = struct.unpack("<BBHIQQQQIIIIII", raw)
             assert flags == 0x40 and word >> 56 == 0 and nsid == 1     # one SGL Data Block
             length, off = word & 0xFFFFFFFF, addr - VRAM_IOVA
             assert length == (nlb + 1) * BLOCK
@@ -57,14 +60,16 @@ class FakeNvme:
                 self.cq_tail, self.phase = 0, self.phase ^ 1
 
 
-def rig_with_nvme(srv, entries: int, *, window: bool = True, alive: bool = True):
+def rig_with_nvme(srv, entries: int, *, window: bool = True, alive: bool = True, sq_in_cmb: bool = False):
     rig = Rig(srv, direct=True)
     # The doorbell page: the client answers DMA messages for it (QEMU translates them through
     # the vIOMMU into the NVMe's BAR0) but never DMA_MAPs it (QEMU sends no DMA_MAP for MMIO).
     rig.memory.add(DOORBELLS, 0x2000, shared=False).mapped = True
+    rig.memory.add(CMB, 0x10000, shared=False).mapped = True
     vram = srv.device.vram
     disk = bytearray(regs.prng_bytes(7, 1 << 20))
     nvme = FakeNvme(vram, entries, disk, rig.memory, alive=alive)
+    nvme.sq_in_cmb = sq_in_cmb
     serve = rig.client._serve_dma
 
     def serve_then_controller(header, body, fds):
@@ -76,13 +81,14 @@ def rig_with_nvme(srv, entries: int, *, window: bool = True, alive: bool = True)
         c = rig.client
         c.reg_write(regs.REG_MSGWIN_BASE_LO, DOORBELLS & 0xFFFFFFFF)
         c.reg_write(regs.REG_MSGWIN_BASE_HI, DOORBELLS >> 32)
-        c.reg_write(regs.REG_MSGWIN_SIZE_LO, 0x2000)
+        c.reg_write(regs.REG_MSGWIN_SIZE_LO, 0x20000)      # the doorbells and the CMB
     return rig, vram, nvme
 
 
-def put_batch(vram, entries: int, depth: int, count: int, size: int, timeout_ms: int = 0) -> None:
-    vram[QBLOCK:QBLOCK + 64] = regs.pack_nvme_queue(SQ, CQ, SQ_DB, CQ_DB, entries, depth, 1, 9,
-                                                    timeout_ms=timeout_ms)
+def put_batch(vram, entries: int, depth: int, count: int, size: int, timeout_ms: int = 0, sq: int = SQ,
+              flags: int = 0) -> None:
+    vram[QBLOCK:QBLOCK + 64] = regs.pack_nvme_queue(sq, CQ, SQ_DB, CQ_DB, entries, depth, 1, 9,
+                                                    timeout_ms=timeout_ms, flags=flags)
     for i in range(count):
         vram[REQS + i * 32:REQS + i * 32 + 32] = regs.pack_nvme_request(
             2, (count - 1 - i) * size // BLOCK, size, VRAM_IOVA + DATA + i * size)
@@ -109,6 +115,39 @@ def test_reads_at_depth_16_wrap_the_queue_with_one_doorbell_per_batch(gpu_server
         assert nvme.sq_doorbells < count and nvme.cq_doorbells >= 1
         writes = rig.client.reg_read(regs.REG_MSGWIN_WRITES)
         assert writes == nvme.sq_doorbells + nvme.cq_doorbells
+    finally:
+        rig.close()
+
+
+def test_sq_in_the_cmb_gets_its_entries_by_dma_before_each_doorbell(gpu_server):
+    """Interface 1.3: NVME_QUEUE_SQ_PEER puts the SQ at an IOVA (an NVMe's CMB); the device
+    writes each batch's entries there (one DMA write per contiguous run), then rings."""
+    rig, vram, nvme = rig_with_nvme(gpu_server, entries=16, sq_in_cmb=True)
+    try:
+        count, size = 40, 4096
+        vram[SQ:SQ + 16 * 64] = bytes(16 * 64)
+        put_batch(vram, 16, 8, count, size, sq=CMB, flags=regs.NVME_QUEUE_SQ_PEER)
+        rig.submit([pack_descriptor(Op.NVME_IO, QBLOCK, REQS, count, IRQ, cookie=13)])
+        rig.wait_vector(regs.VEC_DMA_DONE)
+        rec = rig.completion(0)
+        assert rec["status"] == Status.OK and rec["bytes_done"] == count * size
+        for i in range(count):
+            assert vram[DATA + i * size:DATA + (i + 1) * size] == nvme.disk[(count - 1 - i) * size:(count - i) * size]
+        assert vram[SQ:SQ + 16 * 64] == bytes(16 * 64)                   # nothing went to VRAM
+        writes = rig.client.reg_read(regs.REG_MSGWIN_WRITES)
+        # entry runs + doorbells: at most one run per doorbell batch plus one more per wrap
+        assert nvme.sq_doorbells + nvme.cq_doorbells < writes <= 2 * nvme.sq_doorbells + nvme.cq_doorbells + 3
+    finally:
+        rig.close()
+
+
+def test_unknown_queue_flags_are_refused(gpu_server):
+    rig, vram, nvme = rig_with_nvme(gpu_server, entries=8)
+    try:
+        put_batch(vram, 8, 4, 4, 4096, flags=0x2)
+        rig.submit([pack_descriptor(Op.NVME_IO, QBLOCK, REQS, 4, IRQ)])
+        rig.wait_vector(regs.VEC_ERROR)
+        assert rig.client.reg_read(regs.REG_ERR_STATUS) == Status.BAD_QUEUE and nvme.sq_doorbells == 0
     finally:
         rig.close()
 

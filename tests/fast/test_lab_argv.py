@@ -144,7 +144,7 @@ def test_nvme_behind_the_switch_and_on_a_root_port_with_their_namespaces():
     # nvme0 beside the GPU behind psw0; shadow doorbells off, QEMU's bounce buffer at 1M
     nvme0 = next(d for d in devs if d.startswith("nvme,id=nvme0,"))
     assert nvme0 == ("nvme,id=nvme0,bus=dp1,serial=vfio-cxl-nvme0,max_ioqpairs=16,dbcs=off,"
-                     "x-max-bounce-buffer-size=1048576")
+                     "x-max-bounce-buffer-size=1048576,cmb_size_mb=4")
     assert devs.index("xio3130-downstream,id=dp1,bus=psw0,chassis=2,slot=1") < devs.index(nvme0)
     # nvme1 on a root port of its own, with its CMB and two namespaces on its bus
     assert "pcie-root-port,id=nvme1-port,bus=pcie.0,chassis=1,slot=2" in devs
@@ -163,7 +163,7 @@ def test_shadow_doorbells_on_when_asked(tmp_path):
     topo = topology.load(str(path))
     devs = devices(qemu_argv(topo, topo.vms[0], resources(topo)))
     nvme0 = next(d for d in devs if d.startswith("nvme,id=nvme0,"))
-    assert ",dbcs=on," in nvme0 and nvme0.endswith("x-max-bounce-buffer-size=4096")
+    assert ",dbcs=on," in nvme0 and nvme0.endswith("x-max-bounce-buffer-size=4096,cmb_size_mb=4")
 
 
 def test_unowned_gpu_is_nowhere_at_boot(tmp_path):

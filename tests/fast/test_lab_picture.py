@@ -41,7 +41,7 @@ def test_every_part_is_in_the_text_tree():
 def test_nvme_controllers_are_in_the_text_tree_where_they_sit():
     out = picture.text(topology.load("storage"))
     assert ("   │     └─ dp1: downstream port\n"
-            "   │        └─ nvme0: NVMe (namespaces 256M; 16 queue pairs)\n") in out
+            "   │        └─ nvme0: NVMe (namespaces 256M; 16 queue pairs, CMB 4M)\n") in out
     assert ("   └─ nvme1-port: root port\n"
             "      └─ nvme1: NVMe (namespaces 64M, 16M; 8 queue pairs, CMB 4M)\n") in out
 

@@ -217,6 +217,7 @@ def test_storage_puts_a_gpu_and_an_nvme_behind_one_switch_and_an_nvme_on_a_root_
     assert topo.gpus["gpu0"].at in psw.downstream_ports and nvme0.at in psw.downstream_ports
     assert nvme1.at is None and nvme1.root_port == "nvme1-port" and len(nvme1.namespaces) == 2
     assert not nvme0.shadow_doorbells and nvme0.bounce_buffer == 1 << 20 and nvme1.cmb == 4 << 20
+    assert nvme0.cmb == 4 << 20          # the CMB staging path and the GPU-written SQ use it
 
 
 def test_nvme_defaults():

@@ -11,8 +11,8 @@ from vfio_cxl.guest.drivers.nvme import prp
 from vfio_cxl.guest.drivers.nvme.errors import NvmeError
 from vfio_cxl.guest.drivers.nvme.iova import IovaWindow
 from vfio_cxl.guest.drivers.nvme.queue import QueuePair
-from vfio_cxl.guest.drivers.nvme.spec import (PAGE, Cap, Completion, ControllerInfo, IoOp, NamespaceInfo,
-                                              pack_sqe, status_name)
+from vfio_cxl.guest.drivers.nvme.spec import (PAGE, Cap, CmbInfo, Completion, ControllerInfo, IoOp,
+                                              NamespaceInfo, pack_sqe, status_name)
 from vfio_cxl.guest.drivers.nvme.tracker import SLOT_BITS, RequestTracker
 
 LIST_IOVA = 0x7000
@@ -45,6 +45,18 @@ def test_cap_decodes_qemu_values_and_doorbell_stride():
     assert (c.sq_doorbell(0), c.cq_doorbell(0), c.sq_doorbell(1), c.cq_doorbell(1)) == (0x1000, 0x1004, 0x1008, 0x100C)
     wide = Cap.decode(cap | 2 << 32)          # DSTRD 2: 16-byte doorbell stride
     assert (wide.sq_doorbell(1), wide.cq_doorbell(1)) == (0x1020, 0x1030)
+
+
+def test_cmb_registers_decode_as_qemu_sets_them():
+    # QEMU 11.1 after CMBMSC.CRE (nvme_cmb_enable_regs): CMBLOC BIR 2, OFST 0, CDPCILS and CDPMLS;
+    # CMBSZ SQS 1, CQS 0, LISTS 1, RDS 1, WDS 1, SZU 2 (1 MiB units), SZ = cmb_size_mb
+    cmbloc = 2 | 1 << 8 | 1 << 9
+    cmbsz = 1 | 1 << 2 | 1 << 3 | 1 << 4 | 2 << 8 | 4 << 12
+    c = CmbInfo.decode(cmbloc, cmbsz)
+    assert (c.bir, c.offset, c.size, c.sqs, c.cqs, c.lists, c.rds, c.wds) == (2, 0, 4 << 20, True, False, True,
+                                                                              True, True)
+    assert CmbInfo.decode(0, 0).size == 0          # before CRE: both registers read 0
+    assert CmbInfo.decode(2 | 3 << 12, 0 << 8 | 16 << 12).offset == 3 * 4096   # SZU 0: 4 KiB units
 
 
 def test_identify_decoding():
@@ -165,3 +177,76 @@ def test_iova_window_first_fit_and_merge():
         w.free(c, 0x4000)
     with pytest.raises(NvmeError, match="no 0x20000 bytes"):
         w.alloc(0x20000)
+
+
+class FakeRegisters:
+    """BAR0 of a controller for the driver's failure logic: CC.EN = 0 clears CSTS.RDY at once;
+    ``csts`` is what CSTS reads otherwise (the real controller: tests/vm/test_storage.py)."""
+
+    def __init__(self, csts: int):
+        self.csts, self.cc, self.writes = csts, 1, []
+
+    def read32(self, offset: int) -> int:
+        return {0x14: self.cc, 0x1C: self.csts}.get(offset, 0)
+
+    def write32(self, offset: int, value: int) -> None:
+        self.writes.append((offset, value))
+        if offset == 0x14:
+            self.cc = value
+            if not value & 1 and self.csts != 0xFFFFFFFF:
+                self.csts &= ~1
+
+
+class FakeRequestChannel:
+    def __init__(self, fired: bool):
+        self.fired = fired
+
+    def pending(self, vector: int) -> int:
+        fired, self.fired = self.fired, False
+        return int(fired)
+
+
+def controller_with_batch(csts: int, release: bool = False):
+    from vfio_cxl.guest.drivers.nvme import NvmeController
+
+    nvme = NvmeController.__new__(NvmeController)
+    nvme.bdf, nvme.failed, nvme.vectors, nvme.cap = "0000:05:00.0", None, None, Cap.decode(0x7FF | 0xF << 24)
+    nvme.bar0, nvme.request = FakeRegisters(csts), FakeRequestChannel(release)
+    tracker = RequestTracker(4, bytearray(4 * PAGE), 0x10000)
+    queue = QueuePair(1, 8, bytearray(8 * 64), 0x1000, bytearray(8 * 16), 0x2000, lambda v: None, lambda v: None,
+                      tracker)
+    nvme.queues = {1: queue}
+    reqs = [tracker.alloc(f"read {i}", IoOp.READ) for i in range(3)]
+    return nvme, queue, reqs
+
+
+def test_controller_fatal_status_fails_every_outstanding_request_at_once():
+    from vfio_cxl.guest.drivers.nvme import NvmeFatalError
+
+    nvme, queue, reqs = controller_with_batch(csts=0x1 | 0x2)          # RDY and CFS
+    with pytest.raises(NvmeFatalError, match=r"Controller Fatal Status \(CSTS.CFS\)") as err:
+        nvme.wait(queue, reqs[:1], timeout=5)
+    assert "reset the controller" in err.value.fix
+    assert all("CSTS.CFS" in r.extra["error"] for r in reqs) and queue.tracker.outstanding == 0
+    with pytest.raises(NvmeFatalError, match="CSTS.CFS"):           # and nothing new is taken
+        nvme.submit_rw(queue, IoOp.READ, 1, 0, 4096, 0x3000)
+
+
+def test_release_request_tears_the_queues_down_and_names_the_removal():
+    from vfio_cxl.guest.drivers.nvme import NvmeRemovedError
+
+    nvme, queue, reqs = controller_with_batch(csts=0x1, release=True)
+    with pytest.raises(NvmeRemovedError, match="being removed from this VM") as err:
+        nvme.wait(queue, reqs, timeout=5)
+    assert "close the controller" in err.value.fix
+    assert (0x14, 0) in nvme.bar0.writes                                # CC.EN = 0: its DMA stopped
+    assert nvme.queues == {} and all("torn down" in r.extra["error"] for r in reqs)
+
+
+def test_release_request_on_a_controller_already_gone_does_not_touch_it():
+    from vfio_cxl.guest.drivers.nvme import NvmeRemovedError
+
+    nvme, queue, reqs = controller_with_batch(csts=0xFFFFFFFF, release=True)
+    with pytest.raises(NvmeRemovedError):
+        nvme.wait(queue, reqs, timeout=5)
+    assert nvme.bar0.writes == []

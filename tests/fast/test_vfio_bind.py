@@ -96,6 +96,16 @@ def test_bind_moves_the_device_and_restore_gives_it_back(sysfs):
     assert len(sysfs.writes) == writes
 
 
+def test_restore_after_hot_removal_has_nothing_to_give_back(sysfs):
+    import shutil
+
+    binding = bind_vfio_pci(GPU, sysfs=sysfs)
+    writes = len(sysfs.writes)
+    shutil.rmtree(sysfs.pci / "devices" / GPU)        # the kernel removed the device
+    binding.restore()                                 # no error, no write to a directory that is gone
+    assert len(sysfs.writes) == writes and not binding.changed
+
+
 def test_device_already_on_vfio_pci_is_left_alone(tmp_path):
     sysfs = FakeSysfs(tmp_path / "sys")
     sysfs.add_device(GPU, driver="vfio-pci", group=5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import time
 
 import pytest
 
@@ -129,7 +130,7 @@ def host_sha256(lab, offset: int, size: int) -> str:
         return hashlib.sha256(f.read(size)).hexdigest()
 
 
-@pytest.mark.parametrize("mode", ["p2p", "compat"])
+@pytest.mark.parametrize("mode", ["p2p", "compat", "cmb"])
 def test_nvme_to_vram_and_back_verified_through_the_bar(storage_lab, mode):
     out = storage_check(storage_lab, mode, f"--size {MIB} --offset {96 * MIB}")
     assert out["route"] == "switch" and out["mode"] == mode
@@ -138,8 +139,11 @@ def test_nvme_to_vram_and_back_verified_through_the_bar(storage_lab, mode):
     stats = out["stats"]
     if mode == "p2p":       # straight into the BAR: nothing through guest RAM, no GPU copy
         assert (stats["p2p_bytes"], stats["bounced_bytes"], stats["gpu_copies"]) == (2 * MIB, 0, 0)
-    else:
+    elif mode == "compat":
         assert (stats["p2p_bytes"], stats["bounced_bytes"], stats["gpu_copies"]) == (0, 2 * MIB, 2)
+    else:                   # staged in nvme0's 4M CMB: one GPU peer copy each way, no guest RAM
+        assert (stats["p2p_bytes"], stats["bounced_bytes"], stats["cmb_bytes"], stats["gpu_copies"]) == \
+            (0, 0, 2 * MIB, 2)
 
 
 def test_isolation_nvme_dma_to_unmapped_vram_faults_and_vram_is_unchanged(storage_lab):
@@ -162,6 +166,16 @@ def test_gpu_initiated_reads_4k_x_1024_at_qd32(storage_lab):
     assert out["again_ok"]
 
 
+def test_gpu_initiated_with_the_sq_in_the_nvme_cmb(storage_lab):
+    """GPU interface 1.3: the GPU writes the submission entries into nvme0's CMB by peer writes
+    (DMA_WRITE messages through its window), the NVMe reads them inside itself."""
+    out = storage_check(storage_lab, "gpu-initiated", "--count 256 --size 4096 --depth 32 --sq-in-cmb")
+    assert out["sq_in_cmb"] and out["sq_iova"] >= 0x20_0100_0000, out      # CMB_IOVA: in the CMB
+    assert out["bytes"] == 256 * 4096 and out["statuses_ok"] and out["mismatched"] == [], out
+    # the window carries the entries too: more messages than doorbells alone, fewer than 3 per request
+    assert 0 < out["doorbell_messages"] < 3 * 256 and out["again_ok"]
+
+
 def test_controller_reset_mid_batch_fails_the_batch_cleanly(storage_lab):
     out = storage_check(storage_lab, "reset")
     assert out["events"] == 64 and out["failed_count"] >= 1, out
@@ -172,10 +186,72 @@ def test_controller_reset_mid_batch_fails_the_batch_cleanly(storage_lab):
 
 def test_iommufd_p2p_and_gpu_initiated(storage_lab_kernel_lab):
     """The same paths with both devices in one iommufd IOAS: the GPU's BAR2 and the NVMe's BAR0
-    go in as VFIO dma-bufs (IOMMU_IOAS_MAP_FILE)."""
+    and BAR2 (its CMB) go in as VFIO dma-bufs (IOMMU_IOAS_MAP_FILE)."""
     lab = storage_lab_kernel_lab
     out = storage_check(lab, "p2p", f"--size {MIB} --offset {112 * MIB}", backend="iommufd")
     assert out["vfio_backend"] == "iommufd" and out["read_match"], out
     assert host_sha256(lab, out["written_at"], MIB) == out["sha256_written"]
     gpu = storage_check(lab, "gpu-initiated", "--count 256 --size 4096 --depth 32", backend="iommufd")
     assert gpu["statuses_ok"] and gpu["mismatched"] == [], gpu
+    # the NVMe's CMB as a dma-buf too: CMB staging, and the SQ in the CMB
+    cmb = storage_check(lab, "cmb", f"--size {MIB} --offset {120 * MIB}", backend="iommufd")
+    assert cmb["read_match"] and cmb["stats"]["cmb_bytes"] == 2 * MIB, cmb
+    assert host_sha256(lab, cmb["written_at"], MIB) == cmb["sha256_written"]
+    sq = storage_check(lab, "gpu-initiated", "--count 64 --size 4096 --depth 16 --sq-in-cmb", backend="iommufd")
+    assert sq["statuses_ok"] and sq["mismatched"] == [] and sq["sq_in_cmb"], sq
+
+
+def pci_ids(vm) -> set[str]:
+    """The qdev ids of the VM's PCI devices, as QEMU lists them (query-pci)."""
+    ids = set()
+
+    def walk(devices):
+        for dev in devices:
+            ids.add(dev.get("qdev_id", ""))
+            walk(dev.get("pci_bridge", {}).get("devices", []))
+    for bus in vm.connect_qmp().cmd_obj({"execute": "query-pci"})["return"]:
+        walk(bus["devices"])
+    return ids
+
+
+def test_hot_removal_mid_batch_fails_the_batch_and_releases_the_device(storage_lab, labs):
+    """nvme1 (a root port of its own) is hot-removed by QMP device_del while the driver has a
+    batch of reads in flight: the batch fails within 10 s naming the removal, the queues are torn
+    down, the device is released (no VFIO fd left open), and the removal completes in the guest
+    and in QEMU.  The lab is ended after: it no longer has nvme1."""
+    lab = labs.hand_over(storage_lab)
+    try:
+        vm = lab["host0"]
+        bdf = controllers(vm)["vfio-cxl-nvme1"]["bdf"]
+        marker = "/tmp/storage-hot-remove.inflight"
+        vm.run(f"rm -f {marker}")
+        running = vm.start_command(f"python3 -m vfio_cxl.guest.cmd.storage_checks hot-remove --nvme {bdf} "
+                                   f"--marker {marker}", timeout=900)
+        deadline = time.monotonic() + 300
+        while vm.run(f"test -e {marker}", check=False).exited != 0:     # the first batch is out
+            assert time.monotonic() < deadline, "the guest's first batch never went out"
+        before = time.time()
+        guest_now = float(vm.run("date +%s.%N").stdout)
+        after = time.time()
+        offset = guest_now - (before + after) / 2                    # guest clock - host clock
+        spread = (after - before) / 2                                # its uncertainty
+        deleted_at = time.time()
+        answer = vm.connect_qmp().cmd_obj({"execute": "device_del", "arguments": {"id": "nvme1"}})
+        assert "error" not in answer, answer
+        out = json.loads(running.join().stdout)
+        error_after = out["error_at"] - offset - deleted_at
+        print(f"\nhot-removal: error {error_after:.2f} s after device_del (+/- {spread:.2f} s: the clock offset "
+              f"{offset:+.2f} s), "
+              f"removed {out['removed_after_close_s']:.1f} s after close; {out['batches']} batches")
+        assert out["error"]["type"] == "NvmeRemovedError", out
+        assert "being removed from this VM" in out["error"]["what"] and "close the controller" in out["error"]["fix"]
+        assert error_after - spread <= 10, out
+        assert out["queues_after_error"] == 0 and out["requests_failed"] >= 1, out
+        assert "torn down" in out["request_error"]
+        assert out["vfio_fds_left"] == [] and out["removed"], out
+        deadline = time.monotonic() + 60
+        while "nvme1" in pci_ids(vm):                                  # QEMU finishes the unplug
+            assert time.monotonic() < deadline, "QEMU still lists nvme1 60 s after the guest released it"
+        assert vm.run(f"test -e /sys/bus/pci/devices/{bdf}", check=False).exited != 0
+    finally:
+        lab.stop()

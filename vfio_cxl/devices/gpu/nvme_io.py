@@ -9,7 +9,10 @@ BAR2), writes each request's status back, and rings the CQ head doorbell once pe
 Nothing here involves the guest CPU; the engine thread runs it, never a message handler.
 
 The command identifier of request i is i; a data pointer is one SGL Data Block descriptor,
-so a request needs no PRP list.  Every VRAM access holds the engine's gate and re-checks
+so a request needs no PRP list.  With NVME_QUEUE_SQ_PEER (interface 1.3) the SQ is not in VRAM
+but at an IOVA -- the NVMe's Controller Memory Buffer -- and the device writes each batch's
+entries there with DMA writes (one per contiguous run, through the message window) before
+ringing the doorbell; the CQ stays in VRAM.  Every VRAM access holds the engine's gate and re-checks
 ``stale()``, so a reset stops the batch between two accesses like any other descriptor.
 """
 
@@ -79,10 +82,12 @@ class NvmeBatch:
     def _queue(self, at: int, requests_at: int, count: int) -> dict:
         if not self._inside(at, regs.NVME_QUEUE_SIZE):
             raise _Bad(Status.VRAM_RANGE, at)
-        (sq, cq, sq_db, cq_db, entries, depth, nsid, sq_tail, cq_head, phase, lba_shift, _r, timeout_ms,
+        (sq, cq, sq_db, cq_db, entries, depth, nsid, sq_tail, cq_head, phase, lba_shift, flags, timeout_ms,
          _r2, _r3) = regs.NVME_QUEUE.unpack(self._read(at, regs.NVME_QUEUE_SIZE))
+        peer = bool(flags & regs.NVME_QUEUE_SQ_PEER)
         ok = (2 <= entries <= regs.NVME_MAX_ENTRIES and 1 <= depth <= min(regs.NVME_MAX_DEPTH, entries - 1)
-              and self._inside(sq, entries * SQE.size) and self._inside(cq, entries * CQE.size)
+              and not flags & ~regs.NVME_QUEUE_SQ_PEER
+              and (peer or self._inside(sq, entries * SQE.size)) and self._inside(cq, entries * CQE.size)
               and sq_tail < entries and cq_head < entries and phase in (0, 1) and 9 <= lba_shift <= 12
               and count <= regs.NVME_MAX_REQUESTS)
         if not ok:
@@ -91,7 +96,7 @@ class NvmeBatch:
             raise _Bad(Status.VRAM_RANGE, requests_at)
         return {"sq": sq, "cq": cq, "sq_db": sq_db, "cq_db": cq_db, "entries": entries, "depth": depth,
                 "nsid": nsid, "sq_tail": sq_tail, "cq_head": cq_head, "phase": phase, "lba_shift": lba_shift,
-                "timeout": (timeout_ms or regs.NVME_DEFAULT_TIMEOUT_MS) / 1000}
+                "timeout": (timeout_ms or regs.NVME_DEFAULT_TIMEOUT_MS) / 1000, "sq_peer": peer}
 
     def _requests(self, at: int, count: int, lba_shift: int) -> list[tuple]:
         raw = self._read(at, count * regs.NVME_REQUEST_SIZE)
@@ -117,16 +122,29 @@ class NvmeBatch:
         while done < count:
             # submit up to depth in flight, then one doorbell for all of them
             batch = 0
+            run_at, run = q["sq_tail"], bytearray()      # a peer SQ's entries, written per contiguous run
             while nxt < count and len(pending) < depth and (sq_head - q["sq_tail"] - 1) % entries:
                 opcode, length, slba, iova = reqs[nxt]
                 nlb = length >> q["lba_shift"]
                 sqe = SQE.pack(opcode, PSDT_SGL, nxt, q["nsid"], 0, 0, iova, length | SGL_DATA_BLOCK << 56,
                                slba & 0xFFFFFFFF, slba >> 32, nlb - 1, 0, 0, 0)
-                self._write(q["sq"] + q["sq_tail"] * SQE.size, sqe)
+                if q["sq_peer"]:
+                    run += sqe
+                else:
+                    self._write(q["sq"] + q["sq_tail"] * SQE.size, sqe)
                 q["sq_tail"] = (q["sq_tail"] + 1) % entries
+                if run and q["sq_tail"] == 0:           # the queue wrapped: the run ends here
+                    fault = self._peer_write(q["sq"] + run_at * SQE.size, bytes(run))
+                    if fault:
+                        return fault + (done_bytes,)
+                    run_at, run = 0, bytearray()
                 pending.add(nxt)
                 nxt += 1
                 batch += 1
+            if run:                                      # the entries are in place before the doorbell
+                fault = self._peer_write(q["sq"] + run_at * SQE.size, bytes(run))
+                if fault:
+                    return fault + (done_bytes,)
             if batch:
                 now = time.monotonic()
                 for i in range(nxt - batch, nxt):
@@ -172,8 +190,13 @@ class NvmeBatch:
 
     def _doorbell(self, iova: int, value: int):
         """A 4-byte posted write to a peer's doorbell; (status, addr, errno) on a fault, else None."""
+        return self._peer_write(iova, struct.pack("<I", value))
+
+    def _peer_write(self, iova: int, data: bytes):
+        """A posted write to a peer (a doorbell, entries of an SQ in its memory); (status, addr,
+        errno) on a fault, else None."""
         try:
-            self.port.write(iova, struct.pack("<I", value), self.stale)
+            self.port.write(iova, data, self.stale)
         except DmaFault as fault:
             if fault.kind == FaultKind.CLOSED:
                 raise DmaAborted() from None

@@ -101,7 +101,7 @@ REG_MSGWIN_WRITES = 0x210  # RO  DMA_WRITE messages sent into the window since c
 REG_MSGWIN_READS = 0x214  # RO  DMA_READ messages sent into the window since connect (wraps)
 
 ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
-DEVICE_VERSION = 0x00010002  # 1.2: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2); a 1.0 driver works unchanged
+DEVICE_VERSION = 0x00010003  # 1.3: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3); a 1.0 driver works unchanged
 
 # REG_CONTROL bits
 CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE
@@ -210,11 +210,12 @@ class Status(IntEnum):
 #   u32 nsid
 #   u16 sq_tail, u16 cq_head, u8 phase (1 for a new queue): where the queue stands
 #   u8  lba_shift     log2 of the namespace's block size, 9..12
-#   u16 reserved
+#   u16 flags         1.3: NVME_QUEUE_SQ_PEER; other bits 0 (1.2: reserved, 0)
 #   u32 timeout_ms    longest wait for a completion (0: NVME_DEFAULT_TIMEOUT_MS)
 #   u32 reserved, u64 reserved
 NVME_QUEUE = struct.Struct("<QQQQHHIHHBBHIIQ")
 NVME_QUEUE_SIZE = NVME_QUEUE.size  # 64
+NVME_QUEUE_SQ_PEER = 1 << 0  # 1.3: sq_offset is the SQ's IOVA (e.g. an NVMe CMB), written by DMA, not a VRAM offset
 #   Request (32 bytes each at VRAM offset dst):
 #   u8  opcode        NVMe I/O opcode: 1 Write, 2 Read
 #   u8  flags (0)
@@ -235,9 +236,9 @@ NVME_REQ_PENDING = 0xFFFF
 
 def pack_nvme_queue(sq_offset: int, cq_offset: int, sq_doorbell: int, cq_doorbell: int, entries: int,
                     depth: int, nsid: int, lba_shift: int, *, sq_tail: int = 0, cq_head: int = 0, phase: int = 1,
-                    timeout_ms: int = 0) -> bytes:
+                    timeout_ms: int = 0, flags: int = 0) -> bytes:
     return NVME_QUEUE.pack(sq_offset, cq_offset, sq_doorbell, cq_doorbell, entries, depth, nsid, sq_tail, cq_head,
-                           phase, lba_shift, 0, timeout_ms, 0, 0)
+                           phase, lba_shift, flags, timeout_ms, 0, 0)
 
 
 def pack_nvme_request(opcode: int, slba: int, length: int, data_iova: int) -> bytes:

@@ -1,11 +1,14 @@
 """In the guest: the storage paths end to end, each printing one JSON result (VM tests, docs).
 
-    python3 -m vfio_cxl.guest.cmd.storage_checks p2p|compat [--size N] [--offset N]
+    python3 -m vfio_cxl.guest.cmd.storage_checks p2p|compat|cmb [--size N] [--offset N]
     python3 -m vfio_cxl.guest.cmd.storage_checks isolation
-    python3 -m vfio_cxl.guest.cmd.storage_checks gpu-initiated [--count N] [--size N] [--depth N]
+    python3 -m vfio_cxl.guest.cmd.storage_checks gpu-initiated [--count N] [--size N] [--depth N] [--sq-in-cmb]
     python3 -m vfio_cxl.guest.cmd.storage_checks reset
     (all take --nvme BDF --gpu BDF --backend type1|iommufd; default: the GPU and the NVMe
     controller that shares its PCIe switch)
+    python3 -m vfio_cxl.guest.cmd.storage_checks hot-remove --nvme BDF --marker PATH
+    (no GPU: batches of reads in flight until the controller fails; the host hot-removes it
+    once PATH exists)
 
 Every byte is checked: what lands in VRAM is read back through the GPU's BAR2 mmap and compared
 with what the namespace holds (written beforehand through guest RAM); what the NVMe wrote from
@@ -16,13 +19,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
-from ..drivers.nvme import IoOp, NvmeCommandError, NvmeError, find_controllers
+from ..drivers.nvme import IoOp, NvmeCommandError, NvmeController, NvmeError, find_controllers
 from ..drivers.gpu import Transfer
 from ..p2p import route
 from ..vfio import find_pci_devices
@@ -104,12 +110,13 @@ def check_isolation(s: StorageSession) -> dict:
             "mapped_read_match": s.gpu.vram.read(0, size) == pattern(99, size)}
 
 
-def check_gpu_initiated(s: StorageSession, count: int, size: int, depth: int, entries: int = 64) -> dict:
+def check_gpu_initiated(s: StorageSession, count: int, size: int, depth: int, entries: int = 64,
+                        sq_in_cmb: bool = False) -> dict:
     total = count * size
     want = pattern(count ^ size, total)
     put(s, 0, want)
     s.gpu.vram.view(0, total)[:] = bytes(total)
-    q = GpuQueue(s, entries=entries)
+    q = GpuQueue(s, entries=entries, sq_in_cmb=sq_in_cmb)
     try:
         order = list(range(count))
         random.Random(1).shuffle(order)          # request i reads block order[i] into slot i
@@ -123,6 +130,7 @@ def check_gpu_initiated(s: StorageSession, count: int, size: int, depth: int, en
     return {"count": count, "size": size, "depth": depth, "bytes": result["bytes"], "seconds": result["seconds"],
             "statuses_ok": all(st == 0 for st in result["statuses"]), "mismatched": bad[:8],
             "doorbell_messages": result["doorbell_messages"], "again_ok": again["statuses"] == [0],
+            "sq_iova": q.sq_iova, "sq_in_cmb": sq_in_cmb,
             "lat_p50_us": lat[len(lat) // 2], "lat_p99_us": lat[min(len(lat) - 1, len(lat) * 99 // 100)]}
 
 
@@ -152,9 +160,59 @@ def check_reset(s: StorageSession) -> dict:
             "wait_error": error, "after_reset_match": s.gpu.vram.read(0, 4096) == pattern(3, 4096)}
 
 
+def vfio_fds() -> list[str]:
+    """This process's open fds into VFIO or iommufd (what a released device must not leave)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(("/dev/vfio", "/dev/iommu")) or "vfio" in target:
+            found.append(target)
+    return found
+
+
+def check_hot_remove(bdf: str, backend: str, marker: str, size: int = 512 << 10, count: int = 32) -> dict:
+    """Batches of ``count`` reads in flight, one after another, until the controller fails
+    (the host hot-removes it once ``marker`` exists); then what the driver left: its queues,
+    the error, and -- after close -- open VFIO fds, and whether the kernel finished the removal."""
+    fds0 = vfio_fds()
+    nvme = NvmeController.open(bdf, backend=backend, interrupts=True)
+    batches, error, failed, error_at = 0, None, 0, None
+    try:
+        buf = nvme.dma_buffer(size * count)
+        queue = nvme.queues[1]
+        deadline = time.monotonic() + 600
+        while error is None and time.monotonic() < deadline:
+            reqs = [nvme.submit_rw(queue, IoOp.READ, 1, i * size, size, buf.iova + i * size) for i in range(count)]
+            queue.ring()
+            if batches == 0:
+                Path(marker).write_text("in flight\n")
+            try:
+                nvme.wait(queue, reqs, 30)
+            except NvmeError as err:
+                error_at = time.time()
+                error = {"type": type(err).__name__, "what": err.what, "fix": err.fix}
+                failed = sum(1 for r in reqs if r.completion is None)
+            batches += 1
+        state = {"queues_after_error": len(nvme.queues), "requests_failed": failed,
+                 "request_error": next((r.extra.get("error") for r in reqs if r.completion is None), None)}
+    finally:
+        nvme.close()
+    closed_at = time.time()
+    sysfs = Path("/sys/bus/pci/devices", bdf)
+    while sysfs.exists() and time.time() - closed_at < 60:   # the kernel finishing the removal
+        time.sleep(0.1)
+    return {"nvme": bdf, "batches": batches, "error": error, "error_at": error_at, "closed_at": closed_at,
+            "removed": not sysfs.exists(), "removed_after_close_s": time.time() - closed_at,
+            "vfio_fds_left": [fd for fd in vfio_fds() if fd not in fds0], **state}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.storage_checks")
-    p.add_argument("check", choices=("p2p", "compat", "isolation", "gpu-initiated", "reset"))
+    p.add_argument("check", choices=("p2p", "compat", "cmb", "isolation", "gpu-initiated", "reset", "hot-remove"))
+    p.add_argument("--marker", default="/tmp/storage-hot-remove.inflight")
     p.add_argument("--nvme")
     p.add_argument("--gpu")
     p.add_argument("--backend", default="type1", choices=("type1", "iommufd"))
@@ -162,17 +220,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--count", type=int, default=1024)
     p.add_argument("--depth", type=int, default=32)
+    p.add_argument("--sq-in-cmb", action="store_true", help="gpu-initiated: the SQ in the NVMe's CMB")
     args = p.parse_args(argv)
     try:
+        if args.check == "hot-remove":
+            if not args.nvme:
+                p.error("hot-remove needs --nvme BDF (the controller the host will remove)")
+            print(json.dumps(check_hot_remove(args.nvme, args.backend, args.marker)))
+            return 0
         nvme, gpu = pick(args.nvme, args.gpu)
-        mode = "compat" if args.check == "compat" else "p2p"
+        mode = args.check if args.check in ("compat", "cmb") else "p2p"
         with StorageSession.open(nvme, gpu, mode=mode, backend=args.backend) as s:
-            if args.check in ("p2p", "compat"):
+            if args.check in ("p2p", "compat", "cmb"):
                 out = check_paths(s, args.size, args.offset)
             elif args.check == "isolation":
                 out = check_isolation(s)
             elif args.check == "gpu-initiated":
-                out = check_gpu_initiated(s, args.count, args.size if args.size != 1 << 20 else 4096, args.depth)
+                out = check_gpu_initiated(s, args.count, args.size if args.size != 1 << 20 else 4096, args.depth,
+                                          sq_in_cmb=args.sq_in_cmb)
             else:
                 out = check_reset(s)
         out |= {"nvme": nvme, "gpu": gpu, "route": route(nvme, gpu)["kind"]}

@@ -15,10 +15,16 @@ Both devices share one IOMMU context, so one set of IOVAs means the same to both
 * ``compat``: the controller reads into a guest-RAM buffer (``BOUNCE`` bytes at a time), then
   the GPU copies it into VRAM with a HOST_TO_VRAM descriptor (writes: VRAM_TO_HOST, then the
   NVMe write).
+* ``cmb``: the controller reads into its own Controller Memory Buffer (NVMe 1.4 CMBMSC: the CMB
+  answers at controller address ``CMB_IOVA``, so a data pointer there is served inside the
+  controller, with no DMA), then the GPU copies CMB -> VRAM peer to peer: the NVMe's BAR2 is
+  mapped for the GPU at ``CMB_IOVA`` and the GPU's message window covers it, so its reads go to
+  QEMU as DMA_READ messages translated by the vIOMMU (writes: VRAM -> CMB, then the NVMe write).
+  Neither guest RAM nor the CPU touches a byte; the CMB's size bounds a staging step.
 
 ``stats`` says which path the bytes took and how many: ``p2p_bytes`` (through QEMU's bounce
-buffer into or out of the BAR), ``bounced_bytes`` (through guest RAM), NVMe commands and
-doorbells.  Alignment rules: ``file_offset`` and ``size`` are whole blocks of the namespace,
+buffer into or out of the BAR), ``bounced_bytes`` (through guest RAM), ``cmb_bytes`` (staged in
+the controller's CMB), NVMe commands and GPU copies.  Alignment rules: ``file_offset`` and ``size`` are whole blocks of the namespace,
 ``buf_offset`` a multiple of 4 (NVMe data pointers are dword aligned).
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
 from ..drivers.nvme import IoOp, NvmeController, NvmeError
 from ..drivers.gpu import GpuDriver, Transfer
@@ -35,8 +42,9 @@ from ..vfio.errors import VfioError
 
 VRAM_IOVA = PEER_BAR_IOVA          # the GPU's BAR2, as the NVMe reaches it
 DOORBELL_IOVA = 0x20_0000_0000     # the NVMe's BAR0, as the GPU reaches it (GPU-initiated I/O)
+CMB_IOVA = 0x20_0100_0000          # the NVMe's CMB: its controller address (CMBMSC.CBA) and, for the GPU, an IOVA
 BOUNCE = 4 << 20                   # compat mode's guest-RAM buffer
-MODES = ("p2p", "compat")
+MODES = ("p2p", "compat", "cmb")
 
 
 class StorageError(VfioError):
@@ -117,8 +125,11 @@ class StorageSession:
         self._stack = stack
         self.vram_mapping = None
         self.bounce = None
+        self.cmb_mapping = None
+        self.cmb_claims: dict[int, int] = {}   # CMB IOVA -> bytes held by a GPU queue's SQ (the top of the CMB)
+        self.window: str | None = None   # what the GPU's message window covers: "cmb", "doorbells"; None: unknown
         self.kernel: dict[str, str] = {}
-        self.stats = {"p2p_bytes": 0, "bounced_bytes": 0, "commands": 0, "gpu_copies": 0}
+        self.stats = {"p2p_bytes": 0, "bounced_bytes": 0, "cmb_bytes": 0, "commands": 0, "gpu_copies": 0}
 
     @classmethod
     def open(cls, nvme_bdf: str, gpu_bdf: str, *, mode: str = "p2p", backend: str = "type1",
@@ -138,6 +149,8 @@ class StorageSession:
             self = cls(nvme, gpu, context, mode, backend, stack)
             if mode == "p2p":
                 self.map_vram()
+            elif mode == "cmb":
+                self.map_cmb()
             else:
                 self.bounce = nvme.dma_buffer(BOUNCE)
             stack.pop_all()
@@ -147,6 +160,48 @@ class StorageSession:
         """The GPU's BAR2 into the shared IOMMU context at VRAM_IOVA (the NVMe may DMA there)."""
         if self.vram_mapping is None:
             self.vram_mapping = map_peer_bar(self.nvme, self.gpu, VRAM_IOVA, notes=self.kernel)
+
+    def map_cmb(self) -> None:
+        """The NVMe's CMB on (controller address ``CMB_IOVA``), its BAR mapped for the GPU at the
+        same IOVA, and the GPU's message window over it."""
+        if self.cmb_mapping is None:
+            cmb = self.nvme.enable_cmb(CMB_IOVA)
+            if not (cmb.rds and cmb.wds):
+                raise StorageError(f"{self.nvme.bdf}'s CMB does not take read and write data (CMBSZ RDS "
+                                   f"{int(cmb.rds)}, WDS {int(cmb.wds)})", "use p2p or compat mode")
+            self.cmb_mapping = map_peer_bar(self.gpu, self.nvme, CMB_IOVA - cmb.offset, region=cmb.bir,
+                                            size=cmb.offset + cmb.size, notes=self.kernel)
+        self.set_cmb_window()
+
+    @property
+    def cmb_staging(self) -> int:
+        """Bytes of the CMB the staging path may use: all but what SQs hold at its top."""
+        return self.nvme.cmb.size - sum(self.cmb_claims.values())
+
+    def claim_cmb(self, size: int) -> int:
+        """``size`` bytes at the top of the CMB for an SQ; -> their IOVA (= controller address)."""
+        if size > self.cmb_staging - 4096:
+            raise StorageError(f"{size} bytes of the CMB for a queue, {self.cmb_staging} left",
+                               "use a smaller queue or a larger CMB (topology: cmb)")
+        iova = CMB_IOVA + self.cmb_staging - size
+        self.cmb_claims[iova] = size
+        return iova
+
+    def release_cmb(self, iova: int) -> None:
+        self.cmb_claims.pop(iova, None)
+
+    def set_cmb_window(self) -> None:
+        """The GPU's message window over the CMB (again after a GPU reset, which clears it)."""
+        self.set_window(CMB_IOVA, self.nvme.cmb.size, "cmb")
+
+    def set_window(self, base: int, size: int, what: str) -> None:
+        """The GPU's message window over [base, base + size) (one window: the CMB or the doorbells)."""
+        bar0 = self.gpu.bar0
+        bar0.write32(regs.REG_MSGWIN_BASE_LO, base & 0xFFFFFFFF)
+        bar0.write32(regs.REG_MSGWIN_BASE_HI, base >> 32)
+        bar0.write32(regs.REG_MSGWIN_SIZE_LO, size & 0xFFFFFFFF)
+        bar0.write32(regs.REG_MSGWIN_SIZE_HI, size >> 32)
+        self.window = what
 
     def unmap_vram(self) -> None:
         if self.vram_mapping is not None:
@@ -161,6 +216,9 @@ class StorageSession:
             self.nvme.shutdown()
         finally:
             self.unmap_vram()
+            if self.cmb_mapping is not None:
+                self.cmb_mapping.close()
+                self.cmb_mapping = None
             stack.close()
 
     def __enter__(self) -> "StorageSession":
@@ -202,6 +260,13 @@ class StorageSession:
             self.stats["commands"] += self.nvme.read(fh.nsid, file_offset, VRAM_IOVA + vram, size)
             self.stats["p2p_bytes"] += size
             return size
+        if self.mode == "cmb":
+            for done in range(0, size, self.cmb_staging):
+                n = min(self.cmb_staging, size - done)
+                self.stats["commands"] += self.nvme.read(fh.nsid, file_offset + done, CMB_IOVA, n, sgl=True)
+                self.gpu_copy(Transfer(Op.HOST_TO_VRAM, src=CMB_IOVA, dst=vram + done, length=n))
+                self.stats["cmb_bytes"] += n
+            return size
         for done in range(0, size, BOUNCE):
             n = min(BOUNCE, size - done)
             self.stats["commands"] += self.nvme.read(fh.nsid, file_offset + done, self.bounce.iova, n)
@@ -216,6 +281,13 @@ class StorageSession:
             self.stats["commands"] += self.nvme.write(fh.nsid, file_offset, VRAM_IOVA + vram, size)
             self.stats["p2p_bytes"] += size
             return size
+        if self.mode == "cmb":
+            for done in range(0, size, self.cmb_staging):
+                n = min(self.cmb_staging, size - done)
+                self.gpu_copy(Transfer(Op.VRAM_TO_HOST, src=vram + done, dst=CMB_IOVA, length=n))
+                self.stats["commands"] += self.nvme.write(fh.nsid, file_offset + done, CMB_IOVA, n, sgl=True)
+                self.stats["cmb_bytes"] += n
+            return size
         for done in range(0, size, BOUNCE):
             n = min(BOUNCE, size - done)
             self.gpu.run([Transfer(Op.VRAM_TO_HOST, src=vram + done, dst=self.bounce.iova, length=n)])
@@ -224,13 +296,27 @@ class StorageSession:
             self.stats["gpu_copies"] += 1
         return size
 
+    def gpu_copy(self, *transfers: Transfer, timeout: float = 60) -> list[dict]:
+        """GPU copies to or from the CMB (the window set over it first if it is not); a failed
+        copy resets the GPU, which clears the window."""
+        if self.window not in ("cmb", "doorbells+cmb"):
+            self.set_cmb_window()
+        try:
+            return self.gpu.run(list(transfers), timeout=timeout)
+        except BaseException:
+            self.window = None
+            raise
+        finally:
+            self.stats["gpu_copies"] += len(transfers)
+
     def batch_submit(self, params: list[IoParams]) -> Batch:
         """p2p: every request's NVMe commands on the queue, one doorbell, reaped by ``poll``.
-        compat: each request runs through the bounce buffer now; ``poll`` returns the results."""
+        compat, cmb: each request runs through the bounce buffer (or the CMB) now; ``poll``
+        returns the results."""
         batch = Batch(self)
         queue = self.nvme.queues[1]
         checked = [self._check(p.fh, p.buf, p.size, p.file_offset, p.buf_offset) for p in params]
-        if self.mode == "compat":
+        if self.mode in ("compat", "cmb"):
             for i, p in enumerate(params):
                 batch._sizes[i] = [1, 0]
                 try:

@@ -131,6 +131,9 @@ class Binding:
         if not self.changed:
             return
         sysfs, bdf = self.sysfs, self.bdf
+        if not sysfs.device_dir(bdf).exists():   # hot-removed: nothing is left to restore
+            self.changed = False
+            return
         if sysfs.driver(bdf) == VFIO_PCI:
             _write(sysfs, sysfs.driver_dir(VFIO_PCI) / "unbind", bdf, f"unbinding {bdf} from {VFIO_PCI}")
         _write(sysfs, sysfs.device_dir(bdf) / "driver_override", self.previous_override or "\n",

@@ -7,11 +7,11 @@ and I/O commands, timeouts, fatal status, reset), errors.  Design: docs/storage.
 """
 
 from .controller import DmaBuffer, NvmeController, find_controllers
-from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeTimeout
+from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeRemovedError, NvmeTimeout
 from .queue import QueuePair
 from .spec import Completion, ControllerInfo, IoOp, NamespaceInfo
 from .tracker import Request, RequestTracker
 
 __all__ = ["DmaBuffer", "NvmeController", "find_controllers", "NvmeCommandError", "NvmeError", "NvmeFatalError",
-           "NvmeTimeout", "QueuePair", "Completion", "ControllerInfo", "IoOp", "NamespaceInfo", "Request",
+           "NvmeRemovedError", "NvmeTimeout", "QueuePair", "Completion", "ControllerInfo", "IoOp", "NamespaceInfo", "Request",
            "RequestTracker"]

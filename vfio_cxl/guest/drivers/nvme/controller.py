@@ -14,7 +14,9 @@ first).  Completions are polled (CQ IEN = 0) or signalled by MSI-X (vector q for
 the admin queue) on eventfds.
 
 Every wait has a deadline and looks at CSTS on the way: Controller Fatal Status, or a controller
-that reads all ones (gone), fails every outstanding request with ``NvmeFatalError`` at once;
+that reads all ones (gone), fails every outstanding request with ``NvmeFatalError`` at once; so
+does the kernel's release request (VFIO_PCI_REQ_IRQ_INDEX: the device is being hot-removed),
+after which the queues are torn down and the owner closes the controller (``NvmeRemovedError``);
 ``reset()`` brings the controller back with its queues empty.  Data pointers are PRPs, or SGLs on
 I/O commands when asked (``sgl=True``) and the controller supports them; each request builds its
 PRP list or SGL segment in a page of its own (``tracker.RequestTracker``).
@@ -22,17 +24,21 @@ PRP list or SGL segment in a page of its own (``tracker.RequestTracker``).
 
 from __future__ import annotations
 
+import math
 import mmap
+import select
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...vfio import DmaMapping, VfioPciDevice, uapi
-from ...vfio.errors import InterruptTimeout
+from ...vfio.errors import InterruptError, InterruptTimeout
 from . import prp as dptr
-from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeTimeout
+from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeRemovedError, NvmeTimeout
 from .iova import IovaWindow
 from .queue import QueuePair
+from .spec import (CMBMSC_CMSE, CMBMSC_CRE, CMBSTS_CBAI, REG_CMBLOC, REG_CMBMSC, REG_CMBSTS, REG_CMBSZ,
+                   CmbInfo)
 from .spec import (CC_CSS_NVM, CC_EN, CC_IOCQES_SHIFT, CC_IOSQES_SHIFT, CC_MPS_SHIFT, CSTS_CFS, CSTS_RDY,
                    CQE_SIZE, FEAT_NUMBER_OF_QUEUES, PAGE, PSDT_PRP, PSDT_SGL, REG_ACQ, REG_AQA, REG_ASQ, REG_CAP,
                    REG_CC, REG_CSTS, REG_VS, SQE_SIZE, SQES_LOG2, CQES_LOG2, AdminOp, Cap, Cns, ControllerInfo,
@@ -84,10 +90,13 @@ class NvmeController:
         self.failed: str | None = None          # why the controller is unusable until reset()
         self.queues: dict[int, QueuePair] = {}
         self.vectors = None
+        self.request = None                 # the kernel's release request, on an eventfd
         self._buffers: list[DmaBuffer] = []
         self._io_queue_count = io_queues
         self.io_queues = io_queues          # the driver's own I/O queues: qid 1..io_queues
         self.spare_queues = spare_queues    # granted by Set Features, created by their owner (create_io_queue)
+        self.cmb: CmbInfo | None = None     # the Controller Memory Buffer, once enable_cmb() turned it on
+        self.cmb_base: int | None = None    # the controller address (CMBMSC.CBA) data pointers use for it
         command = device.config.read16(PCI_COMMAND)
         device.config.write16(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)
         self.bar0 = device.bar(0)
@@ -121,14 +130,31 @@ class NvmeController:
                     raise NvmeError(f"{self.bdf}: {count} MSI-X vectors for {io_queues} I/O queues + admin",
                                     f"use at most {max(count - 1, 0)} I/O queues, or polled completions")
                 self.vectors = device.msix(1 + io_queues)
+            self.request = self._enable_request(device)
             self._enable()
         except BaseException:   # nothing left behind in a caller-owned IOMMU context either
+            if self.request is not None:
+                self.request.close()
             if self.vectors is not None:
                 self.vectors.close()
             self._control_dma.close()
             raise
 
     # -- opening and closing -------------------------------------------------
+
+    @staticmethod
+    def _enable_request(device):
+        """vfio-pci's release request (VFIO_PCI_REQ_IRQ_INDEX) on an eventfd: when the device is
+        hot-removed the kernel signals it and waits for the fd to be closed; without it the
+        removal blocks ("blocked until released by user")."""
+        try:
+            return device.interrupts(uapi.VFIO_PCI_REQ_IRQ_INDEX, 1)
+        except InterruptError:
+            return None
+
+    def release_requested(self) -> bool:
+        """The kernel asked for the device back since last asked (non-blocking)."""
+        return self.request is not None and self.request.pending(0) > 0
 
     @classmethod
     def open(cls, bdf: str, *, backend: str | None = None, container=None, ioas=None, **kwargs) -> "NvmeController":
@@ -149,6 +175,8 @@ class NvmeController:
                         self._admin(AdminOp.DELETE_SQ, cdw10=qid, what=f"delete SQ {qid}")
                         self._admin(AdminOp.DELETE_CQ, cdw10=qid, what=f"delete CQ {qid}")
                 self._disable()
+                if self.cmb_base is not None:      # the CMB off, as at power-on
+                    self.bar0.write32(REG_CMBMSC, 0)
             except NvmeError:
                 pass
         self.failed = self.failed or "was shut down"
@@ -164,6 +192,9 @@ class NvmeController:
             if self.vectors is not None:
                 self.vectors.close()
                 self.vectors = None
+            if self.request is not None:
+                self.request.close()
+                self.request = None
             self._control_dma.close()
         finally:
             self.device.close()
@@ -233,6 +264,30 @@ class NvmeController:
             sq, cq, pages = lay.io(qid)
             self.create_io_queue(qid, self._queue(qid, self.queue_entries, sq, cq, pages, self.queue_entries - 1,
                                                   qid if self.vectors else None))
+        if self.cmb_base is not None:          # a reset: the CMB comes back at the same address
+            self.enable_cmb(self.cmb_base)
+
+    def enable_cmb(self, base: int) -> CmbInfo:
+        """Turn the Controller Memory Buffer on (NVMe 1.4 CMBMSC): CRE makes CMBLOC/CMBSZ
+        readable, CMSE with CBA = ``base`` makes the controller serve every data pointer (and
+        queue address) in [base, base + size) from the CMB itself, with no DMA and no IOMMU
+        translation.  ``base`` is a controller address of our choosing: pick one that no IOVA
+        the controller must reach overlaps.  Raises if the controller has no CMB."""
+        if not self.cap.cmbs:
+            raise NvmeError(f"{self.bdf} has no Controller Memory Buffer (CAP.CMBS = 0)",
+                            "use a controller with one (topology: cmb = \"4M\" on the [[vm.nvme]])")
+        if base % PAGE:
+            raise NvmeError(f"CMB base address {base:#x} is not 4 KiB aligned", "CMBMSC.CBA holds bits 63:12")
+        self.bar0.write32(REG_CMBMSC + 4, base >> 32)           # the high half first: the low write acts
+        self.bar0.write32(REG_CMBMSC, (base & ALL_ONES) | CMBMSC_CRE | CMBMSC_CMSE)
+        if self.bar0.read32(REG_CMBSTS) & CMBSTS_CBAI:
+            raise NvmeError(f"{self.bdf} refused CMB base address {base:#x} (CMBSTS.CBAI)",
+                            "choose a base address whose range does not wrap")
+        info = CmbInfo.decode(self.bar0.read32(REG_CMBLOC), self.bar0.read32(REG_CMBSZ))
+        if info.size == 0:
+            raise NvmeError(f"{self.bdf}: CMBSZ reads 0 after CMBMSC.CRE = 1", "the controller's CMB is unusable")
+        self.cmb, self.cmb_base = info, base
+        return info
 
     def _queue(self, qid: int, entries: int, sq: int, cq: int, pages: int, depth: int, vector) -> QueuePair:
         view = self._control_view
@@ -376,13 +431,12 @@ class NvmeController:
                 continue
             spins += 1
             if queue.vector is not None and self.vectors is not None:
-                try:
-                    self.vectors.wait(queue.vector, min(0.2, max(deadline - time.monotonic(), 0)))
-                except InterruptTimeout:
-                    pass
+                self._sleep(queue.vector, min(0.2, max(deadline - time.monotonic(), 0)))
                 spins = 256
             if spins >= 256:          # every 256 empty polls: is the controller still alive?
                 spins = 0
+                if self.release_requested():
+                    raise self._removed()
                 csts = self._csts()
                 if csts == ALL_ONES:
                     raise self._fatal("reads all ones: it is gone (hot-removed?)")
@@ -394,6 +448,20 @@ class NvmeController:
                     late = next(r for r in reqs if r.completion is None)
                     raise NvmeTimeout(f"{self.bdf}: {late.what} (CID {late.cid:#x}, queue {queue.qid}) did not "
                                       f"complete within {timeout:g} s", "reset the controller (reset())")
+
+    def _sleep(self, vector: int, timeout: float) -> None:
+        """Until queue ``vector``'s MSI-X or the kernel's release request fires, ``timeout`` at most."""
+        if self.request is None:
+            try:
+                self.vectors.wait(vector, timeout)
+            except InterruptTimeout:
+                pass
+            return
+        poller = select.poll()
+        for fd in (self.vectors.eventfds[vector], *self.request.eventfds):
+            poller.register(fd, select.POLLIN)
+        poller.poll(max(0, math.ceil(timeout * 1000)))
+        self.vectors.pending(vector)          # consumed: the CQ is reaped next either way
 
     def _check(self, req: Request) -> None:
         c = req.completion
@@ -474,6 +542,21 @@ class NvmeController:
             for req in queue.tracker.drain():
                 req.extra["error"] = self.failed
         return NvmeFatalError(f"{self.bdf}: {self.failed}", "reset the controller (NvmeController.reset())")
+
+    def _removed(self) -> NvmeRemovedError:
+        """The kernel wants the device back: stop its DMA (CC.EN = 0 deletes every queue), fail
+        what is outstanding, and say so; the owner closes the controller (fds, mappings)."""
+        why = ("is being removed from this VM (the kernel's VFIO release request): its queues were "
+               "torn down and every outstanding request failed")
+        try:
+            if self._csts() != ALL_ONES:
+                self._disable()
+        except NvmeError:
+            pass                                # gone already: nothing left to stop
+        self._fatal(why)
+        self.queues = {}
+        return NvmeRemovedError(f"{self.bdf}: {self.failed}",
+                                "close the controller so the removal can finish, then use another one")
 
     def reset(self) -> None:
         """Controller reset (CC.EN 1 -> 0 -> 1): requests still outstanding fail with

@@ -18,6 +18,11 @@ class NvmeFatalError(NvmeError):
     the request: every outstanding request fails with it; ``reset()`` brings it back."""
 
 
+class NvmeRemovedError(NvmeFatalError):
+    """The kernel asked for the device back (vfio-pci's release request: it is being
+    hot-removed); the driver tore its queues down and the owner must close it."""
+
+
 class NvmeCommandError(NvmeError):
     """A command completed with an error status."""
 

@@ -26,6 +26,8 @@ REG_ASQ = 0x28
 REG_ACQ = 0x30
 REG_CMBLOC = 0x38
 REG_CMBSZ = 0x3C
+REG_CMBMSC = 0x50   # CMB Memory Space Control (NVMe 1.4), 64-bit: CRE, CMSE, CBA
+REG_CMBSTS = 0x58
 DOORBELL_BASE = 0x1000
 
 CC_EN = 1 << 0
@@ -35,10 +37,35 @@ CC_SHN_NORMAL = 1 << 14
 CC_IOSQES_SHIFT = 16
 CC_IOCQES_SHIFT = 20
 
+CMBMSC_CRE = 1 << 0       # Capabilities Registers Enabled: CMBLOC/CMBSZ read non-zero
+CMBMSC_CMSE = 1 << 1      # Controller Memory Space Enable: data pointers in [CBA, CBA + size) hit the CMB
+CMBSTS_CBAI = 1 << 0      # Controller Base Address Invalid
+
 CSTS_RDY = 1 << 0
 CSTS_CFS = 1 << 1
 CSTS_SHST_MASK = 3 << 2
 CSTS_SHST_DONE = 2 << 2
+
+
+@dataclass(frozen=True)
+class CmbInfo:
+    """CMBLOC and CMBSZ, decoded (zero until CMBMSC.CRE is set on an NVMe 1.4 controller)."""
+
+    bir: int           # the BAR that holds it
+    offset: int        # bytes into that BAR
+    size: int          # bytes
+    sqs: bool          # submission queues may live in it
+    cqs: bool          # completion queues may
+    lists: bool        # PRP lists / SGL segments may
+    rds: bool          # read data (controller -> host transfers) may land in it
+    wds: bool          # write data may come from it
+
+    @classmethod
+    def decode(cls, cmbloc: int, cmbsz: int) -> "CmbInfo":
+        unit = 1 << (12 + 4 * (cmbsz >> 8 & 0xF))     # SZU: 4K, 64K, 1M, 16M, ...
+        return cls(bir=cmbloc & 7, offset=(cmbloc >> 12) * unit, size=(cmbsz >> 12) * unit,
+                   sqs=bool(cmbsz & 1), cqs=bool(cmbsz >> 1 & 1), lists=bool(cmbsz >> 2 & 1),
+                   rds=bool(cmbsz >> 3 & 1), wds=bool(cmbsz >> 4 & 1))
 
 
 @dataclass(frozen=True)
