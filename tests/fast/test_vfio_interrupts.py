@@ -140,3 +140,44 @@ def test_unknown_vector_is_refused():
     with MsixVectors(3, MSIX, 2, ioctl=FakeIrqs()) as vectors:
         with pytest.raises(InterruptError, match="vector 5 is not enabled .0-1 are."):
             vectors.wait(5, timeout=0)
+
+
+class FakeDeviceKernel(FakeIrqs):
+    """SET_IRQS as above, plus GET_INFO and GET_IRQ_INFO for one vfio-pci device whose release
+    request (VFIO_PCI_REQ_IRQ_INDEX) has ``req_count`` vectors."""
+
+    def __init__(self, req_count):
+        super().__init__()
+        self.req_count = req_count
+
+    def __call__(self, fd, request, arg):
+        if request == uapi.VFIO_DEVICE_GET_INFO:
+            info = ffi.cast("struct vfio_device_info *", arg)
+            info.flags, info.num_regions, info.num_irqs = uapi.VFIO_DEVICE_FLAGS_PCI, 9, 5
+            return 0
+        if request == uapi.VFIO_DEVICE_GET_IRQ_INFO:
+            info = ffi.cast("struct vfio_irq_info *", arg)
+            req = info.index == uapi.VFIO_PCI_REQ_IRQ_INDEX
+            info.flags, info.count = uapi.VFIO_IRQ_INFO_EVENTFD, self.req_count if req else 0
+            return 0
+        return super().__call__(fd, request, arg)
+
+
+@pytest.mark.parametrize("req_count", [1, 0])
+def test_release_request_is_an_eventfd_or_none_where_the_device_has_none(req_count):
+    from vfio_cxl.guest.vfio.device import Device
+
+    kernel = FakeDeviceKernel(req_count)
+    fd = os.open("/dev/null", os.O_RDONLY)      # the device fd: never read, closed by close()
+    device = Device(fd, "0000:05:00.0", ioctl=kernel)
+    request = device.release_request()
+    if not req_count:
+        assert request is None and kernel.calls == []
+        device.close()
+        return
+    assert kernel.calls[-1][1] == uapi.VFIO_PCI_REQ_IRQ_INDEX and request.pending(0) == 0
+    kernel.fire(0)                               # the kernel asks for the device back
+    assert request.pending(0) == 1
+    (eventfd,) = kernel.eventfds
+    device.close()                               # disables the index and closes its eventfd
+    assert kernel.calls[-1][1:] == (uapi.VFIO_PCI_REQ_IRQ_INDEX, 0, 0) and not fd_is_open(eventfd)

@@ -100,7 +100,7 @@ class GpuDriver:
         self._ring = self._control_view[:ring_bytes]
         self._completions = self._control_view[ring_bytes:]
         self.vectors, self.irq_mode = self._enable_interrupts(device)
-        self.request = self._enable_request(device)
+        self.request = device.release_request()
         self._tail = 0
         self._retired = 0          # descriptors the device retired since reset (mirrors COMPLETED)
         self._inflight: dict[int, tuple[int, int]] = {}   # ring index -> (cookie, expected seq)
@@ -116,16 +116,6 @@ class GpuDriver:
             return device.interrupts(uapi.VFIO_PCI_MSI_IRQ_INDEX, regs.MSI_VECTORS), "msi"
         except InterruptError:  # no multi-message MSI here
             return device.interrupts(uapi.VFIO_PCI_MSI_IRQ_INDEX, 1), "msi"
-
-    @staticmethod
-    def _enable_request(device):
-        """The kernel's release request (VFIO_PCI_REQ_IRQ_INDEX) on an eventfd: when the host
-        hot-removes the GPU, vfio-pci signals it and the driver stops instead of blocking the
-        removal ("No device request channel registered, blocked until released by user")."""
-        try:
-            return device.interrupts(uapi.VFIO_PCI_REQ_IRQ_INDEX, 1)
-        except InterruptError:
-            return None
 
     def release_requested(self) -> bool:
         return self.request is not None and self.request.pending(0) > 0

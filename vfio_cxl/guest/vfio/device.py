@@ -90,6 +90,16 @@ class Device:
         """Enable ``count`` vectors of IRQ ``index`` on eventfds; disabled again on close."""
         return self._enable(Interrupts, index, count)
 
+    def release_request(self) -> Interrupts | None:
+        """vfio-pci's release request (VFIO_PCI_REQ_IRQ_INDEX) on an eventfd, or None where the
+        device has none: when the device is hot-removed the kernel signals it and waits for the
+        device fd to be closed; without it the removal blocks ("blocked until released by user").
+        A driver polls it (``pending(0)``) beside its completions and gives the device up."""
+        try:
+            return self.interrupts(uapi.VFIO_PCI_REQ_IRQ_INDEX, 1)
+        except InterruptError:
+            return None
+
     def msix(self, count: int) -> MsixVectors:
         """Enable ``count`` MSI-X vectors on eventfds; disabled again on close."""
         return self._enable(MsixVectors, uapi.VFIO_PCI_MSIX_IRQ_INDEX, count)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...vfio import DmaMapping, VfioPciDevice, uapi
-from ...vfio.errors import InterruptError, InterruptTimeout
+from ...vfio.errors import InterruptTimeout
 from . import prp as dptr
 from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeRemovedError, NvmeTimeout
 from .iova import IovaWindow
@@ -130,7 +130,7 @@ class NvmeController:
                     raise NvmeError(f"{self.bdf}: {count} MSI-X vectors for {io_queues} I/O queues + admin",
                                     f"use at most {max(count - 1, 0)} I/O queues, or polled completions")
                 self.vectors = device.msix(1 + io_queues)
-            self.request = self._enable_request(device)
+            self.request = device.release_request()
             self._enable()
         except BaseException:   # nothing left behind in a caller-owned IOMMU context either
             if self.request is not None:
@@ -141,16 +141,6 @@ class NvmeController:
             raise
 
     # -- opening and closing -------------------------------------------------
-
-    @staticmethod
-    def _enable_request(device):
-        """vfio-pci's release request (VFIO_PCI_REQ_IRQ_INDEX) on an eventfd: when the device is
-        hot-removed the kernel signals it and waits for the fd to be closed; without it the
-        removal blocks ("blocked until released by user")."""
-        try:
-            return device.interrupts(uapi.VFIO_PCI_REQ_IRQ_INDEX, 1)
-        except InterruptError:
-            return None
 
     def release_requested(self) -> bool:
         """The kernel asked for the device back since last asked (non-blocking)."""
