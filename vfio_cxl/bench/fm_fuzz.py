@@ -43,12 +43,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..lab.fm import protocol
 from ..paths import REPO_ROOT
 
 FAKE_LAB = REPO_ROOT / "tests" / "fast" / "fm_fake_lab.py"
 MAX_LINE = 1 << 20
 FAKE_VMS, FAKE_GPUS = ("a", "b"), ("gpu0", "gpu1")
 FAST_OPS = ("hello", "status", "events", "ssh_info")
+REAL_LAB_ANSWER_S = 2 * protocol.op_timeout("assign", {}) + 60   # longest wait for one answer (--lab)
 
 
 class Violation(Exception):
@@ -171,7 +173,9 @@ class Fuzzer:
     # -- the connection ----------------------------------------------------------------------
     def connect(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
+        # A real lab's GPU op may take minutes (protocol.op_timeout: a guest that does not let go
+        # or bind), and an answer may queue behind one: slow is not wrong, silence past that is.
+        self.sock.settimeout(60 if self.lab is None else REAL_LAB_ANSWER_S)
         self.sock.connect(self.socket_path)
         self.reader = self.sock.makefile("rb")
 
