@@ -76,3 +76,29 @@ def test_the_demo_prints_the_consumer_s_error_and_fails(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "0/2 records A→B" in out and "no visibility latency" in out
     assert "consumer in b failed: ChannelTimeout: no record within 30 s" in out
+
+
+# What `python3 -m vfio_cxl.guest.stream consume --timeout 5` printed in VM b with no producer,
+# before it reported that as its error (exit 1; the demo printed nothing of it).
+NO_PRODUCER = """Traceback (most recent call last):
+  File "/opt/vfio-cxl/vfio_cxl/guest/stream.py", line 223, in consume
+    consumer = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout)
+  File "/opt/vfio-cxl/vfio_cxl/channel.py", line 805, in open
+    raise type(e)(f"no valid channel after waiting {wait}s: {e.what}", e.fix)
+vfio_cxl.channel.NoChannel: no valid channel after waiting 5.0s: no channel header at offset 0 (all zero)
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/opt/vfio-cxl/vfio_cxl/guest/dax.py", line 47, in close
+    self.map.close()
+    ~~~~~~~~~~~~~~^^
+BufferError: cannot close exported pointers exist
+"""
+
+
+def test_a_traceback_is_summed_up_by_its_exception_lines():
+    said = share.what_failed(NO_PRODUCER)
+    assert said == ("vfio_cxl.channel.NoChannel: no valid channel after waiting 5.0s: no channel header at offset 0 "
+                    "(all zero) | BufferError: cannot close exported pointers exist")
+    assert share.what_failed("Killed") == "Killed" and share.what_failed("") == "(no output)"

@@ -72,6 +72,15 @@ def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ..
     return sides
 
 
+def what_failed(output: str) -> str:
+    """The exception lines of a Python traceback in ``output`` (each chained one: the first is
+    often the cause, the last what its clean-up broke), else its last three lines."""
+    lines = output.strip().splitlines()
+    raised = [line for line in lines if line[:1].strip() and not line.startswith(("Traceback ", "During handling"))
+              and ": " in line]
+    return " | ".join(raised if raised and len(raised) < len(lines) else lines[-3:]) or "(no output)"
+
+
 def side_report(vm: str, role: str, result) -> dict:
     """One side's JSON report (``python3 -m vfio_cxl.guest.stream``: exit 0, or 3 with an
     ``error`` in it), or, if it printed none (a traceback, exit 1), its exit status and stderr
@@ -83,8 +92,7 @@ def side_report(vm: str, role: str, result) -> dict:
             raise ValueError("not a JSON object")
         reported = True
     except ValueError:
-        tail = " | ".join((result.stderr.strip() or result.stdout.strip() or "(no output)").splitlines()[-3:])
-        report, reported = {"error": f"exited {result.exited}: {tail}"}, False
+        report, reported = {"error": f"exited {result.exited}: {what_failed(result.stderr or result.stdout)}"}, False
     return {**report, "vm": vm, "role": role, "error": report.get("error"), "reported": reported}
 
 
