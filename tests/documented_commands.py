@@ -317,6 +317,15 @@ CASES.update({
         same("scripts/bench boot"),
     "scripts/bench fm-fuzz [--requests N] [--seed S] [--json]":
         Case(run="scripts/bench fm-fuzz --requests 300 --seed 1", timeout=600),
+    "scripts/bench fm-fuzz --lab [NAME] [--requests N] [--seed S] [--json]":
+        Case(group="bench", timeout=1200,
+             run="vfio-cxl vm up single --detach && scripts/bench fm-fuzz --lab --requests 300 --seed 1; s=$?; "
+                 "vfio-cxl vm down; exit $s",
+             expect=(r"^fm-fuzz: the FM stayed up and answered every line, and every VM of lab single-\d+ answers SSH$",
+                     r"^  after the fuzz, vm ssh -- true: host0 [\d.]+ s$")),
+    "vfio-cxl vm up single --detach && scripts/bench fm-fuzz --lab --requests 10000 --seed 23; vfio-cxl vm down":
+        skip("10,000 requests against a booted lab: the same line with --requests 300 runs as the "
+             "synopsis' case"),
     "scripts/bench fm-fuzz --requests 10000 --seed 23": skip("10,000 requests (~90 s idle): the fast test "
                                                              "runs it with --requests 300, tests/fast/test_fm_hostile.py 600"),
     "vfio-cxl matrix run docs/matrix-example.toml --junit junit.xml --kcidb kcidb.json":
@@ -409,9 +418,10 @@ def environment() -> dict[str, str]:
 
 
 def cwd_for(command: str, scratch: Path) -> Path:
-    """``scripts/...`` from the repo root, as the README runs them; anything else from a scratch
-    directory (so files a command writes, ``--svg hb2.svg``, a socket, land there)."""
-    return ROOT if command.startswith(("scripts/", "./scripts/")) else scratch
+    """A command line that runs ``scripts/...`` (first, or after ``&&``) from the repo root, as the
+    README runs them; anything else from a scratch directory (so files a command writes,
+    ``--svg hb2.svg``, a socket, land there)."""
+    return ROOT if any(word.startswith(("scripts/", "./scripts/")) for word in command.split()) else scratch
 
 
 @dataclass

@@ -4,6 +4,8 @@ strict parsers.  The VM tests run the same scripts in a real guest (tests/vm/tes
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,6 +76,20 @@ def test_bind_script_answers_in_its_format_and_says_what_is_missing(guest):
     answer = parse_bind("a", out)
     assert answer["bdf"] == "0000:02:00.0" and answer["gpus"] == 1 and answer["guest"]["first_scan"] is True
     status, out = run(guest, BIND_SCRIPT, "2", "1")   # one GPU where two are wanted: 1 s, then why
+    assert status == 1 and "1 GPU(s) after 1 s, expected 2" in out
+
+
+def test_bind_script_keeps_its_limit_by_the_guest_clock_however_slow_its_polls(guest, tmp_path, monkeypatch):
+    """Under TCG load a 20 ms poll took far longer: the script counted polls, outlasted the FM's
+    wait for its answer (limit + 30 s), and the FM could say only that the guest did not answer.
+    Its limit is the guest's uptime now, so it answers in time and says what it saw."""
+    slow = tmp_path / "slow-bin"
+    slow.mkdir()
+    (slow / "sleep").write_text(f"#!/bin/sh\nexec {shutil.which('sleep')} 0.25\n")   # each poll: 250 ms
+    (slow / "sleep").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{slow}:{os.environ['PATH']}")
+    guest.session.close()   # the next script runs in a new guest shell, with the slow sleep
+    status, out = guest.session.run(BIND_SCRIPT, ["2", "1"], 6)   # 50 polls of 250 ms: 12.5 s
     assert status == 1 and "1 GPU(s) after 1 s, expected 2" in out
 
 

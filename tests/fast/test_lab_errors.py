@@ -58,3 +58,30 @@ def test_a_dead_labs_directory_is_removed_by_the_next_lab(tmp_path, monkeypatch)
     (alive / "lab.pid").write_text(str(os.getpid()))
     remove_stale_rundirs()
     assert not stale.exists() and alive.exists()
+
+
+# `info usernet` as QEMU 11.1.3 with libslirp 4.8 printed it for a VM started with
+# hostfwd=tcp:127.0.0.1:0-:22 (the kernel gave the forward port 34237).
+USERNET = """Hub -1 (ssh):
+  Protocol[State]    FD  Source Address  Port   Dest. Address  Port RecvQ SendQ
+  TCP[HOST_FORWARD]  10       127.0.0.1 34237       10.0.2.15    22     0     0
+"""
+
+
+def test_the_ssh_forward_port_is_read_from_info_usernet():
+    from vfio_cxl.lab.vm import forwarded_port
+    assert forwarded_port(USERNET) == 34237
+    busy = USERNET + "  TCP[ESTABLISHED]  23       127.0.0.1 51422       10.0.2.15    22     0     0\n"
+    assert forwarded_port(busy) == 34237   # a connection to port 22 is not a forward
+    for broken in ("Hub -1 (ssh):\n", USERNET.replace(" 22 ", " 23 "), USERNET + USERNET.splitlines()[-1] + "\n"):
+        with pytest.raises(LabError, match="TCP forwards to guest port 22"):
+            forwarded_port(broken)
+
+
+def test_a_lab_asks_qemu_for_port_0_unless_given_one(tmp_path):
+    from vfio_cxl.lab.argv import qemu_argv
+    topo = topology.load("single")
+    for asked, rule in ((None, "hostfwd=tcp:127.0.0.1:0-:22"), (40100, "hostfwd=tcp:127.0.0.1:40100-:22")):
+        vm = Lab(topo, ssh_port=asked).plan(tmp_path)[0]
+        assert vm.res.ssh_port == (asked or 0)
+        assert any(rule in arg for arg in qemu_argv(topo, vm.spec, vm.res))

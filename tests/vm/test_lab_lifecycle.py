@@ -3,12 +3,15 @@
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from vfio_cxl.lab.lab import remove_stale_rundirs
+from vfio_cxl.lab import topology
+from vfio_cxl.lab.lab import Lab, remove_stale_rundirs
+from vfio_cxl.lab.vm import VirtualMachine
 from vfio_cxl.paths import REPO_ROOT
 
 
@@ -96,3 +99,30 @@ def test_a_killed_lab_takes_its_vms_and_gpu_servers_with_it(labs):
     assert processes_mentioning(str(rundir)) == []
     remove_stale_rundirs()
     assert not rundir.exists()
+
+
+def test_no_port_is_picked_ahead_for_another_process_to_take(labs, monkeypatch):
+    """Another process binds whatever SSH port the lab chose before its QEMU does (the old
+    free_port() race: QEMU then failed "Could not set up host forwarding rule").  QEMU binds
+    port 0 itself now and the lab reads the port back, so nothing is there to take."""
+    labs.close()
+    taken: list[socket.socket] = []
+    start = VirtualMachine.start
+
+    def start_after_someone_took_the_port(vm):
+        if vm.res.ssh_port:
+            squatter = socket.socket()
+            squatter.bind(("127.0.0.1", vm.res.ssh_port))
+            squatter.listen()
+            taken.append(squatter)
+        start(vm)
+
+    monkeypatch.setattr(VirtualMachine, "start", start_after_someone_took_the_port)
+    try:
+        with Lab(topology.load("single"), gpu=False) as lab:
+            vm = lab["host0"]
+            assert vm.res.ssh_port > 0 and vm.run("echo up").stdout == "up\n"
+    finally:
+        for squatter in taken:
+            squatter.close()
+    assert taken == []

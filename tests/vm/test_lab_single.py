@@ -5,6 +5,10 @@ Written against the pytest plugin's ``lab`` fixture (docs/pytest-plugin.md), as 
 test of the lab would be: a detached lab, commands over SSH, nothing of QEMU's insides."""
 
 import json
+import socket
+import subprocess
+import sys
+import time
 from pathlib import PurePosixPath
 
 import pytest
@@ -59,3 +63,30 @@ def test_a_failing_guest_command_raises_with_its_stderr_unless_told_not_to(lab):
     assert err.value.exited != 0 and "no-such-file" in err.value.stderr
     assert lab.ssh("host0", "ls /no-such-file; echo after", check=False) == "after\n"
     assert lab.fm.status()["vms"]["host0"]["ssh_port"] == lab.ports["host0"]
+
+
+def test_five_idle_connections_block_new_ssh_but_not_the_fm(lab):
+    """docs/fabric-manager.md, "SSH reachability": behind slirp every host connection comes from
+    one address, and dropbear lets one address hold 5 connections that have not authenticated.
+    Any local user's 5 idle TCP connections then turn `vm ssh` away until they close; the FM's
+    own connection, open since the lab started, keeps working: so does this test's, opened
+    before the idle ones."""
+    lab.ssh("host0", "true")
+    port = lab.ports["host0"]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(5)]
+    try:
+        for conn in idle:   # dropbear's banner: each is one of its unauthenticated children now
+            assert conn.makefile("rb").readline().startswith(b"SSH-2.0-")
+        vm_ssh = [sys.executable, "-m", "vfio_cxl", "vm", "ssh", "--lab", lab.name, "host0", "--", "echo in"]
+        turned_away = subprocess.run(vm_ssh, capture_output=True, text=True, timeout=120)
+        assert turned_away.returncode == 255 and "in" not in turned_away.stdout.split(), turned_away
+        assert lab.ssh("host0", "echo still") == "still\n"
+    finally:
+        for conn in idle:
+            conn.close()
+    # dropbear notices each close when its child reads EOF: retry with a deadline
+    deadline = time.monotonic() + 60
+    answered = subprocess.run(vm_ssh, capture_output=True, text=True, timeout=120)
+    while answered.returncode == 255 and time.monotonic() < deadline:
+        answered = subprocess.run(vm_ssh, capture_output=True, text=True, timeout=120)
+    assert answered.stdout == "in\n", answered

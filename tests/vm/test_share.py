@@ -79,6 +79,19 @@ def test_ring_full_back_pressure(shared_lab):
     assert result["b"]["delivered"] == list(range(40)) and result["b"]["error"] is None
 
 
+def test_a_consumer_whose_producer_never_comes_reports_it(shared_lab):
+    """The failure `vfio-cxl demo share` met under heavy load: no channel within the consumer's
+    --timeout.  It is the consumer's reported error (exit 3), which the demo prints -- it was a
+    traceback (NoChannel, then a BufferError from the mapping it left exported) and exit 1."""
+    b = shared_lab["b"]
+    b.run(f"{STREAM} reset")
+    result = b.run(f"{STREAM} consume --count 2 --timeout 2", check=False)
+    assert result.exited == 3, result.stderr
+    report = json.loads(result.stdout)
+    assert report["delivered"] == [] and report["error"].startswith("NoChannel: no valid channel after waiting 2.0s")
+    assert result.stderr == ""
+
+
 def test_producer_vm_dying_mid_stream_is_reported_not_hung(shared_lab, labs):
     a, b = shared_lab["a"], shared_lab["b"]
     a.run(f"{STREAM} reset")

@@ -1,8 +1,8 @@
 """Seeded fuzzer for the fabric manager's control protocol: a hostile client, many requests.
 
-    python -m vfio_cxl.bench fm-fuzz [--requests 10000] [--seed S] [--json]
+    python -m vfio_cxl.bench fm-fuzz [--requests 10000] [--seed S] [--lab [NAME]] [--json]
 
-Starts a fabric manager over the FAKE lab of tests/fast/fm_fake_lab.py (``--fabric
+Without ``--lab``, starts a fabric manager over the FAKE lab of tests/fast/fm_fake_lab.py (``--fabric
 --auto-release``: sleeping processes for VMs and servers, the FM's real guest scripts on a
 fake sysfs), in a private cache and run directory, and sends it ``--requests`` lines drawn
 from ``random.Random(seed)``: well-formed requests of every op (GPU moves included), the same
@@ -10,6 +10,11 @@ with a field of the wrong type, unknown fields and ops, other versions, nesting 
 parser's depth, invalid UTF-8, random bytes, long strings, lines split across writes and
 several lines in one write.  Now and then a connection is dropped mid-line or mid-op, or a
 line over the 1 MiB limit is sent (the FM answers and closes that connection).
+
+With ``--lab NAME`` (or ``--lab``: the only lab running) it fuzzes the FM of that running lab instead (``vfio-cxl vm up T
+--detach``; it neither starts nor stops it), with that lab's VM and GPU names: the GPU ops
+it sends act on the real lab (a move it asks for happens).  When the requests are sent, every
+VM must still be running and answer ``vfio-cxl vm ssh --lab NAME VM -- true``.
 
 Invariants, checked as it goes:
 
@@ -38,12 +43,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..lab.fm import protocol
 from ..paths import REPO_ROOT
 
 FAKE_LAB = REPO_ROOT / "tests" / "fast" / "fm_fake_lab.py"
 MAX_LINE = 1 << 20
-VMS, GPUS = ("a", "b"), ("gpu0", "gpu1")
+FAKE_VMS, FAKE_GPUS = ("a", "b"), ("gpu0", "gpu1")
 FAST_OPS = ("hello", "status", "events", "ssh_info")
+REAL_LAB_ANSWER_S = 2 * protocol.op_timeout("assign", {}) + 60   # longest wait for one answer (--lab)
 
 
 class Violation(Exception):
@@ -58,8 +65,12 @@ def rss_kib(pid: int) -> int:
 
 
 class Fuzzer:
-    def __init__(self, seed: int, requests: int, rss_limit_mib: int, workdir: Path):
+    def __init__(self, seed: int, requests: int, rss_limit_mib: int, workdir: Path, lab: str | None = None):
         self.rng = random.Random(seed)
+        self.lab = lab   # a running lab's name, or None: the fake lab, started here
+        self.record = None
+        self.vms, self.gpus = FAKE_VMS, FAKE_GPUS
+        self.ssh_checked: dict[str, float] = {}   # VM -> seconds its `vm ssh -- true` took after the run
         self.requests, self.rss_limit = requests, rss_limit_mib << 10
         self.workdir = workdir
         self.sent = self.answered = self.refused = self.reconnects = self.slow_ops = 0
@@ -70,7 +81,14 @@ class Fuzzer:
         self.reader = None
 
     # -- the FM ----------------------------------------------------------------------------
+    @property
+    def fm_pid(self) -> int:
+        return self.record.fm_id().pid if self.record else self.fm.pid
+
     def start(self) -> None:
+        if self.lab is not None:
+            self.attach_to_lab()
+            return
         env = {**os.environ, "VFIO_CXL_CACHE": str(self.workdir / "cache"),
                "VFIO_CXL_RUNDIR": str(self.workdir / "run")}
         (self.workdir / "run").mkdir()
@@ -88,8 +106,51 @@ class Fuzzer:
             raise Violation(f"the fake FM did not start; see {logdir / 'fm.log'}")
         self.rss_start = self.rss_max = rss_kib(self.fm.pid)
 
+    def attach_to_lab(self) -> None:
+        from ..errors import LabError
+        from ..lab.fm import registry
+
+        try:
+            self.record = registry.find(self.lab or None)
+        except LabError as err:
+            raise Violation(f"{err} ({err.fix})") from None
+        self.lab = self.record.name
+        if not self.record.fm_alive():
+            raise Violation(f"lab {self.lab}'s fabric manager is not running (see vfio-cxl vm ls)")
+        self.socket_path = str(self.record.socket)
+        self.rss_start = self.rss_max = rss_kib(self.fm_pid)
+        status = self.lab_status()
+        self.vms, self.gpus = tuple(status["vms"]) or FAKE_VMS, tuple(status["gpus"]) or FAKE_GPUS
+
+    def lab_status(self) -> dict:
+        self.connect()
+        try:
+            self.sock.sendall(b'{"version": 1, "op": "status"}\n')
+            status = self.answer("status")
+        finally:
+            self.disconnect()
+        if not status["ok"]:
+            raise Violation(f"status refused: {status['error']}")
+        return status["result"]
+
+    def check_ssh(self) -> None:
+        """Every VM of the lab runs and answers SSH as a user reaches it: ``vm ssh -- true``."""
+        status = self.lab_status()
+        for vm in self.vms:
+            if status["vms"][vm]["state"] != "running":
+                raise Violation(f"VM {vm} is {status['vms'][vm]['state']} after the fuzz")
+            started = time.monotonic()
+            done = subprocess.run([sys.executable, "-m", "vfio_cxl", "vm", "ssh", "--lab", self.lab, vm, "--", "true"],
+                                  capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+            if done.returncode != 0:
+                raise Violation(f"VM {vm} does not answer SSH after the fuzz (vm ssh exited {done.returncode}: "
+                                f"{done.stderr.strip()[-300:]})")
+            self.ssh_checked[vm] = round(time.monotonic() - started, 2)
+
     def stop(self) -> None:
         self.disconnect()
+        if self.lab is not None:
+            return   # not ours to stop
         if self.fm is not None and self.fm.poll() is None:
             os.killpg(self.fm.pid, signal.SIGTERM)
             try:
@@ -102,13 +163,19 @@ class Fuzzer:
             self.fm_log.close()
 
     def check_alive(self) -> None:
+        if self.record is not None:
+            if not self.record.fm_alive():
+                raise Violation(f"lab {self.lab}'s FM died after {self.sent} requests")
+            return
         if self.fm.poll() is not None:
             raise Violation(f"the FM died ({self.fm.returncode}) after {self.sent} requests")
 
     # -- the connection ----------------------------------------------------------------------
     def connect(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(60)
+        # A real lab's GPU op may take minutes (protocol.op_timeout: a guest that does not let go
+        # or bind), and an answer may queue behind one: slow is not wrong, silence past that is.
+        self.sock.settimeout(60 if self.lab is None else REAL_LAB_ANSWER_S)
         self.sock.connect(self.socket_path)
         self.reader = self.sock.makefile("rb")
 
@@ -146,13 +213,13 @@ class Fuzzer:
             if r.random() < 0.5:
                 fields["limit"] = r.randrange(1, 1001)
         elif op == "ssh_info":
-            fields["vm"] = r.choice(VMS)
+            fields["vm"] = r.choice(self.vms)
         elif op == "assign":
-            fields.update(gpu=r.choice(GPUS), vm=r.choice(VMS), keep_vram=r.random() < 0.8)
+            fields.update(gpu=r.choice(self.gpus), vm=r.choice(self.vms), keep_vram=r.random() < 0.8)
         elif op == "release":
-            fields.update(gpu=r.choice(GPUS), keep_vram=r.random() < 0.8, timeout=r.choice([0.05, 0.2, 1]))
+            fields.update(gpu=r.choice(self.gpus), keep_vram=r.random() < 0.8, timeout=r.choice([0.05, 0.2, 1]))
         elif op == "restart":
-            fields["gpu"] = r.choice(GPUS)
+            fields["gpu"] = r.choice(self.gpus)
         return fields
 
     def junk_value(self):
@@ -217,7 +284,7 @@ class Fuzzer:
             if r.random() < 0.5:
                 self.sock.sendall(b'{"version": 1, "op": "sta')
             else:
-                self.sock.sendall(json.dumps({"version": 1, "op": "restart", "gpu": r.choice(GPUS)}).encode() + b"\n")
+                self.sock.sendall(json.dumps({"version": 1, "op": "restart", "gpu": r.choice(self.gpus)}).encode() + b"\n")
             self.kinds["disconnect"] = self.kinds.get("disconnect", 0) + 1
             self.sent += 1
             self.disconnect()
@@ -251,7 +318,7 @@ class Fuzzer:
             self.step()
             if self.sent % 250 < 5:
                 self.check_alive()
-                self.rss_max = max(self.rss_max, rss_kib(self.fm.pid))
+                self.rss_max = max(self.rss_max, rss_kib(self.fm_pid))
                 if self.rss_max - self.rss_start > self.rss_limit:
                     raise Violation(f"the FM's RSS grew from {self.rss_start >> 10} to {self.rss_max >> 10} MiB")
         self.disconnect()
@@ -260,7 +327,10 @@ class Fuzzer:
         status = self.answer("the last status")
         if not status["ok"] or status["result"]["state"] != "running":
             raise Violation(f"the lab is not running after the fuzz: {status}")
-        self.rss_max = max(self.rss_max, rss_kib(self.fm.pid))
+        self.disconnect()
+        if self.lab is not None:
+            self.check_ssh()
+        self.rss_max = max(self.rss_max, rss_kib(self.fm_pid))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,14 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     parser.add_argument("--rss-limit-mib", type=int, default=64,
                         help="how much the FM's RSS may grow over the run (default 64 MiB)")
+    parser.add_argument("--lab", nargs="?", const="", metavar="NAME",
+                        help="fuzz this running lab's FM (vfio-cxl vm up T --detach; no NAME: the only one "
+                             "running), then check that its VMs answer SSH; default: a fake lab of its own")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().getrandbits(32)
-    replay = f"scripts/bench fm-fuzz --requests {args.requests} --seed {seed}"
+    replay = f"scripts/bench fm-fuzz --requests {args.requests} --seed {seed}" + (f" --lab {args.lab}".rstrip() if args.lab is not None else "")
     if not args.json:
-        print(f"fm-fuzz: seed {seed}, {args.requests} requests", flush=True)
+        print(f"fm-fuzz: seed {seed}, {args.requests} requests, "
+              + (f"lab {args.lab or '(the only one running)'}" if args.lab is not None else "fake lab"), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="fmf-", dir="/tmp"))   # short: socket paths
-    fuzzer = Fuzzer(seed, args.requests, args.rss_limit_mib, workdir)
+    fuzzer = Fuzzer(seed, args.requests, args.rss_limit_mib, workdir, lab=args.lab)
     started = time.monotonic()
     violation = None
     try:
@@ -292,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
               "slow_ops": fuzzer.slow_ops, "connections": fuzzer.reconnects, "kinds": fuzzer.kinds,
               "seconds": round(elapsed, 1), "requests_per_second": round(fuzzer.sent / elapsed) if elapsed else 0,
               "rss_start_mib": round(fuzzer.rss_start / 1024, 1), "rss_max_mib": round(fuzzer.rss_max / 1024, 1),
-              "rss_limit_mib": args.rss_limit_mib, "violation": violation, "replay": replay}
+              "rss_limit_mib": args.rss_limit_mib, "lab": fuzzer.lab, "ssh_after_s": fuzzer.ssh_checked,
+              "violation": violation, "replay": replay}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -301,11 +376,14 @@ def main(argv: list[str] | None = None) -> int:
         print("  kinds: " + ", ".join(f"{k} {n}" for k, n in sorted(fuzzer.kinds.items())))
         print(f"  FM RSS {result['rss_start_mib']} MiB at start, at most {result['rss_max_mib']} MiB "
               f"(limit: start + {args.rss_limit_mib} MiB)")
+        if fuzzer.ssh_checked:
+            print("  after the fuzz, vm ssh -- true: " + ", ".join(f"{vm} {s} s" for vm, s in fuzzer.ssh_checked.items()))
     if violation:
         print(f"fm-fuzz: FAILED: {violation}\nreplay with: {replay}", file=sys.stderr)
         return 1
     if not args.json:
-        print("fm-fuzz: the FM stayed up and answered every line")
+        print("fm-fuzz: the FM stayed up and answered every line"
+              + (f", and every VM of lab {fuzzer.lab} answers SSH" if args.lab is not None else ""))
     return 0
 
 

@@ -19,6 +19,7 @@ from ..guest.cmd.demo_dma import expected_payload
 from .dma import check_request
 from ..lab import topology
 from ..lab.kernel import add_kernel_options, resolve
+from ..errors import LabError
 from ..lab.lab import Lab
 
 
@@ -58,9 +59,41 @@ def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ..
         (" --report-full" if stall_until_full else "") + \
         (" --corrupt " + ",".join(map(str, corrupt)) if corrupt else "")
     consumer = b.start_command(consumer_cmd, timeout=timeout + 600)
-    produced = json.loads(a.run(producer_cmd, timeout=timeout + 600).stdout)
-    consumed = json.loads(consumer.join(check=False).stdout)
-    return {"a": produced, "b": consumed}
+    try:
+        producer = a.run(producer_cmd, timeout=timeout + 600, check=False)
+    finally:
+        consumer_done = consumer.join(check=False)   # whatever became of the producer: no side is lost
+    sides = {"a": side_report("a", "producer", producer), "b": side_report("b", "consumer", consumer_done)}
+    if not all(side["reported"] for side in sides.values()):   # a side with no report of its own: say what each side said, not only the first
+        raise LabError("the stream A→B failed: " + "; ".join(f"{side['role']} in {side['vm']}: "
+                                                            f"{side['error'] or 'no error'}" for side in sides.values()),
+                       "see each side's error above; under heavy load a side may wait longer than "
+                       f"--timeout {timeout:g} s for the other")
+    return sides
+
+
+def what_failed(output: str) -> str:
+    """The exception lines of a Python traceback in ``output`` (each chained one: the first is
+    often the cause, the last what its clean-up broke), else its last three lines."""
+    lines = output.strip().splitlines()
+    raised = [line for line in lines if line[:1].strip() and not line.startswith(("Traceback ", "During handling"))
+              and ": " in line]
+    return " | ".join(raised if raised and len(raised) < len(lines) else lines[-3:]) or "(no output)"
+
+
+def side_report(vm: str, role: str, result) -> dict:
+    """One side's JSON report (``python3 -m vfio_cxl.guest.cmd.stream``: exit 0, or 3 with an
+    ``error`` in it), or, if it printed none (a traceback, exit 1), its exit status and stderr
+    as ``error``.  Either way the side's ``vm``, ``role``, ``error`` and ``reported`` (whether
+    it printed a report) are in it."""
+    try:
+        report = json.loads(result.stdout)
+        if not isinstance(report, dict):
+            raise ValueError("not a JSON object")
+        reported = True
+    except ValueError:
+        report, reported = {"error": f"exited {result.exited}: {what_failed(result.stderr or result.stdout)}"}, False
+    return {**report, "vm": vm, "role": role, "error": report.get("error"), "reported": reported}
 
 
 def latencies_ms(result: dict) -> list[float]:
@@ -95,8 +128,13 @@ def main(argv: list[str]) -> int:
             b = s["b"]
             lat = sorted(latencies_ms(s))
             mode = "'record N ready' over the link" if notify else "polling shared memory"
+            latency = (f"visibility latency median {lat[len(lat) // 2]:.2f} ms, p95 {lat[int(len(lat) * 0.95)]:.2f} ms"
+                       if lat else "no visibility latency (no record seen)")
             print(f"[stream, {mode}] {len(b['delivered'])}/{args.records} records A→B, "
-                  f"{len(b['bad_bytes'])} corrupt, visibility latency median {lat[len(lat) // 2]:.2f} ms, "
-                  f"p95 {lat[int(len(lat) * 0.95)]:.2f} ms")
-            ok = ok and len(b["delivered"]) == args.records and not b["bad_bytes"] and not b["error"]
+                  f"{len(b['bad_bytes'])} corrupt, {latency}")
+            for side in s.values():   # a side that failed says why
+                if side["error"]:
+                    print(f"[stream, {mode}] {side['role']} in {side['vm']} failed: {side['error']}")
+            ok = ok and len(b["delivered"]) == args.records and not b["bad_bytes"] and not b["error"] \
+                and not s["a"]["error"]
     return 0 if ok else 1

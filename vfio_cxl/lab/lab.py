@@ -34,6 +34,9 @@ from .vm import VirtualMachine
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now.  Whoever uses it binds it later, and another
+    process may take it in between: the lab's own SSH forwards do not use this (QEMU binds
+    port 0 and the lab reads the port back, vm.py); ray's ports in vfio_cxl/matrix still do."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -168,10 +171,9 @@ class Lab:
         source = guest_source(rundir)
         vms = []
         for index, spec in enumerate(self.topology.vms, start=1):
-            if self.ssh_port is not None:
-                port = self.ssh_port + index - 1
-            else:
-                port = free_port()
+            # 0: QEMU binds a port of the kernel's choosing, read back once it runs
+            # (VirtualMachine.wait_ready); a port picked here could be taken before QEMU binds it.
+            port = self.ssh_port + index - 1 if self.ssh_port is not None else 0
             vmdir = rundir / spec.name
             res = VmResources(
                 index=index, rundir=vmdir, kernel=self.kernel.image if custom else image.kernel,

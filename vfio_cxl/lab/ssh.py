@@ -7,6 +7,7 @@ import io
 import logging
 import secrets
 import shlex
+import socket
 import time
 
 import paramiko
@@ -168,13 +169,16 @@ class ShellSession:
                 if left <= 0:
                     raise TimeoutError(f"no answer within {timeout:.0f} s")
                 self.channel.settimeout(left)
-                chunk = self.channel.recv(65536)
+                try:
+                    chunk = self.channel.recv(65536)
+                except socket.timeout:   # raised without a message
+                    raise TimeoutError(f"no answer within {timeout:.0f} s") from None
                 if not chunk:
                     raise EOFError("the guest shell ended")
                 received += chunk
         except Exception as err:
             self.close()   # poisoned: never reused
-            raise LabError(f"[{self.shell.vm_name}] guest script failed: {err or type(err).__name__}",
+            raise LabError(f"[{self.shell.vm_name}] guest script failed: {str(err) or type(err).__name__}",
                            "see the VM's console log") from None
         try:
             status = int(received[end + len(marker):].split()[0])

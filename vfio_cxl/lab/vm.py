@@ -14,7 +14,7 @@ import re
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qemu.qmp.legacy import QEMUMonitorProtocol
@@ -30,6 +30,21 @@ READY_LINE = b"vfio-cxl-init: ready"
 # The guest init stamps its lines with the seconds since the kernel started.
 INIT_STAMP = re.compile(rb"vfio-cxl-init: (started|ready) \[([0-9.]+)\]")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# A slirp host forward in HMP's `info usernet` (libslirp's slirp_connection_info): the host
+# address and port are the listening socket's own (getsockname), so a rule asked for with
+# port 0 shows the port the kernel gave it.
+#   TCP[HOST_FORWARD]  10       127.0.0.1 34237       10.0.2.15    22     0     0
+HOST_FORWARD = re.compile(r"^\s*TCP\[HOST_FORWARD\]\s+\d+\s+(\S+)\s+(\d+)\s+(\S+)\s+(\d+)\s", re.M)
+
+
+def forwarded_port(usernet: str, guest_port: int = 22) -> int:
+    """The host port of the one TCP forward to ``guest_port`` in ``info usernet``'s output."""
+    ports = [int(host_port) for _, host_port, _, to in HOST_FORWARD.findall(usernet) if int(to) == guest_port]
+    if len(ports) != 1 or not 0 < ports[0] < 65536:
+        raise LabError(f"QEMU's `info usernet` shows {len(ports)} TCP forwards to guest port {guest_port} "
+                       f"(ports {ports}), expected one with a port:\n{usernet}",
+                       "a lab VM forwards one host port to the guest's SSH port; see the QEMU log")
+    return ports[0]
 
 
 def process_tree_cpu(pid: int) -> float:
@@ -135,13 +150,33 @@ class VirtualMachine:
             log = tail(self.qemu_log)
             fix = "see the QEMU output above"
             if "Could not set up host forwarding rule" in log:
-                fix = f"port {self.res.ssh_port} on 127.0.0.1 is taken: choose another or leave it unset"
+                fix = f"port {self.res.ssh_port} on 127.0.0.1 is taken: choose another --ssh-port or leave it unset"
             raise LabError(f"[{self.name}] QEMU exited with {self.process.returncode}:\n{log}\n"
                            f"console:\n{tail(self.res.console_log)}", fix)
+
+    def _learn_ssh_port(self, deadline: float) -> None:
+        """Asked for port 0, QEMU's slirp bound the SSH forward to a port of the kernel's
+        choosing: read it back (HMP ``info usernet`` over a QMP connection of its own, closed
+        after, so the VM's ``qmp`` sees nothing of it).  No port is picked ahead and handed over
+        later, so none can be taken in between."""
+        while not self.res.qmp_socket.exists():
+            self._check_alive()
+            if time.monotonic() >= deadline:
+                raise LabError(f"[{self.name}] no QMP socket by the deadline", "see the QEMU log")
+            time.sleep(0.05)   # polling for QEMU's socket file; not synchronisation
+        qmp = QEMUMonitorProtocol(str(self.res.qmp_socket))
+        try:
+            qmp.connect(negotiate=True)
+            usernet = qmp.cmd("human-monitor-command", **{"command-line": "info usernet"})
+        finally:
+            qmp.close()
+        self.res = replace(self.res, ssh_port=forwarded_port(str(usernet)))
 
     def wait_ready(self, timeout: float = 120) -> float:
         """Wait for the guest init's ready line and SSH; returns seconds since start."""
         deadline = time.monotonic() + timeout
+        if self.res.ssh_port == 0:
+            self._learn_ssh_port(deadline)
         while True:
             self._check_alive()
             try:

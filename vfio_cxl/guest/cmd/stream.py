@@ -28,7 +28,8 @@ import time
 import zlib
 
 from ... import cacheline
-from ..channel import COHERENT, ChannelFull, ChannelTimeout, Coherence, Consumer, CorruptRecord, Producer
+from ..channel import (COHERENT, BadHeader, ChannelFull, ChannelTimeout, Coherence, Consumer, CorruptRecord,
+                       NoChannel, Producer)
 from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
 from .. import cxl
@@ -220,8 +221,11 @@ def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
     with DaxMapping(dax_device) as dax:
         view = channel_view(dax)
         prefault(view, write=False)
-        consumer = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout)
+        consumer = None
         try:
+            # Inside the try: a producer that has not made the channel within ``timeout`` is this
+            # side's reported error (exit 3), not a traceback that left ``view`` exported.
+            consumer = Consumer.open(view, coherence=coherence(coherence_name), wait=timeout)
             if server:
                 conn, _ = server.accept()
                 conn.settimeout(timeout)
@@ -258,10 +262,11 @@ def consume(count: int, seed: int, max_size: int, notify: bool, timeout: float,
                         if reporter.makefile("rb").readline() != b"full\n":
                             raise ChannelTimeout("the producer never reported the ring full")
                 consumer.ack(record)
-        except (ChannelTimeout, socket.timeout, OSError) as err:
+        except (ChannelTimeout, NoChannel, BadHeader, socket.timeout, OSError) as err:
             error = f"{type(err).__name__}: {err}"
         finally:
-            consumer.close()
+            if consumer is not None:
+                consumer.close()
             view.release()
             stop.set()
             for s in (conn, server, full_server):

@@ -40,16 +40,18 @@ echo 0601 1991 > /sys/bus/pci/drivers/vfio-pci/new_id 2>/dev/null
 """
 
 # After device_add, one guest command on the FM's open SSH connection: wait until the VM has $1
-# GPUs, each bound to vfio-pci (the kernel binds them: PREPARE_SCRIPT), at most $2 s.  The guest
-# has no udev daemon, so it polls sysfs every 20 ms.  A GPU still unbound after 2 s (a kernel
+# GPUs, each bound to vfio-pci (the kernel binds them: PREPARE_SCRIPT), at most $2 s by the
+# guest's uptime (a count of 20 ms polls took far longer under TCG load, past the FM's wait for
+# the answer, which then said only that the script did not answer).  The guest has no udev
+# daemon, so it polls sysfs every 20 ms.  A GPU still unbound after 2 s (a kernel
 # without the new_id, say) is bound here with driver_override + drivers_probe.
 # Prints JSON: the new GPU's BDF and guest uptimes (s) when the script started, first saw the new
 # GPU, saw it bound; first_scan: it was there at the first scan already (so it appeared during
 # the SSH exec).  The guest's clock can run off the host's under TCG load: only differences of
 # guest times are used.  Scripts go to the guest as `sh -c` arguments, never on stdin: invoke
 # feeds stdin a byte at a time with a 10 ms sleep (a 1.5 KB script took 16 s).
-BIND_SCRIPT = r"""R=${VFIO_CXL_SYSROOT-}; want=$1; limit=$2; tries=$(( limit * 50 )); n=0; first=false
-read t_start _ < "$R/proc/uptime"; t_seen=""; new=""
+BIND_SCRIPT = r"""R=${VFIO_CXL_SYSROOT-}; want=$1; limit=$2; n=0; first=false
+read t_start _ < "$R/proc/uptime"; t_seen=""; new=""; t_end=$(( ${t_start%.*} + limit + 1 ))
 while :; do
   set --; unbound=""
   for d in "$R"/sys/bus/pci/devices/*; do
@@ -68,7 +70,8 @@ while :; do
       echo vfio-pci > "$R/sys/bus/pci/devices/$b/driver_override" && echo $b > "$R/sys/bus/pci/drivers_probe"
     done
   fi
-  [ $n -ge $tries ] && { echo "$# GPU(s) after $limit s, expected $want; not bound to vfio-pci:$unbound" >&2; exit 1; }
+  read t_now _ < "$R/proc/uptime"
+  [ ${t_now%.*} -ge $t_end ] && { echo "$# GPU(s) after $limit s, expected $want; not bound to vfio-pci:$unbound" >&2; exit 1; }
   sleep 0.02
 done
 read t_bound _ < "$R/proc/uptime"
