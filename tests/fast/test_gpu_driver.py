@@ -203,7 +203,7 @@ def test_msi_mode(granted):
 
 def test_the_fake_offers_nothing_the_real_device_lacks():
     from vfio_cxl.guest.vfio import VfioPciDevice
-    for name in ("irq_info", "interrupts", "msix", "map_dma", "bar", "config", "close"):
+    for name in ("irq_info", "interrupts", "msix", "release_request", "map_dma", "bar", "config", "close"):
         assert hasattr(VfioPciDevice, name), name
 
 
@@ -216,3 +216,30 @@ def test_a_matching_record_that_completed_does_not_count_is_an_error(gpu):
         driver.run(nops(2))
     fake.mode = "good"
     assert [c["seq"] for c in driver.run(nops(2))] == [1, 2]  # reset by the error: usable again
+
+
+class RecordingMapping:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_driver_that_fails_after_mapping_its_control_area_unmaps_it():
+    """In a shared container the control area's mapping is the container's: a driver whose set-up
+    fails after mapping it (here: the interrupts) unmaps it before the error leaves, or the
+    container's owner later fails to unmap it (EINVAL once the last device left its container)
+    and that error hides this one."""
+    class NoInterrupts(FakeGpu):
+        def map_dma(self, buffer, iova):   # holds no view of the buffer (the real one's handle goes on close)
+            self.mapping = RecordingMapping()
+            return self.mapping
+
+        def msix(self, count):
+            raise InterruptError("enabling 4 MSI-X vectors failed (EINVAL)", "")
+
+    fake = NoInterrupts()
+    with pytest.raises(InterruptError, match="MSI-X"):
+        GpuDriver(fake)
+    assert fake.mapping.closed

@@ -99,12 +99,23 @@ class GpuDriver:
         self._control_dma = device.map_dma(self._control, self.CONTROL_IOVA)
         self._ring = self._control_view[:ring_bytes]
         self._completions = self._control_view[ring_bytes:]
-        self.vectors, self.irq_mode = self._enable_interrupts(device)
-        self.request = device.release_request()
-        self._tail = 0
-        self._retired = 0          # descriptors the device retired since reset (mirrors COMPLETED)
-        self._inflight: dict[int, tuple[int, int]] = {}   # ring index -> (cookie, expected seq)
-        self.reset()
+        try:
+            self.vectors, self.irq_mode = self._enable_interrupts(device)
+            self.request = device.release_request()
+            self._tail = 0
+            self._retired = 0          # descriptors the device retired since reset (mirrors COMPLETED)
+            self._inflight: dict[int, tuple[int, int]] = {}   # ring index -> (cookie, expected seq)
+            self.reset()
+        except BaseException:
+            # In a shared container (peer-to-peer) the control area's mapping is the container's,
+            # not the device's: unmap it here, or it outlives this device and the owner's later
+            # unmap fails (EINVAL once the last device left), hiding this error
+            self._ring.release()
+            self._completions.release()
+            self._control_dma.close()
+            self._control_view.release()
+            self._control.close()
+            raise
 
     @staticmethod
     def _enable_interrupts(device):

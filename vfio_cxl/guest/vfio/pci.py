@@ -185,6 +185,10 @@ class VfioPciDevice:
     def msix(self, count: int) -> MsixVectors:
         return self._device.msix(count)
 
+    def release_request(self) -> Interrupts | None:
+        """vfio-pci's release request on an eventfd, or None (``Device.release_request``)."""
+        return self._device.release_request()
+
     def reset(self) -> None:
         self._device.reset()
 
