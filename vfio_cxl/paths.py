@@ -34,7 +34,8 @@ def data_dir(name: str) -> Path:
 def guest_source(rundir: Path) -> Path:
     """The directory the lab shares read-only into its VMs as /opt/vfio-cxl (``vfio_cxl`` inside).
 
-    A checkout is shared as it is (an edit shows in the guest at once).  An installed package
+    A checkout is shared as it is (the guest's 9p mount caches what it read, cache=loose:
+    boot again to be sure an edit runs).  An installed package
     is copied into the lab's run directory first: its parent, site-packages, also holds the
     host's own compiled packages (cffi, ...), which must not shadow the guest's."""
     if is_checkout():
