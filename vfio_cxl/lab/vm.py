@@ -159,14 +159,8 @@ class VirtualMachine:
         choosing: read it back (HMP ``info usernet`` over a QMP connection of its own, closed
         after, so the VM's ``qmp`` sees nothing of it).  No port is picked ahead and handed over
         later, so none can be taken in between."""
-        while not self.res.qmp_socket.exists():
-            self._check_alive()
-            if time.monotonic() >= deadline:
-                raise LabError(f"[{self.name}] no QMP socket by the deadline", "see the QEMU log")
-            time.sleep(0.05)   # polling for QEMU's socket file; not synchronisation
-        qmp = QEMUMonitorProtocol(str(self.res.qmp_socket))
+        qmp = self._open_qmp(max(0.0, deadline - time.monotonic()))
         try:
-            qmp.connect(negotiate=True)
             usernet = qmp.cmd("human-monitor-command", **{"command-line": "info usernet"})
         finally:
             qmp.close()
@@ -202,16 +196,20 @@ class VirtualMachine:
 
     def connect_qmp(self, timeout: float = 10) -> QEMUMonitorProtocol:
         if self.qmp is None:
-            deadline = time.monotonic() + timeout
-            while not self.res.qmp_socket.exists():
-                self._check_alive()
-                if time.monotonic() >= deadline:
-                    raise LabError(f"[{self.name}] no QMP socket after {timeout:.0f} s", "see the QEMU log")
-                time.sleep(0.05)
-            qmp = QEMUMonitorProtocol(str(self.res.qmp_socket))
-            qmp.connect(negotiate=True)
-            self.qmp = qmp
+            self.qmp = self._open_qmp(timeout)
         return self.qmp
+
+    def _open_qmp(self, timeout: float) -> QEMUMonitorProtocol:
+        """A new QMP connection, once QEMU has made its socket (within ``timeout`` s, or LabError)."""
+        deadline = time.monotonic() + timeout
+        while not self.res.qmp_socket.exists():
+            self._check_alive()
+            if time.monotonic() >= deadline:
+                raise LabError(f"[{self.name}] no QMP socket after {timeout:.0f} s", "see the QEMU log")
+            time.sleep(0.05)   # polling for QEMU's socket file; not synchronisation
+        qmp = QEMUMonitorProtocol(str(self.res.qmp_socket))
+        qmp.connect(negotiate=True)
+        return qmp
 
     def run(self, command: str, **kwargs):
         if self.shell is None:
