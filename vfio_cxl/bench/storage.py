@@ -129,9 +129,16 @@ def targets(cells: list[dict]) -> dict:
         return max(rows, key=lambda c: c["mb_s"]) if rows else None
     per_round: dict[str, list[float]] = {"p2p_vs_bounce_mb_s": [], "p2p_cpu_vs_bounce": [],
                                          "gpu_initiated_cpu_vs_bounce": [], "cmb_vs_bounce_mb_s": [],
-                                         "cmb_cpu_vs_bounce": []}
+                                         "cmb_cpu_vs_bounce": [], "gpu_initiated_cpu_vs_bounce_same_size": []}
     for r in sorted({c.get("round", 0) for c in cells}):
         rows = [c for c in cells if c.get("round", 0) == r]
+        # beside the target (against the bounce at its best, 1 MiB): the same I/O size and depth
+        gpu = best(rows, "gpu-initiated", 4096, 16)
+        same = gpu and next((c for c in rows if c["path"] == "bounce" and c["io_size"] == gpu["io_size"]
+                             and c["queue_depth"] == gpu["queue_depth"] and c["verified"]), None)
+        if same:
+            per_round["gpu_initiated_cpu_vs_bounce_same_size"].append(
+                gpu["guest_cpu_s_per_gb"] / same["guest_cpu_s_per_gb"])
         bounce = best(rows, "bounce", 1 << 20)
         if bounce is None:
             continue
@@ -142,15 +149,6 @@ def targets(cells: list[dict]) -> dict:
         gpu = best(rows, "gpu-initiated", 1 << 20, 16) or best(rows, "gpu-initiated", None, 16)
         if gpu:
             per_round["gpu_initiated_cpu_vs_bounce"].append(gpu["guest_cpu_s_per_gb"] / bounce["guest_cpu_s_per_gb"])
-    # beside the target (against the bounce at its best, 1 MiB): the same I/O size and depth
-    for r in sorted({c.get("round", 0) for c in cells}):
-        rows = [c for c in cells if c.get("round", 0) == r]
-        gpu = best(rows, "gpu-initiated", 4096, 16)
-        same = gpu and next((c for c in rows if c["path"] == "bounce" and c["io_size"] == gpu["io_size"]
-                             and c["queue_depth"] == gpu["queue_depth"] and c["verified"]), None)
-        if same:
-            per_round.setdefault("gpu_initiated_cpu_vs_bounce_same_size", []).append(
-                gpu["guest_cpu_s_per_gb"] / same["guest_cpu_s_per_gb"])
     out: dict = {}
     for name, values in per_round.items():
         if values:
