@@ -25,15 +25,14 @@ the ring and the records, so no record of dropped work lands afterwards.
 
 from __future__ import annotations
 
-import math
 import mmap
-import select
 from dataclasses import dataclass
 
 from ...devices.gpu import regs
 from ...devices.gpu.regs import Op, Status
 from ..vfio import DmaMapping, VfioPciDevice, find_pci_devices, uapi
 from ..vfio.errors import InterruptError, VfioError
+from ..vfio.interrupts import wait_readable
 
 __all__ = ["GpuDriver", "Transfer", "Op", "Status", "GpuError", "GpuRemovedError", "GpuCompletionError",
            "GpuDmaError"]
@@ -135,10 +134,7 @@ class GpuDriver:
         """{vector: count} that fired; with one folded MSI vector, INTR_STATUS says which.
         A release request from the kernel while waiting raises GpuRemovedError."""
         if self.request is not None:
-            poller = select.poll()
-            for fd in (*self.vectors.eventfds, *self.request.eventfds):
-                poller.register(fd, select.POLLIN)
-            poller.poll(max(0, math.ceil(timeout * 1000)))
+            wait_readable((*self.vectors.eventfds, *self.request.eventfds), timeout)
             if self.release_requested():
                 raise GpuRemovedError(
                     "the host is removing this GPU (vfio-pci release request): the driver stopped",

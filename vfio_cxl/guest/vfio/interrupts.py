@@ -36,6 +36,15 @@ class IrqInfo:
         return bool(self.flags & uapi.VFIO_IRQ_INFO_EVENTFD)
 
 
+def wait_readable(fds, timeout: float | None) -> bool:
+    """poll(2) the eventfds ``fds`` until one fires (``timeout`` seconds at most, None: for ever);
+    whether one did.  Nothing is read: the caller takes the counts it wants."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))))
+
+
 def irq_set(index: int, start: int, flags: int, fds: list[int] | None = None, count: int | None = None):
     """A struct vfio_irq_set, with ``fds`` as its eventfd array when given."""
     fds = fds or []
@@ -95,21 +104,14 @@ class Interrupts:
     def wait(self, vector: int, timeout: float | None) -> int:
         """Block until ``vector`` fires (``timeout`` seconds at most); returns how many times it fired."""
         fd = self._eventfd(vector)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        millis = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        if not poller.poll(millis):
+        if not wait_readable((fd,), timeout):
             raise InterruptTimeout(self.kind, vector, timeout)
         return os.eventfd_read(fd)
 
     def wait_any(self, timeout: float | None) -> dict[int, int]:
         """Block until any vector fires; returns {vector: times fired} for each that did."""
         self._eventfd(0)
-        poller = select.poll()
-        for fd in self.eventfds:
-            poller.register(fd, select.POLLIN)
-        millis = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        if not poller.poll(millis):
+        if not wait_readable(self.eventfds, timeout):
             raise InterruptTimeout(self.kind, f"0-{self.count - 1}", timeout)
         return {v: n for v in range(self.count) if (n := self.pending(v))}
 

@@ -24,15 +24,14 @@ PRP list or SGL segment in a page of its own (``tracker.RequestTracker``).
 
 from __future__ import annotations
 
-import math
 import mmap
-import select
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...vfio import DmaMapping, VfioPciDevice, uapi
 from ...vfio.errors import InterruptTimeout
+from ...vfio.interrupts import wait_readable
 from . import prp as dptr
 from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeRemovedError, NvmeTimeout
 from .iova import IovaWindow
@@ -447,10 +446,7 @@ class NvmeController:
             except InterruptTimeout:
                 pass
             return
-        poller = select.poll()
-        for fd in (self.vectors.eventfds[vector], *self.request.eventfds):
-            poller.register(fd, select.POLLIN)
-        poller.poll(max(0, math.ceil(timeout * 1000)))
+        wait_readable((self.vectors.eventfds[vector], *self.request.eventfds), timeout)
         self.vectors.pending(vector)          # consumed: the CQ is reaped next either way
 
     def _check(self, req: Request) -> None:
