@@ -106,6 +106,32 @@ def test_restore_after_hot_removal_has_nothing_to_give_back(sysfs):
     assert len(sysfs.writes) == writes and not binding.changed
 
 
+def test_restore_while_the_kernel_removes_the_device_has_nothing_to_give_back(sysfs):
+    """The device is still there when restore() looks, and gone by its write (a hot-removal
+    finishing once the driver closed it): nothing to give back, not an error."""
+    import shutil
+
+    binding = bind_vfio_pci(GPU, sysfs=sysfs)
+    real_write = sysfs.write
+
+    def removed_first(path, text):
+        shutil.rmtree(sysfs.pci / "devices" / GPU, ignore_errors=True)   # the kernel got there first
+        if not path.parent.exists():
+            raise FileNotFoundError(2, "No such file or directory")
+        real_write(path, text)
+
+    sysfs.write = removed_first
+    binding.restore()
+    assert not binding.changed
+
+
+def test_a_restore_write_refused_for_a_device_still_there_is_an_error(sysfs):
+    binding = bind_vfio_pci(GPU, sysfs=sysfs)
+    sysfs.refuse["driver_override"] = errno.EACCES
+    with pytest.raises(DriverBindError, match="restoring driver_override"):
+        binding.restore()
+
+
 def test_device_already_on_vfio_pci_is_left_alone(tmp_path):
     sysfs = FakeSysfs(tmp_path / "sys")
     sysfs.add_device(GPU, driver="vfio-pci", group=5)

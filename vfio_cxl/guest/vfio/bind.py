@@ -134,10 +134,16 @@ class Binding:
         if not sysfs.device_dir(bdf).exists():   # hot-removed: nothing is left to restore
             self.changed = False
             return
-        if sysfs.driver(bdf) == VFIO_PCI:
-            _write(sysfs, sysfs.driver_dir(VFIO_PCI) / "unbind", bdf, f"unbinding {bdf} from {VFIO_PCI}")
-        _write(sysfs, sysfs.device_dir(bdf) / "driver_override", self.previous_override or "\n",
-               f"restoring driver_override of {bdf}")
+        try:
+            if sysfs.driver(bdf) == VFIO_PCI:
+                _write(sysfs, sysfs.driver_dir(VFIO_PCI) / "unbind", bdf, f"unbinding {bdf} from {VFIO_PCI}")
+            _write(sysfs, sysfs.device_dir(bdf) / "driver_override", self.previous_override or "\n",
+                   f"restoring driver_override of {bdf}")
+        except DriverBindError:
+            if sysfs.device_dir(bdf).exists():
+                raise
+            self.changed = False                 # removed while we restored it: nothing is left
+            return
         self.changed = False
         if self.previous_driver is None:
             return  # it had no driver: leave it without one
