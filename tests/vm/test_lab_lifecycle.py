@@ -12,7 +12,7 @@ from pathlib import Path
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.lab import Lab, remove_stale_rundirs
 from vfio_cxl.lab.vm import VirtualMachine
-from vfio_cxl.paths import REPO_ROOT
+from vfio_cxl.paths import REPO_ROOT, runtime_root
 
 
 def processes_mentioning(text: str) -> list[str]:
@@ -45,8 +45,12 @@ def start_vm_up() -> tuple[subprocess.Popen, Path]:
         chunk = os.read(cli.stdout.fileno(), 4096).decode()   # raw: select() sees no Python buffer
         assert chunk, f"vm up exited early: {cli.stderr.read()}"
         output += chunk
-    console = next(w for w in output.split() if w.startswith("/tmp/vfio-cxl-"))
-    return cli, Path(console).parent.parent   # .../vfio-cxl-XXXX/host0/console.log
+    # the lab's run directory is under $VFIO_CXL_RUNDIR (default /tmp): .../vfio-cxl-XXXX/host0/console.log
+    console = next((w for w in output.split() if w.startswith(f"{runtime_root()}/vfio-cxl-")), None)
+    if console is None:
+        cli.kill()   # its lab goes with it; a test that cannot read the output leaves nothing running
+        raise AssertionError(f"no console log under {runtime_root()} in vm up's output: {output}")
+    return cli, Path(console).parent.parent
 
 
 def test_stop_leaves_nothing_behind(single_lab, labs):
