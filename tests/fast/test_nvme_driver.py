@@ -163,6 +163,28 @@ def test_queue_pair_batches_doorbells_and_follows_the_phase_across_a_wrap():
     assert [c.cid for c in q.reap()] == [3, 4] and q.phase == 0 and rung[-1] == ("cq", 1)
 
 
+def test_queue_pair_defers_the_cq_head_doorbell_until_half_the_cq_is_consumed():
+    """A CQ head doorbell is an MMIO exit that waits for QEMU's lock while the controller moves
+    data: reap rings it once entries // 2 are consumed, flush() for the rest (the driver flushes
+    when the queue is idle); the controller keeps room to post either way."""
+    rung = []
+    sq, cq = bytearray(8 * 64), bytearray(8 * 16)
+    q = QueuePair(1, 8, sq, 0x1000, cq, 0x2000, lambda v: rung.append(("sq", v)), lambda v: rung.append(("cq", v)),
+                  None)
+    for cid in range(6):
+        q.push(pack_sqe(IoOp.READ, cid, 1))
+    q.ring()
+    cq[0:16] = _cqe(0, 1, 1)
+    assert [c.cid for c in q.reap()] == [0] and rung == [("sq", 6)]      # 1 of 8 consumed: not yet
+    cq[16:48] = _cqe(1, 2, 1) + _cqe(2, 3, 1)
+    assert [c.cid for c in q.reap()] == [1, 2] and rung[-1] == ("sq", 6)  # 3 of 8
+    cq[48:64] = _cqe(3, 4, 1)
+    assert [c.cid for c in q.reap()] == [3] and rung[-1] == ("cq", 4)    # 4 = half: rung
+    cq[64:80] = _cqe(4, 5, 1)
+    q.reap()
+    assert q.flush() and rung[-1] == ("cq", 5) and not q.flush() and q.doorbells == 3
+
+
 def test_iova_window_first_fit_and_merge():
     w = IovaWindow(0x100000, 0x10000)
     a, b, c = w.alloc(0x4000), w.alloc(0x1), w.alloc(0x4000)
@@ -250,3 +272,37 @@ def test_release_request_on_a_controller_already_gone_does_not_touch_it():
     with pytest.raises(NvmeRemovedError):
         nvme.wait(queue, reqs, timeout=5)
     assert nvme.bar0.writes == []
+
+
+class FakeVectors:
+    """MSI-X eventfds of a controller whose ``complete`` posts the next CQE when the driver
+    sleeps: the driver must reap it without reading a register."""
+
+    def __init__(self, complete):
+        self.complete, self.sleeps = complete, 0
+
+    def wait(self, vector: int, timeout: float) -> int:
+        self.sleeps += 1
+        self.complete()
+        return 1
+
+
+def test_wait_with_msix_reads_no_register_and_rings_the_cq_head_once_idle():
+    """Each register access stalls the vCPU for QEMU's global lock under TCG while the controller
+    moves data: with MSI-X the wait reads no register while completions come (CSTS only after a
+    quiet 0.2 s), and the CQ head doorbell is rung once, when the batch is in."""
+    nvme, queue, reqs = controller_with_batch(csts=0x1)
+    rung, reads = [], []
+    queue._cq_doorbell = rung.append
+    nvme.request, queue.vector = None, 1
+    nvme.bar0.read32 = lambda offset: reads.append(offset) or 0x1
+    posted = iter(range(3))
+
+    def complete():
+        i = next(posted)
+        queue.cq[i * 16:(i + 1) * 16] = _cqe(reqs[i].cid, i + 1, 1)
+
+    nvme.vectors = FakeVectors(complete)
+    nvme.wait(queue, reqs, timeout=5)
+    assert all(r.completion is not None for r in reqs) and nvme.vectors.sleeps == 3
+    assert reads == [] and rung == [3]
