@@ -282,6 +282,18 @@ def test_a_job_lost_with_its_node_is_retried_and_reported_as_infrastructure():
     assert "1: " not in report.text(table) and "infra on b (NodeDiedError" in report.text(table)
 
 
+def test_the_driver_removes_the_work_directory_of_a_job_killed_with_its_worker(tmp_path, monkeypatch):
+    """A worker killed mid-job cannot remove its work directory; on one machine the driver's
+    run does, when it ends (else it stayed until the next job here)."""
+    monkeypatch.setattr(job, "runtime_root", lambda: tmp_path)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"matrix-uname-debian-single-1-{dead.pid}").mkdir()    # what the killed worker left
+    fake = FakeEngine({("uname-debian-single", 1): ("B", "lost"), ("uname-debian-single", 2): ("A", job.PASS)})
+    run_fake(fake, two_jobs())
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_infrastructure_retries_are_bounded_and_never_a_test_failure():
     fake = FakeEngine({("uname-debian-single", n): ("B", "lost") for n in range(1, 10)})
     states = run_fake(fake, two_jobs(retries=3))

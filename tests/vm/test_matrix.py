@@ -197,6 +197,7 @@ def results(data: dict) -> dict:
 
 def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, ray_env, tmp_path):
     matrix = write_matrix(tmp_path / "m.toml", ["single", "hb2"])
+    before = set(runtime_root().glob("matrix-*"))
     host = socket.gethostname()
     head = f"{host}:{cluster['head'].node_manager_port}"
     worker = f"{host}:{cluster['worker'].node_manager_port}"
@@ -228,6 +229,7 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
         assert (back / "result.json").is_file() and list(back.glob("lab/*/console.log")), sorted(back.rglob("*"))
     releases = {j["cell"]["kernel"]: j["tests"][0]["output"].strip() for j in data["jobs"]}
     assert len(set(releases.values())) == len(kernels())          # each kernel reports its own release
+    assert not set(runtime_root().glob("matrix-*")) - before, "the killed worker's job left its work directory"
     xml = JUnitXml.fromfile(str(tmp_path / "junit.xml"))
     assert sorted(s.name for s in xml) == sorted(j["label"] for j in data["jobs"])
     assert xml.tests == len(data["jobs"]) and xml.failures == 0 and xml.errors == 0

@@ -215,6 +215,10 @@ def run(jobs_: list[dict], engine: Engine, *, max_parallel: int | None = None, p
             except Exception as err:   # the cluster is going too: the children die with their workers
                 log(f"[matrix] cancelling: {type(err).__name__}: {err}")
         raise
+    finally:
+        # a job killed with its worker (its node lost, or cancelled by force) left its work
+        # directory; on this machine nothing else would remove it before the next job here
+        jobs.remove_stale_workdirs()
     return states
 
 
