@@ -104,6 +104,11 @@ def vm_ssh(args) -> int:
     argv = ["ssh", "-p", str(info["port"]), "-i", info["key"], "-o", "IdentitiesOnly=yes",
             "-o", f"UserKnownHostsFile={info['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
             "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=10"]
+    if info.get("socket"):
+        # the VM's private SSH socket (docs/fabric-manager.md, "SSH reachability"); ssh(1) runs
+        # the proxy through sh after %-expansion, so both are quoted
+        proxy = shlex.join([sys.executable, "-m", "vfio_cxl.lab.unix_proxy", info["socket"]])
+        argv += ["-o", "ProxyCommand=" + proxy.replace("%", "%%")]
     if not command and sys.stdin.isatty():
         argv.append("-t")   # a login shell at a terminal; commands run without one, as with ssh
     argv.append(f"{info['user']}@127.0.0.1")

@@ -150,7 +150,7 @@ class RunningLab:
 
                 raise LabError(f"lab {self.name}: no host key of VM {vm} in {info['known_hosts']}",
                                f"vfio-cxl vm down {self.name}, then boot it again")
-            shell = GuestShell(f"{self.name}/{vm}", info["port"], info["key"], host_key)
+            shell = GuestShell(f"{self.name}/{vm}", info["port"], info["key"], host_key, info.get("socket"))
             shell.connect(time.monotonic() + 60)
             self._shells[vm] = shell
         return self._shells[vm]

@@ -237,3 +237,18 @@ def test_the_host_tsc_is_measured_within_a_percent_of_what_the_kernel_says():
         pytest.skip("no reference for the TSC frequency on this host")
     mhz = float(re.search(r"cpu MHz\s*:\s*([0-9.]+)", cpuinfo).group(1))
     assert abs(khz / 1000 - mhz) / mhz < 0.002, (khz, mhz)   # the guest keeps it if within 1 %
+
+
+def test_the_labs_own_ssh_path_is_a_unix_socket_on_a_subnet_of_its_own_and_the_last_device():
+    """docs/fabric-manager.md, "SSH reachability": the lab connects through a UNIX socket in the
+    VM's run directory, on a second user network, so its connections reach dropbear from
+    10.0.3.2 and other users' TCP connections to the forwarded port cannot use up its 5."""
+    argv = argv_of("single")
+    assert argv[-4:] == ["-netdev", "user,id=ctl,restrict=on,net=10.0.3.0/24,hostfwd=unix:/tmp/lab/host0/ssh.sock-:22",
+                         "-device", "virtio-net-pci,netdev=ctl,mac=52:54:00:5d:00:01,bus=pcie.0,romfile="]
+    assert "user,id=ssh,restrict=on,hostfwd=tcp:127.0.0.1:2222-:22" in argv     # the TCP port stays
+    # appended last (above): every other device keeps the PCI address it had without it
+    topo = topology.load("single")
+    res = resources(topo)
+    odd = VmResources(**{**res.__dict__, "rundir": Path("/tmp/a,b/host0")})
+    assert "hostfwd=unix:/tmp/a,,b/host0/ssh.sock-:22" in qemu_argv(topo, topo.vms[0], odd)[-3]

@@ -66,6 +66,15 @@ USERNET = """Hub -1 (ssh):
   Protocol[State]    FD  Source Address  Port   Dest. Address  Port RecvQ SendQ
   TCP[HOST_FORWARD]  10       127.0.0.1 34237       10.0.2.15    22     0     0
 """
+# ... and with the lab's own network beside it (hostfwd=unix:.../ssh.sock-:22): libslirp prints
+# the UNIX forward as a TCP one, its "address" and "port" bytes of the socket's sockaddr_un.
+USERNET_BOTH = """Hub -1 (ssh):
+  Protocol[State]    FD  Source Address  Port   Dest. Address  Port RecvQ SendQ
+  TCP[HOST_FORWARD]  13       127.0.0.1 38363       10.0.2.15    22     0     0
+Hub -1 (ctl):
+  Protocol[State]    FD  Source Address  Port   Dest. Address  Port RecvQ SendQ
+  TCP[HOST_FORWARD]  14  109.112.47.118 12148       10.0.3.15    22     0     0
+"""
 
 
 def test_the_ssh_forward_port_is_read_from_info_usernet():
@@ -73,7 +82,11 @@ def test_the_ssh_forward_port_is_read_from_info_usernet():
     assert forwarded_port(USERNET) == 34237
     busy = USERNET + "  TCP[ESTABLISHED]  23       127.0.0.1 51422       10.0.2.15    22     0     0\n"
     assert forwarded_port(busy) == 34237   # a connection to port 22 is not a forward
-    for broken in ("Hub -1 (ssh):\n", USERNET.replace(" 22 ", " 23 "), USERNET + USERNET.splitlines()[-1] + "\n"):
+    assert forwarded_port(USERNET_BOTH) == 38363   # the lab's UNIX forward on ctl is not the port
+    assert forwarded_port(USERNET_BOTH.replace("\n", "\r\n")) == 38363       # as HMP sends it
+    assert forwarded_port(USERNET_BOTH.replace("(ssh)", "(other)").replace("(ctl)", "(ssh)")) == 12148
+    for broken in ("Hub -1 (ssh):\n", USERNET.replace(" 22 ", " 23 "), USERNET + USERNET.splitlines()[-1] + "\n",
+                   USERNET.replace("(ssh)", "(ctl)")):
         with pytest.raises(LabError, match="TCP forwards to guest port 22"):
             forwarded_port(broken)
 

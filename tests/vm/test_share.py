@@ -30,7 +30,7 @@ def test_private_link_between_the_guests_is_link_local_only(shared_lab):
     assert link, out
     assert re.search(r"169\.254\.0\.1/24", link[0])
     # Nothing but slirp's SSH address and the link-local address.
-    assert set(re.findall(r"inet (\S+)", out)) == {"127.0.0.1/8", "10.0.2.15/24", "169.254.0.1/24"}
+    assert set(re.findall(r"inet (\S+)", out)) == {"127.0.0.1/8", "10.0.2.15/24", "10.0.3.15/24", "169.254.0.1/24"}
     # b reaches a's SSH server over the link (a stream socket between the two QEMUs).
     # The identification line only: a server may send its key exchange right behind it.
     banner = b.run("python3 -c \"import socket; s=socket.create_connection(('169.254.0.1', 22), 5); "

@@ -14,6 +14,7 @@ from .host_tsc import boot_arguments
 from .topology import Nvme, Topology, Vm, format_size
 
 SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.cmd.netconfig
+CTL_NIC_MAC = "52:54:00:5d:00:{:02x}"   # the lab's own SSH path (a UNIX socket): see _control_network
 LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
 NIC_MAC = "52:54:00:1e:{:02x}:{:02x}"        # VM index, NIC number: topology [nics.NAME]
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
@@ -51,6 +52,11 @@ class VmResources:
     @property
     def qmp_socket(self) -> Path:
         return self.rundir / "qmp.sock"
+
+    @property
+    def ssh_socket(self) -> Path:
+        """The lab's own way into the guest's SSH server (see ``_control_network``)."""
+        return self.rundir / "ssh.sock"
 
     def lsa_file(self, type3: str) -> Path:
         """The label storage area of a persistent Type3 device (private to this VM)."""
@@ -233,6 +239,21 @@ def _network(res: VmResources) -> list[str]:
     return args
 
 
+def _control_network(res: VmResources) -> list[str]:
+    """The lab's own SSH path: a second user-network NIC whose only way in is a UNIX socket in
+    the VM's run directory (QEMU creates it mode 0755: only its owner may connect), forwarded to
+    the guest's port 22.  Its own subnet (the guest takes 10.0.3.15, images/rootfs/sbin/
+    vfio-cxl-init) makes these connections come from 10.0.3.2, not the 10.0.2.2 every TCP
+    connection to the forwarded port comes from: dropbear's limit of 5 unauthenticated
+    connections per source address then cannot be used up by other local users against the
+    lab.  Last on the command line, so no other device's PCI address moves."""
+    path = str(res.ssh_socket).replace(",", ",,")
+    return [
+        "-netdev", f"user,id=ctl,restrict=on,net=10.0.3.0/24,hostfwd=unix:{path}-:22",
+        "-device", f"virtio-net-pci,netdev=ctl,mac={CTL_NIC_MAC.format(res.index)},bus=pcie.0,romfile=",
+    ]
+
+
 def _storage(res: VmResources) -> list[str]:
     return [
         # snapshot=on: the shared base image stays untouched; this VM's writes go
@@ -281,4 +302,4 @@ def _control(vm: Vm, res: VmResources) -> list[str]:
 
 def qemu_argv(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
     return [*_machine(vm, res), *_iommu(), *_cxl(topo, vm, res), *_pcie(topo, vm, res),
-            *_network(res), *_storage(res), *_boot(vm, res), *_control(vm, res)]
+            *_network(res), *_storage(res), *_boot(vm, res), *_control(vm, res), *_control_network(res)]

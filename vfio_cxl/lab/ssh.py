@@ -36,17 +36,46 @@ class WholeInput(io.StringIO):
         return super().read()
 
 
-class GuestShell:
-    """One fabric connection to one VM; every failure names the VM."""
+class UnixConnection(Connection):
+    """A fabric connection whose transport is a UNIX socket (``unix_path``), opened afresh at
+    each ``open`` -- the first and any reconnect fabric makes by itself; without one, TCP to
+    host and port.  The host key is still looked up under ``[host]:port``."""
 
-    def __init__(self, vm_name: str, port: int, key_file: str, host_key: str):
+    unix_path: str | None = None
+
+    def open(self):
+        if self.unix_path is None or self.is_connected:
+            return super().open()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.connect_timeout)
+            sock.connect(self.unix_path)
+            self.connect_kwargs["sock"] = sock
+            return super().open()
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            self.connect_kwargs.pop("sock", None)
+
+
+class GuestShell:
+    """One fabric connection to one VM; every failure names the VM.
+
+    ``unix_socket``: connect through the VM's private SSH socket (``VmResources.ssh_socket``:
+    only its owner may connect, and other local users' TCP connections to ``port`` cannot use
+    up what dropbear allows this path); ``port`` then only names the host key."""
+
+    def __init__(self, vm_name: str, port: int, key_file: str, host_key: str, unix_socket: str | None = None):
         self.vm_name = vm_name
         self.port = port
-        self.connection = Connection(
+        self.unix_socket = unix_socket
+        self.connection = UnixConnection(
             host="127.0.0.1", port=port, user="root", connect_timeout=5,
             connect_kwargs={"key_filename": key_file, "look_for_keys": False, "allow_agent": False,
                             "banner_timeout": 10, "auth_timeout": 10},
         )
+        self.connection.unix_path = unix_socket
         client = self.connection.client
         # The image's host key is known from its build: accept that one only.
         client.get_host_keys().add(f"[127.0.0.1]:{port}", "ssh-ed25519",
@@ -70,7 +99,8 @@ class GuestShell:
                 return
             except (paramiko.SSHException, OSError, EOFError) as err:
                 if time.monotonic() >= deadline:
-                    raise LabError(f"[{self.vm_name}] SSH on 127.0.0.1:{self.port} does not answer: {err}",
+                    where = self.unix_socket or f"127.0.0.1:{self.port}"
+                    raise LabError(f"[{self.vm_name}] SSH on {where} does not answer: {err}",
                                    "see the VM's console log") from None
                 time.sleep(0.2)   # retry back-off; not synchronisation
 

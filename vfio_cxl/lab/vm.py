@@ -37,12 +37,20 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 HOST_FORWARD = re.compile(r"^\s*TCP\[HOST_FORWARD\]\s+\d+\s+(\S+)\s+(\d+)\s+(\S+)\s+(\d+)\s", re.M)
 
 
-def forwarded_port(usernet: str, guest_port: int = 22) -> int:
-    """The host port of the one TCP forward to ``guest_port`` in ``info usernet``'s output."""
-    ports = [int(host_port) for _, host_port, _, to in HOST_FORWARD.findall(usernet) if int(to) == guest_port]
+# Each user network's part of `info usernet` starts with a line naming its netdev: "Hub -1 (ssh):".
+USERNET_HUB = re.compile(r"^Hub \S+ \(([^)]*)\):\s*?$", re.M)     # HMP ends its lines with \r\n
+
+
+def forwarded_port(usernet: str, guest_port: int = 22, netdev: str = "ssh") -> int:
+    """The host port of the one TCP forward to ``guest_port`` on user network ``netdev`` in
+    ``info usernet``'s output (the lab's own network, ``ctl``, forwards a UNIX socket: libslirp
+    prints it as a TCP forward with a made-up address and port, which must not count)."""
+    hubs = USERNET_HUB.split(usernet)          # [before, name, text, name, text, ...]
+    section = "".join(text for name, text in zip(hubs[1::2], hubs[2::2]) if name == netdev)
+    ports = [int(host_port) for _, host_port, _, to in HOST_FORWARD.findall(section) if int(to) == guest_port]
     if len(ports) != 1 or not 0 < ports[0] < 65536:
-        raise LabError(f"QEMU's `info usernet` shows {len(ports)} TCP forwards to guest port {guest_port} "
-                       f"(ports {ports}), expected one with a port:\n{usernet}",
+        raise LabError(f"QEMU's `info usernet` shows {len(ports)} TCP forwards to guest port {guest_port} on "
+                       f"netdev {netdev} (ports {ports}), expected one with a port:\n{usernet}",
                        "a lab VM forwards one host port to the guest's SSH port; see the QEMU log")
     return ports[0]
 
@@ -184,7 +192,8 @@ class VirtualMachine:
                 raise LabError(f"[{self.name}] not ready after {timeout:.0f} s; console:\n"
                                f"{tail(self.res.console_log)}", "see the console log; is the image intact?")
             time.sleep(0.05)   # polling the console log; not synchronisation
-        self.shell = GuestShell(self.name, self.res.ssh_port, str(self.image.ssh_key), self.image.host_key)
+        self.shell = GuestShell(self.name, self.res.ssh_port, str(self.image.ssh_key), self.image.host_key,
+                                unix_socket=str(self.res.ssh_socket))
         self.shell.connect(deadline)
         self.boot_seconds = time.monotonic() - self._started_at
         stamps = {name.decode(): float(up) for name, up in INIT_STAMP.findall(console)}

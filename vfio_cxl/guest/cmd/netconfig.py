@@ -7,6 +7,9 @@ The lab gives each VM NICs with MAC addresses that say what they are for
   slirp's fixed address 10.0.2.15/24 (the init sets it at boot with ip(8),
   since importing pyroute2 costs seconds under TCG; here it is only checked);
   the host reaches it only through a port forwarded on 127.0.0.1;
+* ``52:54:00:5d:00:xx`` -- the lab's own SSH NIC, another user network that the
+  host reaches only through a UNIX socket in the VM's run directory: 10.0.3.15/24
+  (set by the init too), so the lab's connections come from 10.0.3.2;
 * ``52:54:00:1c:LL:VV`` -- private point-to-point link number LL to another VM
   (VV: this VM's index in its topology): link-local addresses only (IPv4
   169.254.LL.VV/24, derived from the MAC, plus the kernel's IPv6 fe80:: address).
@@ -21,6 +24,8 @@ from pyroute2 import IPRoute
 SSH_NIC_PREFIX = "52:54:00:5c:00:"
 LINK_NIC_PREFIX = "52:54:00:1c:"
 SLIRP_GUEST_ADDRESS = "10.0.2.15"
+CTL_NIC_PREFIX = "52:54:00:5d:00:"
+CTL_GUEST_ADDRESS = "10.0.3.15"
 
 
 def link_local_address(mac: str) -> str:
@@ -41,6 +46,8 @@ def configure(ipr: IPRoute) -> list[tuple[str, str]]:
             continue
         if mac.startswith(SSH_NIC_PREFIX):
             address, prefix = SLIRP_GUEST_ADDRESS, 24
+        elif mac.startswith(CTL_NIC_PREFIX):
+            address, prefix = CTL_GUEST_ADDRESS, 24
         elif mac.startswith(LINK_NIC_PREFIX):
             address, prefix = link_local_address(mac), 24
         else:

@@ -80,7 +80,8 @@ class RealLab:
         return found
 
     def ssh_info(self, vm: str) -> dict:
-        return {"user": "root", "key": str(self.lab.image.ssh_key), "known_hosts": str(self.known_hosts)}
+        return {"user": "root", "key": str(self.lab.image.ssh_key), "known_hosts": str(self.known_hosts),
+                "socket": str(self.lab.vms[vm].res.ssh_socket)}
 
     def run_state(self, vm: str) -> str:
         """QEMU's own view of the VM (QMP query-status: running, paused, ...); the FM holds the
