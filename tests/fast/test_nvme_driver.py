@@ -141,11 +141,17 @@ def _cqe(cid: int, sqhd: int, phase: int, status: int = 0) -> bytes:
     return struct.pack("<IIHHHH", 0, 0, sqhd, 1, cid, status << 1 | phase)
 
 
-def test_queue_pair_batches_doorbells_and_follows_the_phase_across_a_wrap():
+def logged_queue(entries: int):
+    """A queue pair in plain memory whose doorbell writes land in ``rung`` as ("sq"|"cq", value)."""
     rung = []
-    sq, cq = bytearray(4 * 64), bytearray(4 * 16)
-    q = QueuePair(1, 4, sq, 0x1000, cq, 0x2000, lambda v: rung.append(("sq", v)), lambda v: rung.append(("cq", v)),
-                  None)
+    sq, cq = bytearray(entries * 64), bytearray(entries * 16)
+    q = QueuePair(1, entries, sq, 0x1000, cq, 0x2000, lambda v: rung.append(("sq", v)),
+                  lambda v: rung.append(("cq", v)), None)
+    return q, cq, rung
+
+
+def test_queue_pair_batches_doorbells_and_follows_the_phase_across_a_wrap():
+    q, cq, rung = logged_queue(4)
     for cid in range(3):
         q.push(pack_sqe(IoOp.READ, cid, 1))
     with pytest.raises(NvmeError, match="SQ 1 is full"):
@@ -167,10 +173,7 @@ def test_queue_pair_defers_the_cq_head_doorbell_until_half_the_cq_is_consumed():
     """A CQ head doorbell is an MMIO exit that waits for QEMU's lock while the controller moves
     data: reap rings it once entries // 2 are consumed, flush() for the rest (the driver flushes
     when the queue is idle); the controller keeps room to post either way."""
-    rung = []
-    sq, cq = bytearray(8 * 64), bytearray(8 * 16)
-    q = QueuePair(1, 8, sq, 0x1000, cq, 0x2000, lambda v: rung.append(("sq", v)), lambda v: rung.append(("cq", v)),
-                  None)
+    q, cq, rung = logged_queue(8)
     for cid in range(6):
         q.push(pack_sqe(IoOp.READ, cid, 1))
     q.ring()
