@@ -302,6 +302,8 @@ CASES.update({
     "scripts/bench storage --quick --kernel lab": same("scripts/bench storage --quick"),
     "scripts/bench storage --quick --kernel lab --json": same("scripts/bench storage --quick"),
     "scripts/bench storage --quick --kernel lab --bounce-buffer 16M --json": same("scripts/bench storage --quick"),
+    "scripts/bench storage --quick --kernel lab --bounce-buffer 64K": same("scripts/bench storage --quick"),
+    "scripts/bench storage --quick --kernel lab --bounce-buffer 4K": same("scripts/bench storage --quick"),
     "scripts/bench storage": skip("the full sweep (4 KiB-1 MiB x queue depth 1-64 on every path): "
                                   "its --quick form is run"),
     "vfio-cxl nvme ls|identify|read|write": same("vfio-cxl nvme ls"),
