@@ -80,6 +80,7 @@ def test_five_idle_tcp_connections_do_not_keep_the_lab_out(lab):
     info = lab.fm.ssh_info("host0")
     mode = os.stat(info["socket"]).st_mode
     assert stat.S_ISSOCK(mode) and not mode & 0o022, oct(mode)    # connect needs write: owner only
+    assert stat.S_IMODE(os.stat(os.path.dirname(info["socket"])).st_mode) == 0o700   # and its directory
     idle = [socket.create_connection(("127.0.0.1", port), timeout=120) for _ in range(5)]
     try:
         for conn in idle:   # dropbear's banner: each is one of its unauthenticated children now

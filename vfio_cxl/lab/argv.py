@@ -241,7 +241,7 @@ def _network(res: VmResources) -> list[str]:
 
 def _control_network(res: VmResources) -> list[str]:
     """The lab's own SSH path: a second user-network NIC whose only way in is a UNIX socket in
-    the VM's run directory (QEMU creates it mode 0755: only its owner may connect), forwarded to
+    the VM's run directory (mode 0700: only the lab's user reaches it), forwarded to
     the guest's port 22.  Its own subnet (the guest takes 10.0.3.15, images/rootfs/sbin/
     vfio-cxl-init) makes these connections come from 10.0.3.2, not the 10.0.2.2 every TCP
     connection to the forwarded port comes from: dropbear's limit of 5 unauthenticated

@@ -232,7 +232,9 @@ class Lab:
                     f.truncate(backend.size)   # sparse; both VMs map the same file
             self._start_smcs()
             for vm in self.plan(self.rundir):
-                vm.res.rundir.mkdir()
+                # 0700 whatever the umask: its sockets (QMP, the private SSH socket) are its user's
+                vm.res.rundir.mkdir(mode=0o700)
+                vm.res.rundir.chmod(0o700)
                 for nvme in vm.spec.nvmes:   # NVMe namespaces: sparse raw files, zeroed
                     for nsid, size in enumerate(nvme.namespaces, start=1):
                         with open(vm.res.nvme_files[nvme.drive_id(nsid)], "wb") as f:
