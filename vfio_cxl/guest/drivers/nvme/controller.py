@@ -412,8 +412,8 @@ class NvmeController:
         or, with MSI-X, when the vector stayed quiet for a while (0.2 s).  A register access is
         an MMIO exit that waits for QEMU's global lock, which the controller holds while it moves
         data: checking CSTS at every completion would charge that wait to this process.  The CQ
-        head doorbell is rung once the batch is in (``flush``), or earlier when half the CQ is
-        consumed (``QueuePair.reap``), for the same reason."""
+        head doorbell is rung when the queue has nothing outstanding (``flush``), or earlier when
+        half the CQ is consumed (``QueuePair.reap``), for the same reason."""
         deadline = time.monotonic() + timeout
         spins = 0
         while any(r.completion is None for r in reqs):
