@@ -69,7 +69,6 @@ class GuestShell:
     def __init__(self, vm_name: str, port: int, key_file: str, host_key: str, unix_socket: str | None = None):
         self.vm_name = vm_name
         self.port = port
-        self.unix_socket = unix_socket
         self.connection = UnixConnection(
             host="127.0.0.1", port=port, user="root", connect_timeout=5,
             connect_kwargs={"key_filename": key_file, "look_for_keys": False, "allow_agent": False,
@@ -99,7 +98,7 @@ class GuestShell:
                 return
             except (paramiko.SSHException, OSError, EOFError) as err:
                 if time.monotonic() >= deadline:
-                    where = self.unix_socket or f"127.0.0.1:{self.port}"
+                    where = self.connection.unix_path or f"127.0.0.1:{self.port}"
                     raise LabError(f"[{self.vm_name}] SSH on {where} does not answer: {err}",
                                    "see the VM's console log") from None
                 time.sleep(0.2)   # retry back-off; not synchronisation
