@@ -23,6 +23,7 @@ from vfio_cxl.paths import REPO_ROOT
 from .conftest import guest_json
 from .test_lab_fm import Detached, EventFollower, detached, vfio_cxl  # noqa: F401 (fixture)
 
+GPU_ID = "0601 1991"          # vendor device, as vfio-pci's new_id and remove_id take it
 CRAFTED = '","pid":1,"":"'   # 14 characters: the old holders script's JSON made it pid 1
 
 # Opens the GPU, then takes the name argv[2] (prctl PR_SET_NAME) and never lets go.
@@ -95,10 +96,15 @@ def test_forced_release_kills_the_real_holder_never_pid_1(detached):
 def test_a_guest_that_floods_the_bind_check(detached):
     """VM b's root puts `yes` over `sleep` (the bind check's poll): the FM cuts it off at 64 KiB,
     says so, the GPU is `failed` in b (not wedged `moving`), and `fm restart` brings it back once
-    the guest behaves.  (The holders and kill scripts run sh builtins only: nothing to replace.)"""
+    the guest behaves.  (The holders and kill scripts run sh builtins only: nothing to replace.)
+    b's root also takes the GPU's ID from vfio-pci, so the new GPU is still unbound at the bind
+    check's first scan and it must poll: with the ID there, the kernel may bind the GPU before
+    the check starts, which then never sleeps (CI saw the assign succeed that way)."""
     lab = detached("fabric")
     events = EventFollower(lab.name)
     try:
+        result = lab.ssh("b", f"echo {GPU_ID} > /sys/bus/pci/drivers/vfio-pci/remove_id")
+        assert result.returncode == 0, result.stderr
         replace_tool(lab, "b", "sleep")
         try:
             result = fm(lab, "assign", "gpu0", "b", ok=False)
@@ -109,6 +115,8 @@ def test_a_guest_that_floods_the_bind_check(detached):
             assert lab.status()["gpus"]["gpu0"]["state"] == "failed"
         finally:
             restore_tool(lab, "b", "sleep")
+            result = lab.ssh("b", f"echo {GPU_ID} > /sys/bus/pci/drivers/vfio-pci/new_id")
+            assert result.returncode == 0, result.stderr
         fm(lab, "restart", "gpu0")   # takes it back and attaches it again, in b
         gpu0 = lab.status()["gpus"]["gpu0"]
         assert (gpu0["state"], gpu0["owner"]) == ("attached", "b")
