@@ -8,6 +8,7 @@ with us (PR_SET_PDEATHSIG) so no VM outlives a crashed lab.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import re
@@ -93,6 +94,32 @@ class BootStages:
     def ssh(self) -> float:
         return self.to_ssh - self.ready_seen
 _PR_SET_PDEATHSIG = 1
+
+
+class BoundedQMP(QEMUMonitorProtocol):
+    """The legacy QMP client with a bounded connect.  Its ``connect`` waits for QEMU's greeting
+    without end, and QEMU serves one monitor client at a time: a connection left half-open by an
+    interrupt (Ctrl-C, a supervisor's SIGINT) kept the next one -- ``stop``'s -- waiting forever,
+    and with it the lab and its VMs.  ``cmd`` is bounded by ``settimeout``."""
+
+    def connect_within(self, timeout: float) -> None:
+        """The legacy ``connect``'s steps under ``asyncio.wait_for`` (asyncio.TimeoutError).  On
+        an interrupt the connect task is cancelled and run to its end here, so the client's
+        session guard closes the socket before the interrupt goes on: left pending in the
+        thread's event loop, it would wake at the next QMP call and race its disconnect."""
+        self._qmp.await_greeting = True
+        self._qmp.negotiate = True
+        task = self._aloop.create_task(asyncio.wait_for(self._qmp.connect(self._address), timeout))
+        try:
+            self._aloop.run_until_complete(task)
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                try:
+                    self._aloop.run_until_complete(task)
+                except (asyncio.CancelledError, Exception):
+                    pass
+            raise
 
 
 def die_with_parent() -> None:
@@ -208,16 +235,26 @@ class VirtualMachine:
             self.qmp = self._open_qmp(timeout)
         return self.qmp
 
-    def _open_qmp(self, timeout: float) -> QEMUMonitorProtocol:
-        """A new QMP connection, once QEMU has made its socket (within ``timeout`` s, or LabError)."""
+    def _open_qmp(self, timeout: float) -> "BoundedQMP":
+        """A new QMP connection, negotiated within ``timeout`` s (or LabError): QEMU makes its
+        socket, greets, and takes the capabilities.  Closed again on any failure or interrupt."""
         deadline = time.monotonic() + timeout
         while not self.res.qmp_socket.exists():
             self._check_alive()
             if time.monotonic() >= deadline:
                 raise LabError(f"[{self.name}] no QMP socket after {timeout:.0f} s", "see the QEMU log")
             time.sleep(0.05)   # polling for QEMU's socket file; not synchronisation
-        qmp = QEMUMonitorProtocol(str(self.res.qmp_socket))
-        qmp.connect(negotiate=True)
+        qmp = BoundedQMP(str(self.res.qmp_socket))
+        try:
+            qmp.connect_within(max(0.5, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            qmp.close()
+            self._check_alive()
+            raise LabError(f"[{self.name}] QEMU did not greet on QMP within {timeout:.0f} s",
+                           "QEMU is wedged or another client holds its monitor; see the QEMU log") from None
+        except BaseException:
+            qmp.close()
+            raise
         return qmp
 
     def run(self, command: str, **kwargs):
@@ -237,13 +274,16 @@ class VirtualMachine:
         return self.shell.start(command, **kwargs)
 
     def stop(self, timeout: float = 10) -> None:
-        """QMP quit, then SIGKILL to the whole process group if QEMU lingers."""
+        """QMP quit, then SIGKILL to the whole process group if QEMU lingers.  Every step is
+        bounded: a QEMU that never answers on QMP is killed all the same."""
         if self.shell:
             self.shell.close()
             self.shell = None
         if self.process and self.process.poll() is None:
             try:
-                self.connect_qmp(timeout=2).cmd("quit")
+                qmp = self.connect_qmp(timeout=2)
+                qmp.settimeout(2)
+                qmp.cmd("quit")
             except Exception:
                 pass   # QEMU may already be going; the kill below settles it
             try:

@@ -1,0 +1,136 @@
+"""The lab's QMP connections are bounded, and an interrupted one is closed.
+
+QEMU serves one monitor client at a time and greets it only then.  A connect interrupted
+(a matrix job's SIGINT from its dying supervisor, Ctrl-C) once stayed open in the event loop:
+``stop``'s own connect then waited for a greeting without end, and the lab and its QEMU with
+it.  Real UNIX sockets stand in for QEMU's monitor here: one that never greets, one that
+greets as QEMU does (the real monitor is driven by every VM test).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vfio_cxl.errors import LabError
+from vfio_cxl.lab import topology
+from vfio_cxl.lab.lab import Lab
+
+GREETING = {"QMP": {"version": {"qemu": {"micro": 3, "minor": 1, "major": 11}, "package": ""},
+                    "capabilities": ["oob"]}}
+
+
+class Monitor:
+    """A UNIX listening socket at ``path``; each client is kept (silent) or greeted and answered."""
+
+    def __init__(self, path: Path, greet: bool):
+        self.greet = greet
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(path))
+        self.listener.listen(4)
+        self.clients: list[socket.socket] = []
+        self.closed = threading.Event()     # a client went away (EOF)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        self.clients.append(conn)
+        with conn:
+            if self.greet:
+                conn.sendall(json.dumps(GREETING).encode() + b"\r\n")
+            buffered = ""
+            while True:
+                data = conn.recv(4096)
+                if not data:
+                    self.closed.set()
+                    return
+                buffered = (buffered + data.decode()).lstrip()
+                while self.greet and buffered:   # QMP is a stream of JSON objects, no line ends needed
+                    try:
+                        request, end = json.JSONDecoder().raw_decode(buffered)
+                    except ValueError:
+                        break                      # the rest of the object is still on its way
+                    buffered = buffered[end:].lstrip()
+                    answer = {"return": {}, **({"id": request["id"]} if "id" in request else {})}
+                    conn.sendall(json.dumps(answer).encode() + b"\r\n")
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def vm(tmp_path):
+    vm = Lab(topology.load("single")).plan(tmp_path)[0]
+    vm.res.rundir.mkdir()
+    yield vm
+    if vm.process and vm.process.poll() is None:
+        vm.process.kill()
+        vm.process.wait()
+
+
+def test_a_monitor_that_never_greets_is_named_and_its_connection_closed(vm):
+    monitor = Monitor(vm.res.qmp_socket, greet=False)
+    try:
+        with pytest.raises(LabError, match=r"\[host0\] QEMU did not greet on QMP within 1 s") as err:
+            vm._open_qmp(1.0)
+        assert "another client holds its monitor" in err.value.fix
+        assert monitor.closed.wait(10), "the half-open QMP connection was left open"
+    finally:
+        monitor.close()
+
+
+def test_an_interrupted_connect_is_closed_and_the_next_one_works(vm):
+    """SIGINT (KeyboardInterrupt) while waiting for the greeting: the connection goes, and a new
+    connection on the same thread's event loop negotiates with a monitor that greets."""
+    silent = Monitor(vm.res.qmp_socket, greet=False)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            vm._open_qmp(30)
+        assert silent.closed.wait(10), "the interrupted QMP connection was left open"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        silent.close()
+    vm.res.qmp_socket.unlink()
+    greeting = Monitor(vm.res.qmp_socket, greet=True)
+    try:
+        qmp = vm._open_qmp(10)
+        qmp.settimeout(5)
+        assert qmp.cmd("query-status") == {}
+        qmp.close()
+        assert greeting.closed.wait(10)
+    finally:
+        greeting.close()
+
+
+def test_stop_kills_a_qemu_whose_monitor_never_answers(vm):
+    """A stand-in QEMU process (its own session, as the lab starts QEMU) and a silent monitor:
+    ``stop`` gives up on QMP and kills the process group rather than waiting forever."""
+    monitor = Monitor(vm.res.qmp_socket, greet=False)
+    vm.process = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    stopper = threading.Thread(target=vm.stop, kwargs={"timeout": 1}, daemon=True)
+    try:
+        stopper.start()
+        stopper.join(60)
+        assert not stopper.is_alive(), "stop() is still waiting on a monitor that never answers"
+        assert vm.process.returncode == -signal.SIGKILL
+        assert monitor.closed.wait(10)
+    finally:
+        monitor.close()
