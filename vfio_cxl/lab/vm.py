@@ -196,7 +196,12 @@ class VirtualMachine:
         later, so none can be taken in between."""
         qmp = self._open_qmp(max(0.0, deadline - time.monotonic()))
         try:
+            qmp.settimeout(max(1.0, deadline - time.monotonic()))
             usernet = qmp.cmd("human-monitor-command", **{"command-line": "info usernet"})
+        except asyncio.TimeoutError:
+            self._check_alive()
+            raise LabError(f"[{self.name}] QEMU did not answer 'info usernet' on QMP in time",
+                           "QEMU is wedged; see the QEMU log") from None
         finally:
             qmp.close()
         self.res = replace(self.res, ssh_port=forwarded_port(str(usernet)))
