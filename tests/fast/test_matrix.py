@@ -425,6 +425,17 @@ def test_the_child_sees_sigint_even_where_ray_blocks_it(tmp_path):
     assert ran["timed_out"] and ran["seconds"] < 30 and (tmp_path / "flag").read_text() == "stopped cleanly"
 
 
+def test_the_child_sees_sigint_where_the_supervisor_ignores_it(tmp_path):
+    """A background job of a non-interactive shell ignores SIGINT, and its children inherit that."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ran = job.supervise([sys.executable, "-c", STOPPABLE, str(tmp_path / "flag")], tmp_path, timeout=1.5,
+                            cwd=tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert ran["timed_out"] and ran["seconds"] < 30 and (tmp_path / "flag").read_text() == "stopped cleanly"
+
+
 def test_an_interrupted_supervisor_stops_its_child_first(tmp_path):
     def interrupt(*_):
         raise KeyboardInterrupt

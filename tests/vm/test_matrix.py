@@ -157,9 +157,11 @@ class Command:
 
     def __init__(self, args: list[str], env: dict):
         self.lines: list[str] = []
+        # SIGINT at its default, as in a terminal, even when this test runs as a background job
         self.proc = subprocess.Popen([str(VENV_BIN / "vfio-cxl"), "matrix", "run", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True)
         self.reader.start()
 

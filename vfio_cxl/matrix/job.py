@@ -164,6 +164,9 @@ def child_argv(job: dict, workdir: Path) -> list[str]:
 def _child_setup() -> None:
     # Ray's processes block SIGINT, and a blocked mask is inherited: the child must see SIGINT.
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    # So is an ignored SIGINT (`matrix run ... &` in a script: the shell ignores it in
+    # background jobs), and a Python started so never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)   # PR_SET_PDEATHSIG: stop like Ctrl-C
 
 
