@@ -221,8 +221,11 @@ class VirtualMachine:
                 ready_seen = time.monotonic() - self._started_at
                 break
             if time.monotonic() >= deadline:
+                # both logs go with the run directory when the lab stops: what they say is kept here
                 raise LabError(f"[{self.name}] not ready after {timeout:.0f} s; console:\n"
-                               f"{tail(self.res.console_log)}", "see the console log; is the image intact?")
+                               f"{tail(self.res.console_log)}\nQEMU's output:\n{tail(self.qemu_log)}",
+                               "the guest never printed its init's ready line: see where its console "
+                               "stops; is the image intact?")
             time.sleep(0.05)   # polling the console log; not synchronisation
         self.shell = GuestShell(self.name, self.res.ssh_port, str(self.image.ssh_key), self.image.host_key,
                                 unix_socket=str(self.res.ssh_socket))
