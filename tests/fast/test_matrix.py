@@ -4,6 +4,7 @@ with junitparser, KCIDB validated with kcidb-io)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -415,24 +416,31 @@ def test_a_job_past_its_timeout_is_stopped_like_ctrl_c(tmp_path):
     assert (tmp_path / "stdout.log").read_text() == "started\n"
 
 
-def test_the_child_sees_sigint_even_where_ray_blocks_it(tmp_path):
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})   # what Ray's workers do
+@contextlib.contextmanager
+def sigint_blocked():
+    """What Ray's workers do: SIGINT blocked, and a blocked mask is inherited."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        ran = job.supervise([sys.executable, "-c", STOPPABLE, str(tmp_path / "flag")], tmp_path, timeout=1.5,
-                            cwd=tmp_path)
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    assert ran["timed_out"] and ran["seconds"] < 30 and (tmp_path / "flag").read_text() == "stopped cleanly"
 
 
-def test_the_child_sees_sigint_where_the_supervisor_ignores_it(tmp_path):
-    """A background job of a non-interactive shell ignores SIGINT, and its children inherit that."""
+@contextlib.contextmanager
+def sigint_ignored():
+    """A background job of a non-interactive shell: SIGINT ignored, and children inherit that."""
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        ran = job.supervise([sys.executable, "-c", STOPPABLE, str(tmp_path / "flag")], tmp_path, timeout=1.5,
-                            cwd=tmp_path)
+        yield
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+@pytest.mark.parametrize("supervisor", [sigint_blocked, sigint_ignored])
+def test_the_child_sees_sigint_whatever_its_supervisor_does_with_it(tmp_path, supervisor):
+    with supervisor():
+        ran = job.supervise([sys.executable, "-c", STOPPABLE, str(tmp_path / "flag")], tmp_path, timeout=1.5,
+                            cwd=tmp_path)
     assert ran["timed_out"] and ran["seconds"] < 30 and (tmp_path / "flag").read_text() == "stopped cleanly"
 
 
