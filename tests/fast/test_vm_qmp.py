@@ -28,10 +28,12 @@ GREETING = {"QMP": {"version": {"qemu": {"micro": 3, "minor": 1, "major": 11}, "
 
 
 class Monitor:
-    """A UNIX listening socket at ``path``; each client is kept (silent) or greeted and answered."""
+    """A UNIX listening socket at ``path``; its client is kept (silent) or greeted and answered
+    (at most ``answers`` requests, the capabilities negotiation included; None: all)."""
 
-    def __init__(self, path: Path, greet: bool):
+    def __init__(self, path: Path, greet: bool, answers: int | None = None):
         self.greet = greet
+        self.answers = answers
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
         self.listener.listen(4)
@@ -62,6 +64,10 @@ class Monitor:
                     except ValueError:
                         break                      # the rest of the object is still on its way
                     buffered = buffered[end:].lstrip()
+                    if self.answers is not None:
+                        if self.answers == 0:
+                            continue              # read, never answered: a wedged QEMU
+                        self.answers -= 1
                     answer = {"return": {}, **({"id": request["id"]} if "id" in request else {})}
                     conn.sendall(json.dumps(answer).encode() + b"\r\n")
 
@@ -132,5 +138,17 @@ def test_stop_kills_a_qemu_whose_monitor_never_answers(vm):
         assert not stopper.is_alive(), "stop() is still waiting on a monitor that never answers"
         assert vm.process.returncode == -signal.SIGKILL
         assert monitor.closed.wait(10)
+    finally:
+        monitor.close()
+
+
+def test_a_qemu_that_greets_but_never_answers_info_usernet_is_named(vm):
+    """Reading the SSH port QEMU chose: the command is bounded by the boot's deadline too."""
+    monitor = Monitor(vm.res.qmp_socket, greet=True, answers=1)     # the negotiation only
+    vm.process = subprocess.Popen(["sleep", "600"], start_new_session=True)   # a QEMU that stays up
+    try:
+        with pytest.raises(LabError, match=r"\[host0\] QEMU did not answer 'info usernet' on QMP in time"):
+            vm.wait_ready(timeout=1)
+        assert monitor.closed.wait(10), "the QMP connection was left open"
     finally:
         monitor.close()
