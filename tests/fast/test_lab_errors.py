@@ -6,6 +6,7 @@ is to test our own checks, not the kernel or QEMU."""
 import os
 import socket
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -100,21 +101,14 @@ def test_a_lab_asks_qemu_for_port_0_unless_given_one(tmp_path):
         assert any(rule in arg for arg in qemu_argv(topo, vm.spec, vm.res))
 
 
-def test_a_guest_that_never_gets_ready_is_named_with_both_logs(tmp_path):
+def test_a_guest_that_never_gets_ready_is_named_with_both_logs(vm):
     """The run directory (console and QEMU logs) goes when the lab stops: the error keeps their tails."""
-    from dataclasses import replace
-    vm = Lab(topology.load("single")).plan(tmp_path)[0]
     vm.res = replace(vm.res, ssh_port=40100)          # no QMP port lookup for this stand-in
-    vm.res.rundir.mkdir()
     vm.res.console_log.write_text("Failed to access perfctr msr (MSR c0010007 is 0)\n")
     vm.qemu_log.write_text("qemu-system-x86_64: vfio-user: something went wrong\n")
     vm.process = subprocess.Popen(["sleep", "600"])   # a QEMU that stays up
-    try:
-        with pytest.raises(LabError) as err:
-            vm.wait_ready(timeout=0.3)
-    finally:
-        vm.process.kill()
-        vm.process.wait()
+    with pytest.raises(LabError) as err:
+        vm.wait_ready(timeout=0.3)
     text = str(err.value)
     assert "[host0] not ready after 0 s" in text and "perfctr msr" in text
     assert "QEMU's output:\nqemu-system-x86_64: vfio-user: something went wrong" in text

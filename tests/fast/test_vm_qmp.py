@@ -14,14 +14,11 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from vfio_cxl.errors import LabError
-from vfio_cxl.lab import topology
-from vfio_cxl.lab.lab import Lab
 
 GREETING = {"QMP": {"version": {"qemu": {"micro": 3, "minor": 1, "major": 11}, "package": ""},
                     "capabilities": ["oob"]}}
@@ -73,16 +70,6 @@ class Monitor:
 
     def close(self) -> None:
         self.listener.close()
-
-
-@pytest.fixture
-def vm(tmp_path):
-    vm = Lab(topology.load("single")).plan(tmp_path)[0]
-    vm.res.rundir.mkdir()
-    yield vm
-    if vm.process and vm.process.poll() is None:
-        vm.process.kill()
-        vm.process.wait()
 
 
 def test_a_monitor_that_never_greets_is_named_and_its_connection_closed(vm):
