@@ -26,7 +26,7 @@ import kcidb_io
 import pytest
 from junitparser import JUnitXml
 
-from vfio_cxl.lab.fm.procs import comm, descendants
+from vfio_cxl.lab.fm.procs import cmdline, comm, descendants
 from vfio_cxl.lab.kernel import cached_lab_kernel
 from vfio_cxl.matrix.engine import session_processes
 from vfio_cxl.lab.lab import free_port
@@ -37,7 +37,9 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def qemus_under(pid: int) -> set[int]:
-    return {p for p in descendants(pid) if comm(p).startswith("qemu-system")}
+    """The VMs below ``pid``: QEMUs with a QMP socket, not the `--version`/`-device help` probes that
+    checking a node (the driver's probe, a job's own runtime check) runs and that end at once."""
+    return {p for p in descendants(pid) if comm(p).startswith("qemu-system") and " -qmp " in cmdline(p)}
 
 
 def kill_session(sid: int, sig: int) -> None:
@@ -251,7 +253,8 @@ def test_ctrl_c_cancels_every_job_and_leaves_no_vm(ray_env, tmp_path):
     before = set(runtime_root().iterdir())
     cmd = Command([str(matrix), "--json", "--out", str(tmp_path / "out")], ray_env)
     try:
-        qemus = wait_until("the first job's QEMU", lambda: qemus_under(cmd.proc.pid), 600)
+        wait_until("the job to run", lambda: any("(attempt 1) running on" in line for line in cmd.lines), 600)
+        qemus = wait_until("the job's VM", lambda: qemus_under(cmd.proc.pid), 300)
         os.killpg(cmd.proc.pid, signal.SIGINT)    # what Ctrl-C in a terminal does
         code, _ = cmd.finish(timeout=300)
     finally:
