@@ -7,6 +7,7 @@ is reused.  Per-lab runtime files (sockets, console logs, CXL backing files)
 live in a fresh private directory per lab, removed when the lab stops.
 """
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -44,6 +45,23 @@ def guest_source(rundir: Path) -> Path:
     shutil.copytree(PACKAGE_DIR, dest / PACKAGE_DIR.name,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "_native"), dirs_exist_ok=True)
     return dest
+
+
+def guest_bytecode_dir() -> Path:
+    """Where the guests' Python keeps the bytecode of the shared source (and of whatever else
+    it imports), shared writable into every VM as /var/cache/vfio-cxl/pyc: ``PYTHONPYCACHEPREFIX``.
+
+    The source reaches the guests over a read-only 9p share, where Python cannot write a
+    ``__pycache__``: without this every guest command compiles the package again (about
+    2.5 s under TCG).  One directory per shared source tree (keyed by its path here), for
+    every lab and every boot: the first guest command to import a module writes its
+    bytecode, later ones in any VM of any lab read it.  Python itself decides whether a
+    file here is still good -- the interpreter's magic number and the source's mtime and
+    size are in every ``.pyc`` -- so an edited source or another Python is compiled anew,
+    never served stale.  The lab's guests all write here: they trust each other, as they
+    share the checkout and the CXL memory."""
+    key = hashlib.sha256(str(PACKAGE_DIR).encode()).hexdigest()[:16]
+    return cache_root() / "guest-pyc" / key
 
 
 def cache_root() -> Path:

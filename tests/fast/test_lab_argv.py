@@ -252,3 +252,18 @@ def test_the_labs_own_ssh_path_is_a_unix_socket_on_a_subnet_of_its_own_and_the_l
     res = resources(topo)
     odd = VmResources(**{**res.__dict__, "rundir": Path("/tmp/a,b/host0")})
     assert "hostfwd=unix:/tmp/a,,b/host0/ssh.sock-:22" in qemu_argv(topo, topo.vms[0], odd)[-3]
+
+
+def test_the_bytecode_cache_is_the_last_device_and_writable():
+    """The guests' bytecode cache: a writable 9p share after every other device (so no device's
+    PCI address moves), none without one."""
+    topo = topology.load("single")
+    res = resources(topo)
+    without = qemu_argv(topo, topo.vms[0], res)
+    assert not any("vfio_cxl_pyc" in d for d in devices(without))
+    argv = qemu_argv(topo, topo.vms[0], VmResources(**{**res.__dict__, "bytecode": Path("/c/pyc,x")}))
+    assert devices(argv)[:-1] == devices(without)
+    assert devices(argv)[-1] == "virtio-9p-pci,fsdev=pyc,mount_tag=vfio_cxl_pyc,bus=pcie.0"
+    shares = [argv[i + 1] for i, a in enumerate(argv) if a == "-fsdev"]
+    assert shares[-1] == "local,id=pyc,path=/c/pyc,,x,security_model=none"   # no readonly
+    assert "readonly=on" in shares[0]   # the source stays read-only

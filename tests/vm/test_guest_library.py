@@ -31,7 +31,7 @@ def test_the_documented_program_runs_on_the_library_alone(lab):
 
 
 def test_the_image_s_vfio_cxl_command_runs_the_guest_commands(lab):
-    """/usr/local/bin/vfio-cxl (the image's wrapper: python3 -m vfio_cxl.guest.cli) reaches guest.cmd.cli."""
+    """/usr/local/bin/vfio-cxl (the image's wrapper) runs python3 -m vfio_cxl.guest.cmd.cli."""
     listed = json.loads(lab.ssh("host0", "vfio-cxl gpu ls --json"))
     assert [gpu["bdf"] for gpu in listed["gpus"]] == ["0000:01:00.0"], listed
     dma = json.loads(lab.ssh("host0", "vfio-cxl gpu dma --json"))

@@ -18,6 +18,7 @@ CTL_NIC_MAC = "52:54:00:5d:00:{:02x}"   # the lab's own SSH path (a UNIX socket)
 LINK_NIC_MAC = "52:54:00:1c:{:02x}:{:02x}"   # link number, VM index
 NIC_MAC = "52:54:00:1e:{:02x}:{:02x}"        # VM index, NIC number: topology [nics.NAME]
 SOURCE_MOUNT_TAG = "vfio_cxl_src"
+BYTECODE_MOUNT_TAG = "vfio_cxl_pyc"      # the guests' bytecode cache (paths.guest_bytecode_dir)
 MODULES_MOUNT_TAG = "vfio_cxl_modules"   # --modules DIR: the guest mounts it at /lib/modules/$(uname -r)
 GUEST_INIT = "/sbin/vfio-cxl-init"   # PID 1 of a lab VM (images/rootfs/sbin/vfio-cxl-init)
 SMC_ROOT_PORT = "smc_port"   # not a topology name ('_' is not allowed there)
@@ -44,6 +45,7 @@ class VmResources:
     tsc_khz: int | None = None        # the host's TSC frequency: the guest's under TCG (host_tsc.py)
     guest_hz: int | None = None       # CONFIG_HZ of the kernel booted (None: not known)
     nvme_files: dict[str, Path] = field(default_factory=dict)   # Nvme.drive_id(nsid) -> raw backing file
+    bytecode: Path | None = None      # the guests' bytecode cache, shared writable (None: none)
 
     @property
     def console_log(self) -> Path:
@@ -254,6 +256,19 @@ def _control_network(res: VmResources) -> list[str]:
     ]
 
 
+def _bytecode(res: VmResources) -> list[str]:
+    """The guests' bytecode cache (paths.guest_bytecode_dir), shared writable: the guest's
+    init mounts it and points ``PYTHONPYCACHEPREFIX`` at it.  After the control NIC, last:
+    an endpoint on pcie.0 after every other moves no device's PCI address."""
+    if res.bytecode is None:
+        return []
+    path = str(res.bytecode).replace(",", ",,")
+    return [
+        "-fsdev", f"local,id=pyc,path={path},security_model=none",
+        "-device", f"virtio-9p-pci,fsdev=pyc,mount_tag={BYTECODE_MOUNT_TAG},bus=pcie.0",
+    ]
+
+
 def _storage(res: VmResources) -> list[str]:
     return [
         # snapshot=on: the shared base image stays untouched; this VM's writes go
@@ -302,4 +317,5 @@ def _control(vm: Vm, res: VmResources) -> list[str]:
 
 def qemu_argv(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
     return [*_machine(vm, res), *_iommu(), *_cxl(topo, vm, res), *_pcie(topo, vm, res),
-            *_network(res), *_storage(res), *_boot(vm, res), *_control(vm, res), *_control_network(res)]
+            *_network(res), *_storage(res), *_boot(vm, res), *_control(vm, res), *_control_network(res),
+            *_bytecode(res)]

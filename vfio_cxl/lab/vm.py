@@ -166,7 +166,7 @@ class VirtualMachine:
     def command(self) -> list[str]:
         rundir = self.res.rundir.parent   # the lab's run dir: sockets and backends of all VMs
         return self.runtime.command(
-            self.argv(), rw=[rundir], ro=[self.image.root, self.res.source, *self.extra_ro],
+            self.argv(), rw=[rundir, *([self.res.bytecode] if self.res.bytecode else [])], ro=[self.image.root, self.res.source, *self.extra_ro],
             chdir=self.res.rundir, env={"TMPDIR": str(self.res.rundir)})
 
     def start(self) -> None:
