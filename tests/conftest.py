@@ -1,6 +1,54 @@
-"""Shared test configuration: every test under tests/vm/ is a VM test."""
+"""Shared test configuration: every test under tests/vm/ is a VM test; ``--soak`` runs the long
+repetitions (the ``soak`` fixture says which count a test takes); the session counts the labs it
+boots and the guest commands it runs (vfio_cxl.lab.usage) and says so at its end."""
+
+import os
+import tempfile
 
 import pytest
+
+from vfio_cxl.lab import usage
+
+USAGE_LOG = pytest.StashKey[str]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="the long repetitions (GPU moves, fake moves, fuzz requests) instead of the "
+                          "default counts, which are still enough to show a leak")
+
+
+@pytest.fixture(scope="session")
+def soak(request):
+    """``soak(default, long)``: the repetition count of this run (``long`` under --soak)."""
+    return lambda default, long: long if request.config.getoption("--soak") else default
+
+
+def pytest_configure(config):
+    # every process the session starts (detached labs, documented commands) inherits it
+    fd, path = tempfile.mkstemp(prefix="vfio-cxl-usage-", suffix=".jsonl")
+    os.close(fd)
+    os.environ[usage.ENV] = path
+    config.stash[USAGE_LOG] = path
+
+
+def pytest_unconfigure(config):
+    path = config.stash.get(USAGE_LOG, None)
+    if path:
+        os.environ.pop(usage.ENV, None)
+        os.unlink(path)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    counted = usage.summary(config.stash[USAGE_LOG])
+    boots = counted["boots"]
+    if not boots and not counted["guest_commands"]:
+        return
+    by_topology = ", ".join(f"{name} {n}" for name, n in sorted(boots.items()))
+    terminalreporter.write_line(
+        f"vfio-cxl usage: {sum(boots.values())} lab boots ({by_topology or 'none'}); "
+        f"{counted['guest_commands']} guest commands, {counted['guest_python']} of them starting "
+        "the guest's Python")
 
 
 def pytest_collection_modifyitems(config, items):

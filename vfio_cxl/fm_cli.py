@@ -116,6 +116,8 @@ def vm_ssh(args) -> int:
         # One argument is a shell command line (`vm ssh a -- 'ls | wc -l'`); several are an
         # argv whose words reach the guest unchanged (`vm ssh a -- sh -c 'exit 3'`).
         argv += ["--", command[0] if len(command) == 1 else shlex.join(command)]
+    from .lab import usage
+    usage.record("guest", argv[-1] if command else "(interactive shell)")
     sys.stdout.flush()
     try:
         os.execvp("ssh", argv)   # its exit status is the command's (255: ssh itself failed)

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import LabError
-from ..paths import guest_source, runtime_root
+from ..paths import guest_bytecode_dir, guest_source, runtime_root
 from .argv import VmResources
 from .device_process import DeviceServerProcess, smc_server
 from .gpu_process import GpuServerProcess
@@ -28,6 +28,7 @@ from .image import GuestImage, find_image, image_path
 from .logs import archive_logs
 from .kconfig import kconfig_hz
 from .kernel import GuestKernel
+from . import usage
 from .qemu_runtime import QemuRuntime, find_runtime, planned_runtime
 from .topology import Topology, Vm
 from .vm import VirtualMachine
@@ -169,6 +170,7 @@ class Lab:
         # read once for all VMs (a --kernel without a .config beside it is unpacked to find it)
         guest_hz = kconfig_hz(self.kernel.config) if custom else image.kernel_hz
         source = guest_source(rundir)
+        bytecode = guest_bytecode_dir()
         vms = []
         for index, spec in enumerate(self.topology.vms, start=1):
             # 0: QEMU binds a port of the kernel's choosing, read back once it runs
@@ -191,6 +193,7 @@ class Lab:
                             for n in spec.nvmes for nsid in range(1, len(n.namespaces) + 1)},
                 tsc_khz=host_tsc_khz(),
                 guest_hz=guest_hz,
+                bytecode=bytecode,
             )
             extra = [p for p in (res.kernel, res.modules) if custom and p is not None]
             vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology, extra_ro=extra))
@@ -219,6 +222,7 @@ class Lab:
                 check_port_free(self.ssh_port + i)
         self.runtime = self.runtime or find_runtime(log=self.log)
         self.image = self.image or find_image(log=self.log)
+        usage.record("boot", f"{self.topology.name} ({self.kernel.label if self.kernel else 'debian'} kernel)")
         remove_stale_rundirs()
         if self.rundir_request is not None:
             self.rundir = self.rundir_request
@@ -231,6 +235,7 @@ class Lab:
                 with open(self.backend_file(backend.name), "wb") as f:
                     f.truncate(backend.size)   # sparse; both VMs map the same file
             self._start_smcs()
+            guest_bytecode_dir().mkdir(parents=True, exist_ok=True)
             for vm in self.plan(self.rundir):
                 # 0700 whatever the umask: its sockets (QMP, the private SSH socket) are its user's
                 vm.res.rundir.mkdir(mode=0o700)

@@ -14,6 +14,7 @@ import paramiko
 from fabric import Connection
 
 from ..errors import LabError
+from . import usage
 
 # paramiko logs every refused attempt while the SSH server comes up; connect() reports failure itself.
 logging.getLogger("paramiko").setLevel(logging.CRITICAL)
@@ -105,6 +106,7 @@ class GuestShell:
 
     def run(self, command: str, *, timeout: float = 120, check: bool = True, stdin: str | None = None):
         """Run ``command`` in the guest; returns the fabric Result."""
+        usage.record("guest", command)
         kwargs = {"hide": True, "warn": True, "timeout": timeout, "in_stream": False}
         if stdin is not None:
             kwargs["in_stream"] = WholeInput(stdin)
@@ -119,6 +121,7 @@ class GuestShell:
 
     def start(self, command: str, *, timeout: float = 300, stdin: str | None = None) -> "RunningCommand":
         """Start ``command`` and return at once; ``.join()`` waits for its result."""
+        usage.record("guest", command)
         promise = self.connection.run(command, asynchronous=True, hide=True, warn=True, timeout=timeout,
                                       in_stream=WholeInput(stdin) if stdin is not None else False)
         return RunningCommand(self, command, promise)

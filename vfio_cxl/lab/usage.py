@@ -1,0 +1,58 @@
+"""What a run costs in labs and guest commands, counted across processes.
+
+With ``$VFIO_CXL_USAGE_LOG`` naming a file, every lab boot (``Lab.start``) and every guest
+command the host runs (``GuestShell``, ``vfio-cxl vm ssh``) in this process and its children
+appends one JSON line to it; nothing is written without it.  The project's own test session
+sets it and prints a summary at its end (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+
+ENV = "VFIO_CXL_USAGE_LOG"
+# a guest command that starts the guest's Python: python3 itself, or the image's vfio-cxl wrapper
+_PYTHON = re.compile(r"(^|[\s;&|(`'\"=])(python3?|vfio-cxl)(\s|$)")
+
+
+def record(kind: str, detail: str) -> None:
+    """One line for a ``boot`` (detail: the topology) or a ``guest`` command (detail: the command)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    line = json.dumps({"kind": kind, "detail": detail[:300], "pid": os.getpid()}) + "\n"
+    try:   # one write of one line with O_APPEND: lines of several processes never interleave
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass   # counting must never fail a lab
+
+
+def starts_python(command: str) -> bool:
+    return bool(_PYTHON.search(command))
+
+
+def summary(path: str) -> dict:
+    """{"boots": Counter(topology), "guest_commands": N, "guest_python": N} of a usage log."""
+    boots: Counter = Counter()
+    commands = python = 0
+    try:
+        lines = open(path).read().splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("kind") == "boot":
+            boots[entry.get("detail", "?")] += 1
+        elif entry.get("kind") == "guest":
+            commands += 1
+            python += starts_python(entry.get("detail", ""))
+    return {"boots": boots, "guest_commands": commands, "guest_python": python}
