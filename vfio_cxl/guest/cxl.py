@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pyudev
 
+from ..errors import LabError
+
 __all__ = ["CxlError", "Memdev", "DaxDevice", "tool", "memdevs", "switches", "root_decoders", "regions",
            "cxl_list", "dax_geometry", "load_pmem_modules", "create_region", "destroy_region", "bring_up",
            "ensure_ram_devdax"]
@@ -40,10 +42,8 @@ DEFAULT_DAX_ALIGN = 2 << 20
 PMEM_MODULES = ["cxl_pmem", "libnvdimm", "nd_pmem", "dax_pmem"]
 
 
-class CxlError(Exception):
-    def __init__(self, what: str, fix: str = ""):
-        self.what, self.fix = what, fix
-        super().__init__(f"{what}{' -- ' + fix if fix else ''}")
+class CxlError(LabError):
+    """A CXL or devdax step failed: what, and what to do."""
 
 
 def _read(path: Path) -> str:

@@ -14,7 +14,6 @@ in guest memory, addressed by IOVA.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from enum import IntEnum
 
@@ -408,6 +407,8 @@ def prng_bytes(seed: int, length: int, offset: int = 0) -> bytes:
     Blocks make any sub-range cheap to regenerate (a verifier need not start
     at 0) and keep memory bounded; SHAKE is C code in hashlib, ~200-350 MB/s.
     """
+    import hashlib   # here: the guest's commands import this map, and most never call this
+
     if length <= 0:
         return b""
     key = (seed & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "little")

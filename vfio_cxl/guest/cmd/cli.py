@@ -24,12 +24,10 @@ from pathlib import Path
 
 from ...devices.gpu import regs
 from ...errors import LabError
-from ..cxl import CxlError
-from ..vfio import bind_vfio_pci, find_pci_devices, normalize_bdf
-from ..vfio.bind import Sysfs
-from ..vfio.iommufd import IOMMUFD_PATH
-from ..vfio.pci import choose_backend
+from ..vfio.backend import IOMMUFD_PATH, choose_backend
+from ..vfio.bind import Sysfs, bind_vfio_pci, find_pci_devices, normalize_bdf
 from ..vfio.errors import VfioError
+# Each command imports what it drives inside itself: `gpu ls` loads no cffi, no driver, no NVMe.
 
 
 def _gpus() -> list[str]:
@@ -255,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (LabError, CxlError) as err:
+    except LabError as err:   # VfioError and CxlError are LabErrors
         print(f"vfio-cxl: error: {err.what}" + (f" -- {err.fix}" if err.fix else ""), file=sys.stderr)
         return 1
 

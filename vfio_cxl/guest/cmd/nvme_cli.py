@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import time
 
-from ..drivers.nvme import NvmeController, find_controllers
 from ..vfio.bind import Sysfs
 from ..vfio.errors import VfioError
 
 
 def pattern(seed: int, length: int) -> bytes:
+    import random   # here: `vfio-cxl gpu ...` builds this parser too, and never needs it
     return random.Random(seed).randbytes(length)
+
+
+def find_controllers() -> list[str]:
+    from ..drivers.nvme import find_controllers   # the driver loads only when a command drives it
+    return find_controllers()
+
+
+def _open(bdf: str, **kwargs):
+    from ..drivers.nvme import NvmeController
+    return NvmeController.open(bdf, **kwargs)
 
 
 def _pick(bdf: str | None) -> str:
@@ -58,7 +67,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_identify(args) -> int:
-    with NvmeController.open(_pick(args.nvme), backend=args.backend) as nvme:
+    with _open(_pick(args.nvme), backend=args.backend) as nvme:
         info = nvme.describe()
     if args.json:
         print(json.dumps(info))
@@ -74,7 +83,7 @@ def cmd_identify(args) -> int:
 
 def cmd_rw(args) -> int:
     bdf = _pick(args.nvme)
-    with NvmeController.open(bdf, backend=args.backend, interrupts=args.msix) as nvme:
+    with _open(bdf, backend=args.backend, interrupts=args.msix) as nvme:
         if args.op == "write":
             if args.input:
                 with open(args.input, "rb") as f:

@@ -13,29 +13,42 @@
 Modules, one job each: uapi and uapi_iommufd (kernel ABI), syscalls (ioctl),
 caps (INFO buffers), iommu (the IOMMU context both backends share: IOVA
 bookkeeping), container + group (type1), iommufd, device, region, dma,
-interrupts, bind (sysfs and pyudev), pci (the whole sequence, backend
-choice), errors.
+interrupts, bind (sysfs and pyudev), backend (which backend drives a
+device), pci (the whole sequence), errors.
+
+The names below load their module on first use: a command that only lists devices
+(``bind``) or asks which backend would drive one (``backend``) loads no cffi and no ioctl code.
 """
 
-from .bind import Binding, bind_vfio_pci, find_pci_devices, iommu_group, normalize_bdf
-from .container import Container
-from .iommu import DmaMapping, IommuContext, IommuInfo
-from .iommufd import IommufdContext
-from .device import Device, DeviceInfo
-from .errors import (DeviceBoundElsewhereError, DmaMapError, DmaUnmapError, DriverBindError,
-                     GroupError, GroupNotViableError, InterruptError, InterruptTimeout,
-                     IommuTypeUnsupportedError, NoIommuGroupError, RegionError, VfioError)
-from .group import Group, GroupStatus
-from .interrupts import Interrupts, IrqInfo, MsixVectors
-from .pci import VfioPciDevice
-from .region import Region, RegionInfo
+import importlib
 
-__all__ = [
-    "Binding", "bind_vfio_pci", "find_pci_devices", "iommu_group", "normalize_bdf",
-    "Container", "IommuContext", "IommufdContext", "IommuInfo", "Device", "DeviceInfo", "DmaMapping",
-    "DeviceBoundElsewhereError", "DmaMapError", "DmaUnmapError", "DriverBindError", "GroupError",
-    "GroupNotViableError", "InterruptError", "InterruptTimeout", "IommuTypeUnsupportedError",
-    "NoIommuGroupError", "RegionError", "VfioError",
-    "Group", "GroupStatus", "Interrupts", "IrqInfo", "MsixVectors", "VfioPciDevice",
-    "Region", "RegionInfo",
-]
+_HOMES = {
+    "bind": ("Binding", "bind_vfio_pci", "find_pci_devices", "iommu_group", "normalize_bdf"),
+    "backend": ("choose_backend",),
+    "container": ("Container",),
+    "iommu": ("DmaMapping", "IommuContext", "IommuInfo"),
+    "iommufd": ("IommufdContext",),
+    "device": ("Device", "DeviceInfo"),
+    "errors": ("DeviceBoundElsewhereError", "DmaMapError", "DmaUnmapError", "DriverBindError",
+               "GroupError", "GroupNotViableError", "InterruptError", "InterruptTimeout",
+               "IommuTypeUnsupportedError", "NoIommuGroupError", "RegionError", "VfioError"),
+    "group": ("Group", "GroupStatus"),
+    "interrupts": ("Interrupts", "IrqInfo", "MsixVectors"),
+    "pci": ("VfioPciDevice",),
+    "region": ("Region", "RegionInfo"),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,7 +10,6 @@ plain sysfs is the fallback when pyudev (or libudev) is missing.
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -107,6 +106,7 @@ def iommu_group(bdf: str, sysfs: Sysfs | None = None) -> int:
 
 def modprobe(module: str) -> None:
     try:
+        import subprocess   # here: only a missing driver module costs its import
         result = subprocess.run(["modprobe", module], capture_output=True, text=True)
     except FileNotFoundError:
         raise DriverBindError(f"{module} is not loaded and there is no modprobe",

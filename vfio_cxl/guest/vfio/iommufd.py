@@ -19,11 +19,11 @@ from pathlib import Path
 
 from . import syscalls
 from . import uapi_iommufd as u
+from .backend import IOMMUFD_PATH, available, cdev_name  # noqa: F401 (this module's names too)
 from .iommu import DmaMapping
 from .errors import INTEL_IOMMU_HINT, DmaMapError, IoctlError, VfioError, describe_errno
 from .iommu import IommuContext, IommuInfo
 
-IOMMUFD_PATH = "/dev/iommu"
 DEV_VFIO_DEVICES = "/dev/vfio/devices"
 ffi = u.ffi
 
@@ -89,18 +89,6 @@ _MAP_FILE_ERRNO_HELP = {
     errno.EEXIST: ("the IOVA range overlaps a mapping the kernel already has",
                    "unmap that mapping first, or choose another IOVA"),
 }
-
-
-def cdev_name(bdf: str, sysfs_root: str | Path = "/sys") -> str | None:
-    """``vfioN`` of a device bound to vfio-pci with a cdev (sysfs .../BDF/vfio-dev/vfioN), or None."""
-    vfio_dev = Path(sysfs_root) / "bus" / "pci" / "devices" / bdf / "vfio-dev"
-    names = sorted(p.name for p in vfio_dev.iterdir()) if vfio_dev.is_dir() else []
-    return names[0] if names else None
-
-
-def available(bdf: str, *, sysfs_root: str | Path = "/sys", iommufd_path: str = IOMMUFD_PATH) -> bool:
-    """iommufd can drive ``bdf``: /dev/iommu exists and the device has a VFIO cdev."""
-    return os.path.exists(iommufd_path) and cdev_name(bdf, sysfs_root) is not None
 
 
 def open_device_cdev(bdf: str, *, sysfs_root: str | Path = "/sys", dev_dir: str = DEV_VFIO_DEVICES) -> int:

@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 
 from . import iommufd, syscalls, uapi
+from .backend import BACKEND_ENV, BACKENDS, choose_backend  # noqa: F401 (this module's names too)
 from .bind import Binding, Sysfs, bind_vfio_pci, iommu_group, normalize_bdf, require_vfio_pci
 from .container import CONTAINER_PATH, IOMMU_TYPES, Container, IommuInfo
 from .device import Device, DeviceInfo
@@ -34,24 +35,6 @@ from .group import DEV_VFIO, Group
 from .interrupts import Interrupts, IrqInfo, MsixVectors
 from .iommu import DmaMapping, IommuContext
 from .region import Region
-
-
-BACKEND_ENV = "VFIO_CXL_VFIO_BACKEND"
-BACKENDS = ("auto", "type1", "iommufd")
-
-
-def choose_backend(bdf: str, wanted: str | None = None, *, sysfs: Sysfs | None = None,
-                   iommufd_path: str = iommufd.IOMMUFD_PATH) -> str:
-    """'type1' or 'iommufd' for ``bdf`` (bound to vfio-pci): ``wanted``, else $VFIO_CXL_VFIO_BACKEND,
-    else auto: iommufd when /dev/iommu exists and the device has a VFIO cdev."""
-    wanted = wanted or os.environ.get(BACKEND_ENV) or "auto"
-    if wanted not in BACKENDS:
-        raise VfioError(f"unknown VFIO backend {wanted!r}", f"use one of {', '.join(BACKENDS)} "
-                        f"(argument or ${BACKEND_ENV})")
-    if wanted != "auto":
-        return wanted
-    root = (sysfs or Sysfs()).root
-    return "iommufd" if iommufd.available(bdf, sysfs_root=root, iommufd_path=iommufd_path) else "type1"
 
 
 class VfioPciDevice:

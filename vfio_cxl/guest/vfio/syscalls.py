@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 from typing import Callable, Union
 
-import cffi
+from .cdefs import ffi_for
 
-_ffi = cffi.FFI()
-_ffi.cdef("int ioctl(int fd, unsigned long request, ...);")
+_ffi = ffi_for("ioctl", "int ioctl(int fd, unsigned long request, ...);")
 try:
     _libc = _ffi.dlopen(None)  # the running process already has libc loaded
     _libc.ioctl
@@ -20,7 +19,7 @@ except (OSError, AttributeError):
     _libc = _ffi.dlopen("libc.so.6")
 
 # An ioctl argument: nothing, a plain integer, a C pointer (cffi cdata) or bytes.
-IoctlArg = Union[None, int, bytes, "cffi.FFI.CData"]
+IoctlArg = Union[None, int, bytes, "_ffi.CData"]
 IoctlFn = Callable[[int, int, IoctlArg], int]
 
 

@@ -7,18 +7,16 @@ and constant here against the guest kernel's own headers.
 
 The declarations and constants are defined once, in ``vfio_cxl.vfio_abi``
 (standard library only; the vfio-user wire code uses them too); this module
-gives them to cffi.  Imports only the standard library, cffi and that module.
+gives them to cffi.  Imports only the standard library, cffi and that module (through ``cdefs``).
 """
 
 from __future__ import annotations
 
-import cffi
-
 from ...vfio_abi import *  # noqa: F401,F403  (the VFIO_* constants, by their kernel names)
 from ...vfio_abi import CDEF, CONSTANTS  # noqa: F401
+from .cdefs import ffi_for
 
-ffi = cffi.FFI()
-ffi.cdef(CDEF)
+ffi = ffi_for("vfio", CDEF)   # parsed once per guest, not at every start (cdefs.py)
 
 #: Every struct declared in CDEF, for the layout test and for readers.
 STRUCTS = tuple(f"struct {name}" for name in ffi.list_types()[1])

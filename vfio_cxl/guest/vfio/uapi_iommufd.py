@@ -11,11 +11,11 @@ Standard library and cffi only; names are the kernel's.
 
 from __future__ import annotations
 
-import cffi
+import re
 
-ffi = cffi.FFI()
+from .cdefs import ffi_for
 
-ffi.cdef(
+CDEF = (
     """
     struct iommu_destroy {
         uint32_t size;
@@ -80,14 +80,14 @@ ffi.cdef(
 )
 
 #: Every struct declared above, for the layout test against the guest's (6.12) headers.
-STRUCTS = tuple(f"struct {name}" for name in ffi.list_types()[1])
+STRUCTS = tuple(sorted(f"struct {name}" for name in re.findall(r"struct (\w+) \{", CDEF)))
 
 # Newer than the guest's 6.12 headers (the lab kernel, 7.3, has them): peer-to-peer
 # DMA on iommufd.  IOMMU_IOAS_MAP pins pages, which a BAR mmap (VM_PFNMAP) has none
 # of; the BAR goes in as a VFIO dma-buf instead (VFIO_DEVICE_FEATURE_DMA_BUF) and
 # that fd is mapped with IOMMU_IOAS_MAP_FILE.  ``tests/fast/test_vfio_uapi_newer.py``
 # checks these against the lab kernel's source headers.
-ffi.cdef(
+CDEF_NEWER = (
     """
     struct iommu_ioas_map_file {
         uint32_t size;
@@ -119,6 +119,7 @@ ffi.cdef(
     };
     """
 )
+ffi = ffi_for("iommufd", CDEF, CDEF_NEWER)   # parsed once per guest, not at every start (cdefs.py)
 
 #: The structs above that the guest's 6.12 headers do not have yet.
 NEWER_STRUCTS = tuple(f"struct {name}" for name in ffi.list_types()[1] if f"struct {name}" not in STRUCTS)
