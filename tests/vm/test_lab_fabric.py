@@ -24,7 +24,9 @@ from vfio_cxl.paths import REPO_ROOT
 
 from .test_lab_fm import Detached, EventFollower, detached, vfio_cxl  # noqa: F401 (fixture)
 
-ROUND_TRIPS = int(os.environ.get("VFIO_CXL_FABRIC_ROUND_TRIPS", "10"))
+# a<->b round trips after the first (the leak check's reference): 2 by default, 10 under --soak;
+# $VFIO_CXL_FABRIC_ROUND_TRIPS overrides both
+ROUND_TRIPS_ENV = "VFIO_CXL_FABRIC_ROUND_TRIPS"
 TAG = "secret of host a"
 
 
@@ -54,7 +56,7 @@ def fm(lab: Detached, *args: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
+def test_gpu_moves_between_hosts_scrubbed_or_kept(detached, soak):
     """gpu0 starts in a, gpu1 in b (fabric); gpu0 moves to b's hot-plug port and back."""
     lab = detached("fabric", shared=True)   # one fabric boot for the tests of this file
     status = lab.status()
@@ -93,19 +95,20 @@ def test_gpu_moves_between_hosts_scrubbed_or_kept(detached):
     # kind of the last move and the guest's last use of the GPU, not only the count of moves.
     before = None
     moves, t0 = [], time.monotonic()
-    for i in range(ROUND_TRIPS):
+    round_trips = int(os.environ.get(ROUND_TRIPS_ENV) or soak(2, 10))
+    for i in range(round_trips):
         for vm in ("b", "a"):
             moved = fm(lab, "assign", "gpu0", vm)
             moves.append(moved["move_s"])
             gpu_dma(lab, vm, moved["bdf"])
         if before is None:
             before = held(lab)
-    print(f"{ROUND_TRIPS} round trips a<->b in {time.monotonic() - t0:.0f} s: full move min {min(moves):.2f} s, "
+    print(f"{round_trips} round trips a<->b in {time.monotonic() - t0:.0f} s: full move min {min(moves):.2f} s, "
           f"median {sorted(moves)[len(moves) // 2]:.2f} s, max {max(moves):.2f} s")
     after = held(lab, reference=before)
     leaked = {k: (before.counts[k], after.counts[k]) for k in before.counts if before.counts[k] != after.counts[k]}
     leaked_fds = fdcheck.differences(before.fds, after.fds)
-    print(f"after {2 * ROUND_TRIPS - 2} more moves, held: {after.counts}, fds: "
+    print(f"after {2 * round_trips - 2} more moves, held: {after.counts}, fds: "
           f"{ {k: sum(v.values()) for k, v in after.fds.items()} }; waited {after.waited:.1f} s for late closes")
     assert not leaked and not leaked_fds, f"leaked (before, after): {leaked}; fds by kind (after - before): {leaked_fds}"
 
