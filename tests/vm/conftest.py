@@ -89,7 +89,32 @@ def lab_kernel_lab(labs) -> Lab:
     return labs.get("p2p", lab_kernel_or_skip())
 
 
+# `./scripts/test --quick` (pytest -m "not vm or smoke"): the fast tests and one VM test per area,
+# on as few labs as the areas allow (in-process single, detached single, shared, p2p, storage,
+# fabric).  Each names a test id below tests/vm/ (tests/fast/test_test_tiers.py checks they exist).
+SMOKE = {
+    "boot, and the plugin's lab fixture": "test_lab_single.py::test_guest_sees_intel_iommu_dmar",
+    "DMA demo": "test_gpu_dma.py::test_demo_dma_lands_byte_exact_in_devdax_and_the_host_file",
+    "GPU memory over CXL": "test_gpumem.py::test_the_readme_commands",
+    "sharing": "test_share.py::test_gpu_in_a_writes_what_b_reads_with_no_copy",
+    "P2P": "test_p2p.py::test_p2p_both_ways_every_byte[1MiB]",
+    "storage": "test_storage.py::test_nvme_to_vram_and_back_verified_through_the_bar[p2p]",
+    "FM moves": "test_lab_fabric.py::test_gpu_moves_between_hosts_scrubbed_or_kept",
+}
+
+
+def mark_smoke(items) -> None:
+    """The SMOKE tests get the ``smoke`` marker (tests/fast/test_test_tiers.py checks that each
+    entry names one collected test)."""
+    wanted = set(SMOKE.values())
+    for item in items:
+        if item.nodeid.split("tests/vm/", 1)[-1] in wanted:
+            item.add_marker(pytest.mark.smoke)
+
+
 def pytest_collection_modifyitems(config, items):
+    mark_smoke(items)
+
     def rank(item):
         fixtures = getattr(item, "fixturenames", ())
         ranks = [TOPOLOGY_ORDER[f] for f in fixtures if f in TOPOLOGY_ORDER]
