@@ -78,8 +78,9 @@ def test_fenced_producers_then_the_holder_dies(drivers):
     for th in (w, t, s):
         th.start()
     deadline = time.monotonic() + 30
-    while sh.get(0x80) != smc_checks.RECORD_MAGIC:   # a's record under the semaphore (the VM test watches the backend)
-        assert time.monotonic() < deadline, "a never wrote its record under the semaphore"
+    # the VM test's cue, as it reads the backend (test_smc_checks_peer_lost.py: a slow holder)
+    while not smc_checks.holder_may_die(lambda off, n: bytes(sh.m[sh.base + off:sh.base + off + n])):
+        assert time.monotonic() < deadline, "b never took a's doorbell while a held the semaphore"
     hold_done.set()
     for th in (w, t, s):
         th.join(60)

@@ -11,10 +11,11 @@ import time
 
 import pytest
 
+from vfio_cxl.guest.cmd.smc_checks import holder_may_die
+
 CHECKS = "python3 -m vfio_cxl.guest.cmd.smc_checks"
 BASE = 0x200000              # smc_checks' words (counter, ready, record) in the shared slice
 CHAN = 0x400000              # the channel, 4 MiB
-RECORD_MAGIC = 0x5245434F52445F31
 NAMES = ("a", "b", "c")
 
 
@@ -35,6 +36,14 @@ def wait_backend(lab, offset, fmt, ok, what, timeout=180):
             return value
         assert time.monotonic() < deadline, what
         time.sleep(0.05)   # the host watching shared memory, not synchronising the guests
+
+
+def wait_cue(lab, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not (cue := holder_may_die(lambda off, n: lab.read_backend("common", BASE + off, n))):
+        assert time.monotonic() < deadline, "b never took a's doorbell while a held the semaphore"
+        time.sleep(0.05)   # the host watching shared memory, not synchronising the guests
+    return cue
 
 
 def test_three_hosts_contend_on_one_semaphore(pool_lab, daxes):
@@ -75,8 +84,9 @@ def test_holder_killed_peer_lost_new_epoch_stale_record_rejected(pool_lab, daxes
         wait_backend(lab, BASE + 0x20 + 16, "<Q", lambda v: v[0] == nonce, "c never opened its driver")
         hold = lab["a"].start_command(f"{CHECKS} chan-hold {common} --peer 1 --dax {daxes['a']}")
         survive = lab["b"].start_command(f"{CHECKS} chan-survive {common} --peer 0 --consumer 2 --dax {daxes['b']}")
-        _, epoch, _ = wait_backend(lab, BASE + 0x80, "<QQQ", lambda v: v[0] == RECORD_MAGIC and v[2] == 0 and v[1],
-                                   "a never published its record under the semaphore")
+        # Not a's record (written before a rings b): b's word that it was rung with a's epoch.
+        epoch, writer = wait_cue(lab)
+        assert writer == 0
         os.killpg(lab["a"].process.pid, signal.SIGKILL)     # a dies holding semaphore 3
         lab["a"].process.wait()
         got_b = results([survive])[0]

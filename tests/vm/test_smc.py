@@ -12,9 +12,10 @@ import time
 
 import pytest
 
+from vfio_cxl.guest.cmd.smc_checks import holder_may_die
+
 CHECKS = "python3 -m vfio_cxl.guest.cmd.smc_checks"
 BASE = 0x100000
-RECORD_MAGIC = 0x5245434F52445F31
 
 
 @pytest.fixture
@@ -88,12 +89,12 @@ def test_holder_killed_peer_lost_new_epoch_stale_write_rejected(smc_lab, daxes, 
         survive = smc_lab["b"].start_command(
             f"{CHECKS} survive --base {BASE:#x} --sem 5 --peer 0 --nonce {nonce} --dax {daxes['b']}")
         deadline = time.monotonic() + 180
-        while True:   # a's record in the shared memory says it holds semaphore 5
-            magic, epoch, writer = struct.unpack("<QQQ", smc_lab.read_backend("shared", BASE + 0x80, 24))
-            if magic == RECORD_MAGIC and writer == 0 and epoch:
-                break
-            assert time.monotonic() < deadline, "a never wrote its record under the semaphore"
+        # Not a's record (written before a rings b): b's word that it was rung and saw a hold semaphore 5.
+        while not (cue := holder_may_die(lambda off, n: smc_lab.read_backend("shared", BASE + off, n))):
+            assert time.monotonic() < deadline, "b never took a's doorbell while a held the semaphore"
             time.sleep(0.05)   # the host watching shared memory, not synchronising the guests
+        epoch, writer = cue
+        assert writer == 0
         os.killpg(smc_lab["a"].process.pid, signal.SIGKILL)   # a dies holding the semaphore
         smc_lab["a"].process.wait()
         got = json.loads(survive.join().stdout.splitlines()[-1])

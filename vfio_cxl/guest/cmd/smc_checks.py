@@ -4,7 +4,10 @@
     python3 -m vfio_cxl.guest.cmd.smc_checks pingpong --dax P --base B --peer H --role init|resp
                                                   --mode irq|poll --count N --nonce K
     python3 -m vfio_cxl.guest.cmd.smc_checks hold     --dax P --base B --sem S --peer H --nonce K
+        takes S, writes its record stamped with the epoch, tells H the epoch (doorbell), holds S until killed
     python3 -m vfio_cxl.guest.cmd.smc_checks survive  --dax P --base B --sem S --peer H --nonce K
+        takes H's doorbell, sees H hold S, publishes ``seen`` (the host's cue to kill H), then after H is
+        lost: a stale fenced send (refused), S taken with a new epoch, a fresh fenced send
     python3 -m vfio_cxl.guest.cmd.smc_checks watch    --dax P --base B --sem S --nonce K
 
 The channel on the controller (``vfio_cxl.guest.smc_channel``; the channel lives at ``--chan``):
@@ -18,7 +21,8 @@ The channel on the controller (``vfio_cxl.guest.smc_channel``; the channel lives
     ... chan-hold    --dax P --base B --peer H --sem S --nonce K
         takes S, publishes a stamped record, tells H the epoch (doorbell), holds S until killed
     ... chan-survive --dax P --base B --peer H --consumer C --sem S --nonce K
-        after H is lost: a write stamped with H's stale epoch (a zombie's), then a fresh fenced one
+        takes H's doorbell, publishes ``seen``; after H is lost: a write stamped with H's stale epoch
+        (a zombie's), then a fresh fenced one
     ... chan-watch   --dax P --base B --sem S --nonce K --count N [--create]
         after a peer is lost: the fenced consumer takes N records and reports which it rejected
 
@@ -34,6 +38,13 @@ Shared memory at ``base`` (devdax, the topology's shared backend):
   +0x10 u64 last_epoch   the epoch of the last critical section (must grow)
   +0x20 u64 ready[h]     host h's nonce once its driver is open (8 hosts)
   +0x80 record: u64 magic, u64 epoch, u64 writer  (written by a semaphore holder, fenced)
+  +0x98 u64 seen         the epoch the survivor was rung with, once it has it (survive, chan-survive)
+
+Killing a holder (the peer-lost tests): the host kills the holder's QEMU when ``holder_may_die``
+says so -- once the survivor has published ``seen``, not when the holder's record appears.  The
+holder writes its record *before* it rings (the survivor reads the record when rung), so a kill
+timed by the record can land between the two, and the survivor then waits for a ring that never
+comes; nothing in the controller could save it: the ring never reached it.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ from ..drivers.smc import SmcDriver, SmcError
 U64 = struct.Struct("<Q")
 RECORD = struct.Struct("<QQQ")
 RECORD_MAGIC = 0x5245434F52445F31   # "RECORD_1"
-OFF_COUNTER, OFF_INSIDE, OFF_LAST, OFF_READY, OFF_RECORD = 0x00, 0x08, 0x10, 0x20, 0x80
+OFF_COUNTER, OFF_INSIDE, OFF_LAST, OFF_READY, OFF_RECORD, OFF_SEEN = 0x00, 0x08, 0x10, 0x20, 0x80, 0x98
 
 
 class Shared:
@@ -73,6 +84,19 @@ class Shared:
                 raise SmcError(f"hosts {list(hosts)} did not all publish nonce {nonce} within {timeout} s",
                                "start the program in every VM")
             time.sleep(0.001)   # waiting for another VM's process to start, not for the device
+
+
+def holder_may_die(read) -> tuple[int, int] | None:
+    """The host's cue to kill the holder (``hold``, ``chan-hold``) in the peer-lost tests: (epoch, writer)
+    of the holder's record once the survivor (``survive``, ``chan-survive``) has published that epoch as
+    ``seen`` -- it took the holder's doorbell (and, ``survive``, saw it hold the semaphore) -- else None.
+    ``read(offset, length)``: bytes of the shared memory at ``base`` + offset, as the host reads them
+    (the backend file) now.  The record alone is no cue: it is written before the ring."""
+    magic, epoch, writer = RECORD.unpack(read(OFF_RECORD, RECORD.size))
+    seen = U64.unpack(read(OFF_SEEN, U64.size))[0]
+    if magic == RECORD_MAGIC and epoch and seen == epoch:
+        return epoch, writer
+    return None
 
 
 def contend(smc, sh, a) -> dict:
@@ -139,6 +163,7 @@ def pingpong(smc, sh, a) -> dict:
 def hold(smc, sh, a) -> dict:
     sh.wait_ready([a.peer], a.nonce)
     epoch = smc.acquire(a.sem, timeout=60)
+    sh.put(OFF_SEEN, 0)                     # no cue left from an earlier run
     RECORD.pack_into(sh.m, sh.base + OFF_RECORD, RECORD_MAGIC, epoch, smc.host_id)
     smc.ring(a.peer, epoch)
     print(json.dumps({"host": smc.host_id, "epoch": epoch}), flush=True)
@@ -151,6 +176,7 @@ def survive(smc, sh, a) -> dict:
     src, told = smc.wait_doorbell(timeout=120)
     magic, stamped, writer = RECORD.unpack_from(sh.m, sh.base + OFF_RECORD)
     held_by = smc.state(a.sem)
+    sh.put(OFF_SEEN, told)                  # rung, and saw the holder hold it: the host may kill it now
     lost = smc.wait_peer_lost(timeout=300)
     t_lost = time.perf_counter()
     owner_after, epoch_after = smc.state(a.sem)
@@ -290,6 +316,7 @@ def chan_hold(smc, sh, a) -> dict:
     p.set_fence(epoch, fence_tag(smc.host_id, a.sem))
     seq = p.next_seq
     p.send(_payload(seq, 128))              # published; the holder dies before it is acked
+    sh.put(OFF_SEEN, 0)                     # no cue left from an earlier run
     RECORD.pack_into(sh.m, sh.base + OFF_RECORD, RECORD_MAGIC, epoch, smc.host_id)
     smc.ring(a.peer, epoch)
     print(json.dumps({"host": smc.host_id, "epoch": epoch, "seq": seq}), flush=True)
@@ -304,6 +331,7 @@ def chan_survive(smc, sh, a) -> dict:
         src, told = smc.wait_doorbell(timeout=120)
         if src == a.peer and told != DOORBELL_PAYLOAD:
             break
+    sh.put(OFF_SEEN, told)                  # rung with the holder's epoch: the host may kill it now
     lost = smc.wait_peer_lost(timeout=300)
     owner_after, epoch_after = smc.state(a.sem)
     # A zombie's write: stamped with the lost holder's epoch and ID, published without the semaphore.
