@@ -3,9 +3,10 @@ interpreter alive, and is cancelled as soon as its caller fails or is interrupte
 
 The failure seen: ``scripts/bench share --json`` failed, and its process stayed alive 17 min
 after its main thread ended, waiting on the 1020 s timer of a receiver nobody joined (invoke's
-per-command timer, a non-daemon threading.Timer).  The commands here run against a loopback SSH
-server (ssh_loopback.py: paramiko's server side running each as a local ``bash -c``, honouring
-the "signal" request as the guests' dropbear does); the callers' own logic against fake VMs."""
+per-command timer, a non-daemon threading.Timer).  The commands here run against a loopback
+SSH server (ssh_loopback.py: paramiko's server side running each as a local ``bash -c``,
+honouring the "signal" request as the guests' dropbear does); the callers' own logic against
+fake VMs."""
 
 import json
 import select
@@ -20,6 +21,8 @@ from types import SimpleNamespace
 import pytest
 from ssh_loopback import FakeRunning, LoopbackSsh
 
+from vfio_cxl import cacheline
+from vfio_cxl.bench import share as bench_share
 from vfio_cxl.errors import LabError
 from vfio_cxl.lab.ssh import GuestCommandError, join_all
 
@@ -167,4 +170,85 @@ def test_an_interpreter_interrupted_in_join_cancels_the_command_and_exits_at_onc
     status, err = ended(process, 10)
     assert status != 0 and "KeyboardInterrupt" in err
     assert session.ended.wait(5) and session.signals == ["TERM"]
+
+
+class FakeVm:
+    """A guest where `share_bench send`/`stream produce` (run) and the receiver (start_command)
+    answer as given; ``started`` is what start_command returned."""
+
+    def __init__(self, run=None, started=None):
+        self.answer, self.started = run, started
+
+    def run(self, command, timeout=None, check=True):
+        if " reset" in command:
+            return SimpleNamespace(exited=0, stdout='{"reset": true}', stderr="")
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+    def start_command(self, command, timeout=None):
+        return self.started
+
+
+class FakeLab(dict):
+    topology = SimpleNamespace(smc_of=lambda vm: ("smc0", {"a": 0, "b": 1}[vm]))
+
+    def __init__(self, a, b):
+        super().__init__(a=a, b=b)
+
+
+def answer(exited, stdout="", stderr=""):
+    return SimpleNamespace(exited=exited, stdout=stdout, stderr=stderr)
+
+
+@pytest.mark.parametrize("failure", [LabError("[a] no SSH"), KeyboardInterrupt()])
+def test_the_share_bench_cancels_its_receiver_when_the_sender_raises(failure):
+    receiver = FakeRunning()
+    with pytest.raises(type(failure)):
+        bench_share.transport_run(FakeLab(FakeVm(run=failure), FakeVm(started=receiver)), "tcp", "64:2:paced")
+    assert receiver.cancelled and not receiver.joined
+
+
+def test_the_share_bench_names_both_sides_when_the_sender_fails():
+    sender = answer(1, stderr="share_bench: error: no receiver at 169.254.0.2:7100")
+    running = FakeRunning()   # still waiting for records
+    with pytest.raises(RuntimeError, match=r"^channel: sender in a exited 1: share_bench: error: no receiver at "
+                                           r"169\.254\.0\.2:7100; receiver in b still running \(cancelled\)$"):
+        bench_share.transport_run(FakeLab(FakeVm(run=sender), FakeVm(started=running)), "channel", "64:2:paced")
+    assert running.cancelled
+    ended_first = FakeRunning(answer(1, stderr="share_bench: error: no channel"), done=True)
+    with pytest.raises(RuntimeError, match=r"receiver in b exited 1: share_bench: error: no channel$"):
+        bench_share.transport_run(FakeLab(FakeVm(run=sender), FakeVm(started=ended_first)), "channel", "64:2:paced")
+
+
+def test_the_share_bench_prints_why_it_failed(monkeypatch, capsys):
+    """`scripts/bench share --json` that fails says why: on stderr, and as the JSON object."""
+    def no_cacheline():
+        raise cacheline.CachelineError("not built here")
+
+    receiver = FakeRunning()
+    lab = FakeLab(FakeVm(run=answer(1, stderr="share_bench: error: no SMC doorbell")), FakeVm(started=receiver))
+
+    class Lab:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def start(self, timeout):
+            return self
+
+        def __enter__(self):
+            return lab
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(cacheline, "build", no_cacheline)
+    monkeypatch.setattr(bench_share, "Lab", Lab)
+    assert bench_share.main(["--records", "0", "--json"]) == 1
+    out, err = capsys.readouterr()
+    said = ("RuntimeError: doorbell: sender in a exited 1: share_bench: error: no SMC doorbell; "
+            "receiver in b still running (cancelled)")
+    assert json.loads(out) == {"error": said}
+    assert f"bench share: failed: {said}" in err
+    assert receiver.cancelled
 
