@@ -23,6 +23,7 @@ from ssh_loopback import FakeRunning, LoopbackSsh
 
 from vfio_cxl import cacheline
 from vfio_cxl.bench import share as bench_share
+from vfio_cxl.demos import share as demo_share
 from vfio_cxl.errors import LabError
 from vfio_cxl.lab.ssh import GuestCommandError, join_all
 
@@ -251,4 +252,12 @@ def test_the_share_bench_prints_why_it_failed(monkeypatch, capsys):
     assert json.loads(out) == {"error": said}
     assert f"bench share: failed: {said}" in err
     assert receiver.cancelled
+
+
+@pytest.mark.parametrize("failure", [LabError("[a] no SSH"), KeyboardInterrupt()])
+def test_the_share_demo_cancels_its_consumer_when_the_producer_raises(failure):
+    consumer = FakeRunning()
+    with pytest.raises(type(failure)):
+        demo_share.stream(FakeLab(FakeVm(run=failure), FakeVm(started=consumer)), 2)
+    assert consumer.cancelled and not consumer.joined
 
