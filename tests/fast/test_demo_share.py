@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from ssh_loopback import FakeRunning
 
 from vfio_cxl.demos import share
 from vfio_cxl.errors import LabError
@@ -34,7 +35,7 @@ class FakeVm:
 
     def start_command(self, command, timeout=None):
         assert " consume " in command
-        return SimpleNamespace(join=lambda check=True: self.stream_answer)
+        return FakeRunning(self.stream_answer, done=True)
 
 
 def lab(producer, consumer):

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from vfio_cxl.guest.cmd.smc_checks import holder_may_die
+from vfio_cxl.lab.ssh import join_all
 
 CHECKS = "python3 -m vfio_cxl.guest.cmd.smc_checks"
 BASE = 0x200000              # smc_checks' words (counter, ready, record) in the shared slice
@@ -25,7 +26,10 @@ def daxes(pool_lab):
 
 
 def results(runs):
-    return [json.loads(r.join().stdout.splitlines()[-1]) for r in runs]
+    """Each command's JSON report, joined in turn; the first that fails cancels the others, so
+    none is left running in the lab the next test gets."""
+    done = join_all(dict(enumerate(runs)))
+    return [json.loads(done[i].stdout.splitlines()[-1]) for i in range(len(runs))]
 
 
 def wait_backend(lab, offset, fmt, ok, what, timeout=180):
@@ -65,8 +69,7 @@ def test_two_fenced_producers_one_consumer_woken_by_doorbells(pool_lab, daxes):
                                       f"--dax {daxes['c']}")
     producers = [lab[h].start_command(f"{CHECKS} chan-fenced {common} --peer 2 --count {n} --dax {daxes[h]}")
                  for h in ("a", "b")]
-    got_c = results([consumer])[0]
-    got_a, got_b = results(producers)
+    got_c, got_a, got_b = results([consumer, *producers])
     assert got_c["bad"] == 0 and got_c["delivered"] == list(range(2 * n))
     assert sorted(got_c["writers"]) == [0] * n + [1] * n            # both hosts' records, each stamped by its writer
     assert got_c["epochs"] == sorted(got_c["epochs"]) and len(set(got_c["epochs"])) == 2 * n   # one epoch per turn

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from vfio_cxl.guest.cmd.smc_checks import holder_may_die
+from vfio_cxl.lab.ssh import join_all
 
 CHECKS = "python3 -m vfio_cxl.guest.cmd.smc_checks"
 BASE = 0x100000
@@ -25,11 +26,12 @@ def daxes(smc_lab):
 
 
 def both(lab, daxes, args_a, args_b):
-    """Run the checks program in a and b at once; both results (JSON)."""
-    ra = lab["a"].start_command(f"{CHECKS} {args_a} --dax {daxes['a']}")
-    rb = lab["b"].start_command(f"{CHECKS} {args_b} --dax {daxes['b']}")
-    out_b, out_a = rb.join(), ra.join()
-    return json.loads(out_a.stdout.splitlines()[-1]), json.loads(out_b.stdout.splitlines()[-1])
+    """Run the checks program in a and b at once; both results (JSON).  One that fails cancels the
+    other: the lab goes to the next test with neither left running."""
+    with lab["a"].start_command(f"{CHECKS} {args_a} --dax {daxes['a']}") as ra, \
+            lab["b"].start_command(f"{CHECKS} {args_b} --dax {daxes['b']}") as rb:
+        out = join_all({"b": rb, "a": ra})
+    return json.loads(out["a"].stdout.splitlines()[-1]), json.loads(out["b"].stdout.splitlines()[-1])
 
 
 def test_the_controller_is_a_pci_function_in_both_vms(smc_lab):

@@ -25,7 +25,8 @@ channel), ``poll_mb_s``, ``link_mb_s``, ``tcp_mb_s`` (1 MiB), ``guest_crc32_mb_s
 with ``_rtt_`` (round trip, 64 B), ``goal`` (CXL >= 5x TCP at 1 MiB, lower
 latency at every size), ``load`` (the host's load average before and after),
 ``sizes`` (every size and transport), ``consumer_cpu_s``, ``gpu`` (part 2),
-``guest_cache_operations``; the table then goes to stderr.
+``guest_cache_operations``; the table then goes to stderr.  A run that fails says why on
+stderr (``bench share: failed: ...``; with ``--json`` also ``{"error": ...}`` on stdout) and exits 1.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ import json
 import os
 import statistics
 import sys
+import traceback
 
 from .. import cacheline
-from ..demos.share import B_LINK_ADDRESS, STREAM, latencies_ms, stream
+from ..demos.share import B_LINK_ADDRESS, STREAM, latencies_ms, stream, what_failed
+from ..errors import LabError
 from ..guest.cmd.share_bench import DEFAULT_PLAN, parse_plan
 from ..lab import topology
 from ..lab.lab import Lab
@@ -65,13 +68,25 @@ def transport_run(lab: Lab, transport: str, plan: str, timeout: float = 120) -> 
         send_extra, recv_extra = f" --smc-peer {host_b}", f" --smc-peer {host_a}"
     else:
         send_extra = recv_extra = ""
-    receiver = b.start_command(f"{SHARE_BENCH} recv {common}{recv_extra}", timeout=timeout + 900)
-    sent = json.loads(a.run(f"{SHARE_BENCH} send {common} --peer {B_LINK_ADDRESS}{send_extra}",
-                            timeout=timeout + 900).stdout)
-    got = receiver.join(check=False)
+    # Leaving the block unjoined (the sender's run raised, Ctrl-C) cancels the receiver.
+    with b.start_command(f"{SHARE_BENCH} recv {common}{recv_extra}", timeout=timeout + 900) as receiver:
+        sender = a.run(f"{SHARE_BENCH} send {common} --peer {B_LINK_ADDRESS}{send_extra}",
+                       timeout=timeout + 900, check=False)
+        if sender.exited != 0:
+            # The receiver is cancelled, unless it has ended: often the cause (the sender waits for it).
+            got = receiver.join(check=False) if receiver.done else None
+            raise RuntimeError(f"{transport}: sender in a {side_failure(sender)}; receiver in b "
+                               + (side_failure(got) if got is not None else "still running (cancelled)"))
+        got = receiver.join(check=False)
     if got.exited != 0:
-        raise RuntimeError(f"{transport} receiver failed: {got.stderr.strip()}")
-    return sent, json.loads(got.stdout)
+        raise RuntimeError(f"{transport}: receiver in b {side_failure(got)}")
+    return json.loads(sender.stdout), json.loads(got.stdout)
+
+
+def side_failure(result) -> str:
+    """How one side ended: its exit status and what it said (share_bench's error line, else the
+    exception lines of its traceback, else its last lines)."""
+    return f"exited {result.exited}: {what_failed(result.stderr or result.stdout)}"
 
 
 def phases(plan: list[tuple[int, int, str]], sent: dict, got: dict) -> dict:
@@ -115,6 +130,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plan", default=DEFAULT_PLAN, help="SIZE:COUNT:paced|stream,... (part 1)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    try:
+        return bench(args)
+    except Exception as err:   # a side's failure, a lab that did not come up, bad output: say so
+        if not isinstance(err, (LabError, RuntimeError)):
+            traceback.print_exc()   # unforeseen: where it came from, too
+        said = str(err) if isinstance(err, LabError) else f"{type(err).__name__}: {err}"
+        if args.json:   # stdout carries the one object either way
+            print(json.dumps({"error": said}), flush=True)
+        print(f"bench share: failed: {said}", file=sys.stderr, flush=True)
+        return 1
+
+
+def bench(args: argparse.Namespace) -> int:
     plan = parse_plan(args.plan)
     gpu_rows = []
     try:

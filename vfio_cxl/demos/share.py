@@ -58,11 +58,11 @@ def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ..
         (" --notify" if notify else "") + (" --paced" if paced else "") + \
         (" --report-full" if stall_until_full else "") + \
         (" --corrupt " + ",".join(map(str, corrupt)) if corrupt else "")
-    consumer = b.start_command(consumer_cmd, timeout=timeout + 600)
-    try:
+    # The producer's run raising (no SSH, its deadline, Ctrl-C) cancels the consumer as the block is
+    # left; whatever the producer's exit status, the consumer is joined: no side's report is lost.
+    with b.start_command(consumer_cmd, timeout=timeout + 600) as consumer:
         producer = a.run(producer_cmd, timeout=timeout + 600, check=False)
-    finally:
-        consumer_done = consumer.join(check=False)   # whatever became of the producer: no side is lost
+        consumer_done = consumer.join(check=False)
     sides = {"a": side_report("a", "producer", producer), "b": side_report("b", "consumer", consumer_done)}
     if not all(side["reported"] for side in sides.values()):   # a side with no report of its own: say what each side said, not only the first
         raise LabError("the stream A→B failed: " + "; ".join(f"{side['role']} in {side['vm']}: "

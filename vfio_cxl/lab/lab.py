@@ -11,6 +11,7 @@ directory.  Ports and paths are chosen per lab, so labs can run side by side.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,7 @@ from .kconfig import kconfig_hz
 from .kernel import GuestKernel
 from . import usage
 from .qemu_runtime import QemuRuntime, find_runtime, planned_runtime
+from .ssh import join_all
 from .topology import Topology, Vm
 from .vm import VirtualMachine
 
@@ -85,20 +87,6 @@ def remove_stale_rundirs() -> None:
             continue
         if not Path(f"/proc/{pid}").exists():
             shutil.rmtree(rundir, ignore_errors=True)
-
-
-def join_all(running: dict) -> dict:
-    """Wait for every command started in the guests (name -> RunningCommand); their results.
-    All are waited for before the first failure is raised, so none is left running."""
-    results, failure = {}, None
-    for name, command in running.items():
-        try:
-            results[name] = command.join()
-        except LabError as err:
-            failure = failure or err
-    if failure is not None:
-        raise failure
-    return results
 
 
 def gpu_server_args(gpu) -> list[str]:
@@ -264,24 +252,29 @@ class Lab:
                 vm.start()
             # Regions (cxl-cli/daxctl/ndctl) in each guest as soon as it answers, while the others
             # still boot; then the private VM-to-VM link (pyroute2) in every linked guest at once.
-            running = {}
-            for vm in self.vms.values():
-                seconds = vm.wait_ready(timeout)
-                self.log(f"[{vm.name}] ready in {seconds:.1f} s (ssh 127.0.0.1:{vm.res.ssh_port}, "
-                         f"console {vm.res.console_log})")
-                plan = region_plan(self.topology, vm.spec)
-                if plan["regions"] or plan["pmem"]:
-                    running[vm.name] = vm.start_command("python3 -m vfio_cxl.guest.cmd.cxltool regions",
-                                                        stdin=json.dumps(plan), timeout=300)
-            results = join_all(running)
+            # A command started here and not joined (a later VM did not come up, Ctrl-C) is
+            # cancelled as the block is left; join_all cancels the others when one fails.
+            with contextlib.ExitStack() as started:
+                running = {}
+                for vm in self.vms.values():
+                    seconds = vm.wait_ready(timeout)
+                    self.log(f"[{vm.name}] ready in {seconds:.1f} s (ssh 127.0.0.1:{vm.res.ssh_port}, "
+                             f"console {vm.res.console_log})")
+                    plan = region_plan(self.topology, vm.spec)
+                    if plan["regions"] or plan["pmem"]:
+                        running[vm.name] = started.enter_context(vm.start_command(
+                            "python3 -m vfio_cxl.guest.cmd.cxltool regions", stdin=json.dumps(plan), timeout=300))
+                results = join_all(running)
             for name, out in results.items():
                 vm = self.vms[name]
                 vm.regions = {r["name"]: r for r in json.loads(out.stdout)}
                 self.log(f"[{vm.name}] regions: " + ", ".join(
                     f"{r['name']}={r['region']}" + (f" {r['dax']}" if r.get("dax") else "")
                     + (f" {r['blockdev']}" if r.get("blockdev") else "") for r in vm.regions.values()))
-            join_all({vm.name: vm.start_command("python3 -m vfio_cxl.guest.cmd.netconfig up", timeout=120)
-                      for vm in self.vms.values() if vm.res.link_sockets})
+            with contextlib.ExitStack() as started:
+                up = "python3 -m vfio_cxl.guest.cmd.netconfig up"
+                join_all({vm.name: started.enter_context(vm.start_command(up, timeout=120))
+                          for vm in self.vms.values() if vm.res.link_sockets})
         except BaseException:
             self.stop()
             raise

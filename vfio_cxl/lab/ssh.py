@@ -105,26 +105,27 @@ class GuestShell:
                 time.sleep(0.2)   # retry back-off; not synchronisation
 
     def run(self, command: str, *, timeout: float = 120, check: bool = True, stdin: str | None = None):
-        """Run ``command`` in the guest; returns the fabric Result."""
-        usage.record("guest", command)
-        kwargs = {"hide": True, "warn": True, "timeout": timeout, "in_stream": False}
-        if stdin is not None:
-            kwargs["in_stream"] = WholeInput(stdin)
-        try:
-            result = self.connection.run(command, **kwargs)
-        except Exception as err:   # invoke's CommandTimedOut, paramiko errors
-            raise LabError(f"[{self.vm_name}] '{command}' failed: {err}",
-                           "see the VM's console log") from None
-        if check and result.exited != 0:
-            raise GuestCommandError(self.vm_name, command, result.exited, result.stdout, result.stderr)
-        return result
+        """Run ``command`` in the guest; returns the fabric Result.  Started and joined as
+        ``start`` does: an interrupt (Ctrl-C) while it runs cancels it at once."""
+        with self.start(command, timeout=timeout, stdin=stdin) as running:
+            return running.join(check=check)
 
     def start(self, command: str, *, timeout: float = 300, stdin: str | None = None) -> "RunningCommand":
-        """Start ``command`` and return at once; ``.join()`` waits for its result."""
+        """Start ``command`` and return at once; ``.join()`` waits for its result, at most
+        ``timeout`` s from now.  Use it as a context manager (``with shell.start(...) as
+        running:``) so that it is cancelled if the block is left before it was joined."""
+        # timeout=None: no invoke timer.  Invoke's is a non-daemon threading.Timer, started per
+        # command and cancelled only by a join: a command nobody joined (its caller raised) kept
+        # the interpreter alive until the timer ran out (17 min after a failed bench).  The
+        # deadline is RunningCommand's own, checked in join.
         usage.record("guest", command)
-        promise = self.connection.run(command, asynchronous=True, hide=True, warn=True, timeout=timeout,
-                                      in_stream=WholeInput(stdin) if stdin is not None else False)
-        return RunningCommand(self, command, promise)
+        try:
+            promise = self.connection.run(command, asynchronous=True, hide=True, warn=True, timeout=None,
+                                          in_stream=WholeInput(stdin) if stdin is not None else False)
+        except Exception as err:   # paramiko errors: the connection is gone
+            raise LabError(f"[{self.vm_name}] '{command}' failed: {err}",
+                           "see the VM's console log") from None
+        return RunningCommand(self, command, promise, timeout)
 
     def put(self, local: str, remote: str) -> None:
         self.connection.put(local, remote)
@@ -133,19 +134,127 @@ class GuestShell:
         self.connection.close()
 
 
+def send_signal(channel: paramiko.Channel, name: str) -> None:
+    """Ask the SSH server to send signal ``name`` ("TERM") to the process of ``channel``'s
+    session (RFC 4254 6.9; dropbear does, to the process it started).  paramiko has no call for
+    this request: it is built as paramiko builds its own.  Best effort: errors are ignored."""
+    try:
+        m = paramiko.Message()
+        m.add_byte(paramiko.common.cMSG_CHANNEL_REQUEST)
+        m.add_int(channel.remote_chanid)
+        m.add_string("signal")
+        m.add_boolean(False)
+        m.add_string(name)
+        channel.transport._send_user_message(m)
+    except Exception:
+        pass
+
+
 class RunningCommand:
-    def __init__(self, shell: GuestShell, command: str, promise):
+    """A command started in a guest (``GuestShell.start``).  ``join()`` waits for its result until
+    its deadline (start + timeout) and cancels it if that passes or the wait is interrupted;
+    ``cancel()`` ends it at once.  It has no thread of its own (invoke's reader threads are
+    daemons), so a command nobody joins can never keep the interpreter alive.
+
+    As a context manager it is cancelled when the block is left without having been joined --
+    the caller raised, or Ctrl-C::
+
+        with b.start_command("consume ...") as consumer:
+            a.run("produce ...")          # raises: the consumer is cancelled, not left running
+            result = consumer.join()
+    """
+
+    POLL = 0.5   # s: how often a join looks at invoke's reader threads (one that died ends the wait)
+
+    def __init__(self, shell: GuestShell, command: str, promise, timeout: float):
         self.shell, self.command, self.promise = shell, command, promise
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.state = "running"   # -> "joined" or "cancelled"
+        self.result = None
+
+    @property
+    def channel(self) -> paramiko.Channel:
+        return self.promise.runner.channel
+
+    @property
+    def done(self) -> bool:
+        """Whether the command has ended (its exit status came, or its channel closed); a
+        ``join`` then returns at once."""
+        return self.channel.exit_status_ready()
 
     def join(self, check: bool = True):
-        try:
-            result = self.promise.join()
-        except Exception as err:
-            raise LabError(f"[{self.shell.vm_name}] '{self.command}' failed: {err}",
-                           "see the VM's console log") from None
+        """The command's fabric Result.  LabError if it failed to run, did not end by its
+        deadline (it is cancelled), or was cancelled before; GuestCommandError if ``check``
+        and it exited non-zero."""
+        if self.state == "cancelled":
+            raise LabError(f"[{self.shell.vm_name}] '{self.command}' was cancelled before it was joined",
+                           "its caller failed or was interrupted; see the error raised there")
+        if self.state == "running":
+            try:
+                self._wait()
+                result = self.promise.join()
+            except LabError:
+                raise
+            except Exception as err:   # invoke's reader-thread errors, paramiko errors
+                self.cancel()
+                raise LabError(f"[{self.shell.vm_name}] '{self.command}' failed: {err}",
+                               "see the VM's console log") from None
+            except BaseException:      # Ctrl-C (KeyboardInterrupt) while waiting: end it now
+                self.cancel()
+                raise
+            self.state, self.result = "joined", result
+        result = self.result
         if check and result.exited != 0:
             raise GuestCommandError(self.shell.vm_name, self.command, result.exited, result.stdout, result.stderr)
         return result
+
+    def _wait(self) -> None:
+        """Until the command ends (or a reader thread died); at the deadline, cancel and raise."""
+        channel, runner = self.channel, self.promise.runner
+        while not channel.status_event.wait(min(self.POLL, max(0.0, self.deadline - time.monotonic()))):
+            if runner.has_dead_threads:
+                return   # promise.join raises what it died of
+            if time.monotonic() >= self.deadline:
+                partial = self.cancel()   # a Result is false when its exit status is not 0
+                said = (partial.stderr.strip() or partial.stdout.strip()) if partial is not None else ""
+                raise LabError(f"[{self.shell.vm_name}] '{self.command}' did not finish within {self.timeout:g} s; "
+                               "cancelled" + "".join("\n  " + line for line in said.splitlines()[-15:]),
+                               "see the VM's console log")
+
+    def cancel(self):
+        """End the command now, unless it was joined: SIGTERM to its session's process in the
+        guest, then its channel closed (invoke's reader threads end with it).  That process is
+        root's shell running the command, which a simple command replaces (bash execs it); what a
+        compound command started meets a closed pipe at its next write instead.  Returns what it
+        had printed so far (a Result, exit status -1), or None.  Idempotent."""
+        if self.state != "running":
+            return None
+        self.state = "cancelled"
+        channel = self.channel
+        if not channel.exit_status_ready():
+            send_signal(channel, "TERM")
+        try:
+            channel.close()
+            return self.promise.join()   # prompt now: the channel is closed
+        except Exception:
+            return None
+
+    def __enter__(self) -> "RunningCommand":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()   # nothing once joined
+
+
+def join_all(running: dict) -> dict:
+    """Wait for every command started in the guests (name -> RunningCommand), in turn; their
+    results.  The first that fails -- or a Ctrl-C -- cancels the others at once and is raised."""
+    try:
+        return {name: command.join() for name, command in running.items()}
+    finally:
+        for command in running.values():
+            command.cancel()   # nothing for those joined
 
 
 class ShellSession:

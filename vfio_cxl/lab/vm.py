@@ -277,6 +277,8 @@ class VirtualMachine:
         self.shell.put(local, remote)
 
     def start_command(self, command: str, **kwargs):
+        """Start ``command`` in the guest; its RunningCommand (``GuestShell.start``).  Enter it
+        in a ``with`` block (or an ExitStack) so that it is cancelled if the caller fails first."""
         if self.shell is None:
             raise LabError(f"[{self.name}] is not ready", "call wait_ready() first")
         return self.shell.start(command, **kwargs)

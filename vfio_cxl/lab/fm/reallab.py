@@ -7,14 +7,14 @@ import shlex
 import shutil
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable
 
 from ...errors import LabError
 from ..gpu_process import GpuServerProcess
 from ..lab import Lab, gpu_server_args
-from ..ssh import ShellSession
+from ..ssh import ShellSession, join_all
 from ..logs import archive_logs
 from .guestscripts import (BIND_OUTPUT_MAX, BIND_SCRIPT, HOLDERS_OUTPUT_MAX, HOLDERS_SCRIPT, KILL_OUTPUT_MAX,
                            KILL_SCRIPT, PREPARE_SCRIPT, parse_bind, parse_holders, parse_kills, show)
@@ -47,10 +47,10 @@ class RealLab:
         self.known_hosts.write_text("\n".join(hosts) + "\n")
         if self.lab.topology.gpus:   # every VM may receive a GPU: its kernel binds GPUs itself
             log("guests: vfio-pci binds GPUs (0601:1991) on its own")
-            running = [(vm, vm.start_command(f"sh -c {shlex.quote(PREPARE_SCRIPT)}", timeout=120))
-                       for vm in self.lab.vms.values()]
-            for vm, command in running:
-                command.join()
+            with ExitStack() as started:   # one that fails cancels the others (join_all)
+                join_all({vm.name: started.enter_context(
+                    vm.start_command(f"sh -c {shlex.quote(PREPARE_SCRIPT)}", timeout=120))
+                    for vm in self.lab.vms.values()})
             for vm in self.lab.vms.values():   # opened now: the first move does not pay for it
                 self._session(vm.name).run("true", [], 60)
 
