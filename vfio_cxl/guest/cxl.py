@@ -26,8 +26,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyudev
-
 from ..errors import LabError
 
 __all__ = ["CxlError", "Memdev", "DaxDevice", "tool", "memdevs", "switches", "root_decoders", "regions",
@@ -91,13 +89,14 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [value] if value else []
 
 
-def _cxl_devices(prefix: str) -> list[pyudev.Device]:
+def _cxl_devices(prefix: str) -> list["pyudev.Device"]:
+    import pyudev   # here: bringing regions up (the lab's boot step) never walks the bus with it
     context = pyudev.Context()
     return sorted((d for d in context.list_devices(subsystem="cxl") if d.sys_name.startswith(prefix)),
                   key=lambda d: d.sys_name)
 
 
-def _uport(port: pyudev.Device) -> Path:
+def _uport(port: "pyudev.Device") -> Path:
     """The device a CXL port stands for (host bridge, switch upstream port, memdev)."""
     return (Path(port.sys_path) / "uport").resolve()
 
