@@ -71,6 +71,11 @@ def cache_root() -> Path:
     return root
 
 
+# A run directory holding this file belongs to a fabric-manager lab: `vfio-cxl vm down`
+# keeps its logs, then removes it; lab.remove_stale_rundirs() leaves it alone.
+MANAGED_MARKER = "fm.json"
+
+
 def runtime_root() -> Path:
     """Parent of per-lab run directories (short: UNIX socket paths are limited to 107 bytes)."""
     env = os.environ.get("VFIO_CXL_RUNDIR")

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import LabError
-from ..paths import guest_bytecode_dir, guest_source, runtime_root
+from ..paths import MANAGED_MARKER, guest_bytecode_dir, guest_source, runtime_root
 from .argv import VmResources
 from .device_process import DeviceServerProcess, smc_server
 from .gpu_process import GpuServerProcess
@@ -52,11 +52,6 @@ def check_port_free(port: int) -> None:
         except OSError:
             raise LabError(f"port {port} on 127.0.0.1 is already in use",
                            "choose another --ssh-port, or leave it out to pick a free one") from None
-
-
-# A run directory holding this file belongs to a fabric-manager lab: `vfio-cxl vm down`
-# keeps its logs, then removes it; remove_stale_rundirs() leaves it alone.
-MANAGED_MARKER = "fm.json"
 
 
 def _backend_path(rundir: Path, name: str) -> Path:

@@ -21,8 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...errors import LabError
-from ...paths import cache_root
-from ..lab import MANAGED_MARKER
+from ...paths import MANAGED_MARKER, cache_root
 from .procs import ProcessId
 
 RECORD_VERSION = 1
