@@ -12,7 +12,6 @@ sha256 of the bytes moved.  ``--pattern SEED`` writes ``pattern(SEED, LEN)`` (Py
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 
@@ -23,6 +22,11 @@ from ..vfio.errors import VfioError
 def pattern(seed: int, length: int) -> bytes:
     import random   # here: `vfio-cxl gpu ...` builds this parser too, and never needs it
     return random.Random(seed).randbytes(length)
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib   # here: `vfio-cxl gpu ...` builds this parser too, and never needs it
+    return hashlib.sha256(data).hexdigest()
 
 
 def find_controllers() -> list[str]:
@@ -110,7 +114,7 @@ def cmd_rw(args) -> int:
         with open(args.out, "wb") as f:
             f.write(data)
     result = {"bdf": bdf, "op": args.op, "nsid": args.nsid, "offset": args.offset, "bytes": length,
-              "commands": commands, "sha256": hashlib.sha256(data).hexdigest(), "seconds": seconds,
+              "commands": commands, "sha256": _sha256(data), "seconds": seconds,
               "vfio_backend": backend, "sgl": args.sgl}
     if args.json:
         print(json.dumps(result))
