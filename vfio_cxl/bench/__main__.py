@@ -7,6 +7,7 @@ import sys
 SUBCOMMANDS = {
     "gpu-server": "vfio_cxl.bench.gpu_server",
     "boot": "vfio_cxl.bench.boot",
+    "guest-start": "vfio_cxl.bench.guest_start",
     "routes": "vfio_cxl.bench.routes",
     "share": "vfio_cxl.bench.share",
     "chaos": "vfio_cxl.bench.chaos",
