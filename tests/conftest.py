@@ -49,6 +49,8 @@ def pytest_terminal_summary(terminalreporter, config):
         f"vfio-cxl usage: {sum(boots.values())} lab boots ({by_topology or 'none'}); "
         f"{counted['guest_commands']} guest commands, {counted['guest_python']} of them starting "
         "the guest's Python")
+    for why in counted["reboots"]:
+        terminalreporter.write_line(f"vfio-cxl usage: a pooled lab was booted again: {why}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -223,6 +223,7 @@ class LabPool:
         self._image = None
         self.current = None
         self.kept: dict = {}
+        self.rebooted: list[tuple[str, str]] = []   # (topology, why) of in-process labs booted again
 
     @property
     def runtime(self):
@@ -239,8 +240,15 @@ class LabPool:
         return self._image
 
     def get(self, name: str, kernel=None):
+        """The in-process lab of topology ``name`` on ``kernel``: the one the pool holds if it is
+        still as it booted (``Lab.unhealthy``), else a fresh boot."""
         if self.current and self.current.topology.name == name and self.current.kernel == kernel:
-            return self.current
+            why = self.current.unhealthy()
+            if why is None:
+                return self.current
+            self.rebooted.append((name, why))
+            from .lab import usage
+            usage.record("reboot", f"{name}: {why}")
         self.close_all()
         from .lab import topology
         from .lab.lab import Lab

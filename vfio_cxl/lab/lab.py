@@ -275,6 +275,34 @@ class Lab:
             raise
         return self
 
+    def unhealthy(self) -> str | None:
+        """Why this running lab is no longer as it booted, or None: every QEMU and device server
+        still running, and each guest answering on its open SSH connection with its regions'
+        devdax devices and its GPUs (0601:1991, counted with sh builtins) still there.  A pool
+        hands a lab to the next test only when this is None."""
+        if not self.vms:
+            return "not running"
+        for vm in self.vms.values():
+            if vm.process is None or vm.process.poll() is not None:
+                return f"VM {vm.name}'s QEMU has exited"
+        for name, server in [*self.gpu_servers.items(), *self.smc_servers.items()]:
+            if server.process is None or server.process.poll() is not None:
+                return f"the device server of {name} has exited"
+        for vm in self.vms.values():
+            daxes = [r["dax"] for r in vm.regions.values() if r.get("dax")]
+            gpus = len(self.topology.gpus_of(vm.name)) if self.gpu else 0
+            check = (" ".join(f"[ -e /dev/{d} ] || {{ echo 'no /dev/{d}'; exit 1; }};" for d in daxes)
+                     + " n=0; for d in /sys/bus/pci/devices/*; do read v < $d/vendor; read i < $d/device;"
+                     + " [ $v:$i = 0x0601:0x1991 ] && n=$((n+1)); done;"
+                     + f" [ $n = {gpus} ] || {{ echo \"$n GPUs, not {gpus}\"; exit 1; }}")
+            try:
+                result = vm.run(check, timeout=30, check=False)
+            except LabError as err:
+                return f"VM {vm.name} does not answer: {err.what}"
+            if result.exited != 0:
+                return f"VM {vm.name}: {result.stdout.strip() or f'exit {result.exited}'}"
+        return None
+
     def stop(self) -> None:
         for vm in self.vms.values():
             vm.stop()

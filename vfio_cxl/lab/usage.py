@@ -18,7 +18,8 @@ _PYTHON = re.compile(r"(^|[\s;&|(`'\"=])(python3?|vfio-cxl)(\s|$)")
 
 
 def record(kind: str, detail: str) -> None:
-    """One line for a ``boot`` (detail: the topology) or a ``guest`` command (detail: the command)."""
+    """One line for a ``boot`` (detail: the topology), a ``guest`` command (detail: the command) or
+    a ``reboot`` of a pooled lab (detail: why)."""
     path = os.environ.get(ENV)
     if not path:
         return
@@ -38,8 +39,10 @@ def starts_python(command: str) -> bool:
 
 
 def summary(path: str) -> dict:
-    """{"boots": Counter(topology), "guest_commands": N, "guest_python": N} of a usage log."""
+    """{"boots": Counter(topology), "guest_commands": N, "guest_python": N, "reboots": [why]} of a
+    usage log (a reboot: a pooled lab that a test left changed, booted again)."""
     boots: Counter = Counter()
+    reboots: list[str] = []
     commands = python = 0
     try:
         lines = open(path).read().splitlines()
@@ -52,7 +55,9 @@ def summary(path: str) -> dict:
             continue
         if entry.get("kind") == "boot":
             boots[entry.get("detail", "?")] += 1
+        elif entry.get("kind") == "reboot":
+            reboots.append(entry.get("detail", "?"))
         elif entry.get("kind") == "guest":
             commands += 1
             python += starts_python(entry.get("detail", ""))
-    return {"boots": boots, "guest_commands": commands, "guest_python": python}
+    return {"boots": boots, "guest_commands": commands, "guest_python": python, "reboots": reboots}
