@@ -146,6 +146,9 @@ BAD_TOPOLOGY = (ROOT / "qemu/topologies/single.toml").read_text().replace(
 CASES.update({
     # ---- no VM: tests/fast/test_documented_commands.py
     "./scripts/test --fast": skip("the fast suite itself: this test is part of it"),
+    "./scripts/test --quick": skip("the fast suite and the smoke VM tests: all of them part of this suite "
+                                   "(tests/fast/test_test_tiers.py checks the tier)"),
+    "./scripts/test --soak": skip("the whole suite with the long repetitions: this test is part of it"),
     "./scripts/test": skip("the whole suite: this test is part of it"),
     "VFIO_CXL_LAB_KERNEL=1 ./scripts/test": skip("the whole suite after building the lab kernel "
                                                  "(~1,700 CPU-s): this test is part of the suite"),
@@ -256,8 +259,12 @@ CASES.update({
     "vfio-cxl selftest vfio --kernel lab --backend iommufd -k '*mix_and_match' --json":
         Case(group="lab-kernel", skip=LAB_KERNEL, timeout=1800),
     # benchmarks: each with its smallest arguments (each boots its own lab)
-    "scripts/bench boot": Case(group="bench", run="scripts/bench boot --runs 1 --kernel debian", timeout=900),
+    "scripts/bench boot": Case(group="bench", run="scripts/bench boot --runs 1 --kernel debian --json", timeout=900,
+                               expect=(r'^ "rows": \[',)),   # --json: the table goes to stderr, so both run
     "scripts/bench boot --runs 2": same("scripts/bench boot"),
+    "scripts/bench boot --json": same("scripts/bench boot"),
+    "scripts/bench guest-start": Case(group="bench", run="scripts/bench guest-start --runs 1 --kernel debian",
+                                      timeout=900, expect=(r"^vfio-cxl gpu ls +\d",)),
     "scripts/bench boot --runs 5": same("scripts/bench boot"),
     "scripts/bench boot --all --runs 1": skip("boots every shipped topology (11 labs, ~10 min): "
                                               "scripts/bench boot --runs 1 runs one"),
