@@ -28,15 +28,20 @@ class Monitor:
     """A UNIX listening socket at ``path``; its client is kept (silent) or greeted and answered
     (at most ``answers`` requests, the capabilities negotiation included; None: all)."""
 
-    def __init__(self, path: Path, greet: bool, answers: int | None = None):
+    def __init__(self, path: Path, greet: bool, answers: int | None = None, listen: bool = True):
         self.greet = greet
         self.answers = answers
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(str(path))
-        self.listener.listen(4)
         self.clients: list[socket.socket] = []
         self.closed = threading.Event()     # a client went away (EOF)
         self.thread = threading.Thread(target=self._serve, daemon=True)
+        if listen:
+            self.listen()
+
+    def listen(self) -> None:
+        """Bound but not listening until now: connects are refused, as between QEMU's bind and listen."""
+        self.listener.listen(4)
         self.thread.start()
 
     def _serve(self) -> None:
@@ -79,6 +84,30 @@ def test_a_monitor_that_never_greets_is_named_and_its_connection_closed(vm):
             vm._open_qmp(1.0)
         assert "another client holds its monitor" in err.value.fix
         assert monitor.closed.wait(10), "the half-open QMP connection was left open"
+    finally:
+        monitor.close()
+
+
+def test_a_socket_bound_but_not_yet_listening_is_tried_again(vm):
+    """QEMU makes its QMP socket file (bind) before it listens: a connect in between is refused
+    (seen at a lab's start under load: an unhandled ConnectError).  The lab tries again."""
+    monitor = Monitor(vm.res.qmp_socket, greet=True, listen=False)
+    timer = threading.Timer(0.5, monitor.listen)
+    timer.start()
+    try:
+        qmp = vm._open_qmp(10)
+        qmp.close()
+        assert monitor.clients, "it never connected"
+    finally:
+        timer.cancel()
+        monitor.close()
+
+
+def test_a_socket_that_never_listens_is_named(vm):
+    monitor = Monitor(vm.res.qmp_socket, greet=True, listen=False)
+    try:
+        with pytest.raises(LabError, match=r"\[host0\] cannot connect to QEMU's QMP socket"):
+            vm._open_qmp(1.0)
     finally:
         monitor.close()
 

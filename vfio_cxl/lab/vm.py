@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from qemu.qmp import ConnectError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from ..errors import LabError
@@ -252,18 +253,28 @@ class VirtualMachine:
             if time.monotonic() >= deadline:
                 raise LabError(f"[{self.name}] no QMP socket after {timeout:.0f} s", "see the QEMU log")
             time.sleep(0.05)   # polling for QEMU's socket file; not synchronisation
-        qmp = BoundedQMP(str(self.res.qmp_socket))
-        try:
-            qmp.connect_within(max(0.5, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
-            qmp.close()
-            self._check_alive()
-            raise LabError(f"[{self.name}] QEMU did not greet on QMP within {timeout:.0f} s",
-                           "QEMU is wedged or another client holds its monitor; see the QEMU log") from None
-        except BaseException:
-            qmp.close()
-            raise
-        return qmp
+        while True:
+            qmp = BoundedQMP(str(self.res.qmp_socket))
+            try:
+                qmp.connect_within(max(0.5, deadline - time.monotonic()))
+                return qmp
+            except asyncio.TimeoutError:
+                qmp.close()
+                self._check_alive()
+                raise LabError(f"[{self.name}] QEMU did not greet on QMP within {timeout:.0f} s",
+                               "QEMU is wedged or another client holds its monitor; see the QEMU log") from None
+            except ConnectError as err:
+                # QEMU binds the socket (the file appears) before it listens: refused in between
+                # (seen under load at a lab's start).  Again until the deadline.
+                qmp.close()
+                self._check_alive()
+                if not isinstance(err.exc, ConnectionRefusedError) or time.monotonic() >= deadline:
+                    raise LabError(f"[{self.name}] cannot connect to QEMU's QMP socket: {err}",
+                                   "see the QEMU log") from None
+            except BaseException:
+                qmp.close()
+                raise
+            time.sleep(0.05)   # QEMU between bind and listen; not synchronisation
 
     def run(self, command: str, **kwargs):
         if self.shell is None:
