@@ -184,7 +184,7 @@ def add_qemu_option(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .lab.kernel import add_kernel_options
+    from .lab.kernel_options import add_kernel_options
 
     parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

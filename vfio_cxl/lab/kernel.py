@@ -15,7 +15,6 @@ fragment rebuilds only what the changed options touch.  Builds run under
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 from ..errors import LabError
 from ..paths import REPO_ROOT, cache_root, data_dir
 from . import apt
+from .kernel_options import add_kernel_options  # noqa: F401 (the demos import it from here)
 from .kconfig import check_config, parse_config, read_kernel_config
 from .recipe import Progress, building, recipe_hash
 
@@ -234,16 +234,6 @@ def boot_image(built: Path) -> Path:
     TCG); ``bzImage`` for a kernel cached before that."""
     vmlinux = built / "vmlinux"
     return vmlinux if vmlinux.is_file() else built / "bzImage"
-
-
-def add_kernel_options(parser: argparse.ArgumentParser) -> None:
-    """--kernel/--modules/--append, for every command that boots VMs."""
-    parser.add_argument("--kernel", metavar="PATH|lab",
-                        help="boot this bzImage instead of the image's Debian kernel; 'lab' is the lab "
-                             "kernel (IOMMUFD; built by 'vfio-cxl provision --kernel lab')")
-    parser.add_argument("--modules", metavar="DIR",
-                        help="the kernel's modules tree (lib/modules/<release>), shared read-only to the guest")
-    parser.add_argument("--append", metavar="ARGS", help="extra kernel command line")
 
 
 def resolve(kernel: str | None, modules: str | None = None, append: str = "",
