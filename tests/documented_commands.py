@@ -150,6 +150,7 @@ CASES.update({
                                    "(tests/fast/test_test_tiers.py checks the tier)"),
     "./scripts/test --soak": skip("the whole suite with the long repetitions: this test is part of it"),
     "./scripts/test": skip("the whole suite: this test is part of it"),
+    "./scripts/test --durations=0": skip("the whole suite, every test's time listed: this test is part of it"),
     "VFIO_CXL_LAB_KERNEL=1 ./scripts/test": skip("the whole suite after building the lab kernel "
                                                  "(~1,700 CPU-s): this test is part of the suite"),
     "./scripts/test tests/vm/test_smc.py -s": skip("a VM test module of the suite, run by ./scripts/test"),
@@ -261,13 +262,12 @@ CASES.update({
     # benchmarks: each with its smallest arguments (each boots its own lab)
     "scripts/bench boot": Case(group="bench", run="scripts/bench boot --runs 1 --kernel debian --json", timeout=900,
                                expect=(r'^ "rows": \[',)),   # --json: the table goes to stderr, so both run
-    "scripts/bench boot --runs 2": same("scripts/bench boot"),
-    "scripts/bench boot --json": same("scripts/bench boot"),
     "scripts/bench guest-start": Case(group="bench", run="scripts/bench guest-start --runs 1 --kernel debian",
                                       timeout=900, expect=(r"^vfio-cxl gpu ls +\d",)),
-    "scripts/bench boot --runs 5": same("scripts/bench boot"),
-    "scripts/bench boot --all --runs 1": skip("boots every shipped topology (11 labs, ~10 min): "
-                                              "scripts/bench boot --runs 1 runs one"),
+    "scripts/bench boot --runs 3 --kernel lab --kernel debian":
+        Case(group="lab-kernel", skip=LAB_KERNEL, run="scripts/bench boot --runs 1 --kernel lab --kernel debian",
+             timeout=900, expect=(r"^single +lab +1 ", r"^single +debian +1 ")),
+    "scripts/bench fabric --moves 6": same("scripts/bench fabric"),
     "scripts/bench routes": Case(group="bench", run="scripts/bench routes --sizes 1M --runs 1", timeout=900),
     "scripts/bench share": Case(group="bench", run="scripts/bench share --records 0 --plan 64:2:paced", timeout=1200),
     "scripts/bench share --records 0 --json": same("scripts/bench share"),
