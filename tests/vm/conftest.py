@@ -91,7 +91,7 @@ def lab_kernel_lab(labs) -> Lab:
 
 # `./scripts/test --quick` (pytest -m "not vm or smoke"): the fast tests and one VM test per area,
 # on as few labs as the areas allow (in-process single, detached single, shared, p2p, storage,
-# fabric).  Each names a test id below tests/vm/ (tests/fast/test_test_tiers.py checks they exist).
+# detached fabric).  Each names a test id below tests/vm/ (tests/fast/test_test_tiers.py checks they exist).
 SMOKE = {
     "boot, and the plugin's lab fixture": "test_lab_single.py::test_guest_sees_intel_iommu_dmar",
     "DMA demo": "test_gpu_dma.py::test_demo_dma_lands_byte_exact_in_devdax_and_the_host_file",
@@ -99,7 +99,9 @@ SMOKE = {
     "sharing": "test_share.py::test_gpu_in_a_writes_what_b_reads_with_no_copy",
     "P2P": "test_p2p.py::test_p2p_both_ways_every_byte[1MiB]",
     "storage": "test_storage.py::test_nvme_to_vram_and_back_verified_through_the_bar[p2p]",
-    "FM moves": "test_lab_fabric.py::test_gpu_moves_between_hosts_scrubbed_or_kept",
+    # the README's fabric session as typed (32 s) rather than test_lab_fabric's moves with their
+    # leak checks and a holder's forced release (~120 s)
+    "FM moves": "test_documented_commands.py::test_fabric_session_as_the_readme_shows_it",
 }
 
 
