@@ -125,9 +125,12 @@ CDEF = """
 """
 
 
-def _IO(type_: int, nr: int) -> int:
-    """The kernel's _IO(): no direction and no size bits (VFIO passes argsz instead)."""
+def ioctl_number(type_: int, nr: int) -> int:
+    """The kernel's _IO(): no direction and no size bits (VFIO and iommufd pass argsz instead)."""
     return (type_ << 8) | nr
+
+
+_IO = ioctl_number   # the kernel's spelling, for the tables below
 
 
 VFIO_API_VERSION = 0

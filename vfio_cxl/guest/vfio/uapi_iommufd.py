@@ -6,13 +6,15 @@ to an IO address space (IOAS) there, instead of going through a group and a
 type1 container.  ``tests/fast/test_vfio_uapi_layout.py`` checks every struct
 and constant here against the guest kernel's own headers, as for ``uapi``.
 
-Standard library and cffi only; names are the kernel's.
+Standard library, cffi and ``vfio_abi`` (the ioctl encoding, VFIO's type and base) only;
+names are the kernel's.
 """
 
 from __future__ import annotations
 
 import re
 
+from ...vfio_abi import VFIO_BASE, VFIO_TYPE, ioctl_number  # noqa: F401 (VFIO_TYPE, VFIO_BASE: this module's names too)
 from .cdefs import ffi_for
 
 CDEF = (
@@ -125,29 +127,23 @@ ffi = ffi_for("iommufd", CDEF, CDEF_NEWER)   # parsed once per guest, not at eve
 NEWER_STRUCTS = tuple(f"struct {name}" for name in ffi.list_types()[1] if f"struct {name}" not in STRUCTS)
 
 
-def _IO(type_: int, nr: int) -> int:
-    return (type_ << 8) | nr
-
-
 IOMMUFD_TYPE = ord(";")
 IOMMUFD_CMD_BASE = 0x80
-IOMMU_DESTROY = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 0)
-IOMMU_IOAS_ALLOC = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 1)
-IOMMU_IOAS_IOVA_RANGES = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 4)
-IOMMU_IOAS_MAP = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 5)
-IOMMU_IOAS_UNMAP = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 6)
+IOMMU_DESTROY = ioctl_number(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 0)
+IOMMU_IOAS_ALLOC = ioctl_number(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 1)
+IOMMU_IOAS_IOVA_RANGES = ioctl_number(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 4)
+IOMMU_IOAS_MAP = ioctl_number(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 5)
+IOMMU_IOAS_UNMAP = ioctl_number(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 6)
 
 # struct iommu_ioas_map.flags
 IOMMU_IOAS_MAP_FIXED_IOVA = 1 << 0
 IOMMU_IOAS_MAP_WRITEABLE = 1 << 1
 IOMMU_IOAS_MAP_READABLE = 1 << 2
 
-# ioctls on a VFIO device cdev (same type and base as the rest of VFIO)
-VFIO_TYPE = ord(";")
-VFIO_BASE = 100
-VFIO_DEVICE_BIND_IOMMUFD = _IO(VFIO_TYPE, VFIO_BASE + 18)
-VFIO_DEVICE_ATTACH_IOMMUFD_PT = _IO(VFIO_TYPE, VFIO_BASE + 19)
-VFIO_DEVICE_DETACH_IOMMUFD_PT = _IO(VFIO_TYPE, VFIO_BASE + 20)
+# ioctls on a VFIO device cdev (same type and base as the rest of VFIO: vfio_abi's)
+VFIO_DEVICE_BIND_IOMMUFD = ioctl_number(VFIO_TYPE, VFIO_BASE + 18)
+VFIO_DEVICE_ATTACH_IOMMUFD_PT = ioctl_number(VFIO_TYPE, VFIO_BASE + 19)
+VFIO_DEVICE_DETACH_IOMMUFD_PT = ioctl_number(VFIO_TYPE, VFIO_BASE + 20)
 
 #: The kernel constants above by name, for the layout test (the enum
 #: IOMMUFD_CMD_* values are compared through the ioctl numbers built from them).
@@ -155,8 +151,8 @@ CONSTANTS = {name: value for name, value in globals().items()
              if name.startswith(("IOMMU_", "VFIO_DEVICE_")) or name == "IOMMUFD_TYPE"}
 
 # -- newer than 6.12 (see NEWER_STRUCTS) --
-IOMMU_IOAS_MAP_FILE = _IO(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 0xF)
-VFIO_DEVICE_FEATURE = _IO(VFIO_TYPE, VFIO_BASE + 17)
+IOMMU_IOAS_MAP_FILE = ioctl_number(IOMMUFD_TYPE, IOMMUFD_CMD_BASE + 0xF)
+VFIO_DEVICE_FEATURE = ioctl_number(VFIO_TYPE, VFIO_BASE + 17)
 VFIO_DEVICE_FEATURE_MASK = 0xFFFF
 VFIO_DEVICE_FEATURE_GET = 1 << 16
 VFIO_DEVICE_FEATURE_SET = 1 << 17
