@@ -122,7 +122,10 @@ class StorageSession:
     def __init__(self, nvme: NvmeController, gpu: GpuDriver, context, mode: str, backend: str,
                  stack: contextlib.ExitStack):
         self.nvme, self.gpu, self.context, self.mode, self.backend = nvme, gpu, context, mode, backend
-        self._stack = stack
+        self.bdfs = (nvme.bdf, gpu.device.bdf)
+        self._stack = stack              # closes the devices and the context (``close``)
+        self._queues: list = []          # GPU queues open on this session (gpu_initiated.GpuQueue)
+        self.closed = False
         self.vram_mapping = None
         self.bounce = None
         self.cmb_mapping = None
@@ -146,14 +149,20 @@ class StorageSession:
                                        spare_queues=spare_queues, **shared)
             stack.callback(nvme.close)
             stack.callback(context.unmap_all)   # type1: mappings go before the devices leave
-            self = cls(nvme, gpu, context, mode, backend, stack)
+            self = cls(nvme, gpu, context, mode, backend, stack.pop_all())   # the session owns them now
+        try:
             if mode == "p2p":
                 self.map_vram()
             elif mode == "cmb":
                 self.map_cmb()
             else:
                 self.bounce = nvme.dma_buffer(BOUNCE)
-            stack.pop_all()
+        except BaseException as error:     # a half-open session: released as a whole one is
+            try:
+                self.close()
+            except Exception as also:
+                error.add_note(f"closing the half-open session also failed: {also}")
+            raise
         return self
 
     def map_vram(self) -> None:
@@ -208,18 +217,29 @@ class StorageSession:
             self.vram_mapping.close()
             self.vram_mapping = None
 
+    def _unmap_cmb(self) -> None:
+        if self.cmb_mapping is not None:
+            self.cmb_mapping.close()
+            self.cmb_mapping = None
+
     def close(self) -> None:
-        """The controller stops DMA first (queues deleted, disabled), then the mappings go,
-        then the devices leave the context."""
+        """Release everything the session opened, in this order: its GPU queues (their NVMe
+        queues deleted, their views of VRAM and the doorbell mapping let go), the controller
+        stopped (I/O queues deleted, disabled: it DMAs no more), the VRAM and CMB mappings, every
+        other mapping of the context, the NVMe and the GPU (interrupts, BAR mmaps, device fds,
+        their VFIO groups), then the context (the container or the iommufd).  Every step runs
+        even if an earlier one failed, and the failure is raised once all have run.  Safe to
+        call again."""
+        if self.closed:
+            return
+        self.closed = True
         stack, self._stack = self._stack, contextlib.ExitStack()
-        try:
-            self.nvme.shutdown()
-        finally:
-            self.unmap_vram()
-            if self.cmb_mapping is not None:
-                self.cmb_mapping.close()
-                self.cmb_mapping = None
-            stack.close()
+        with stack:                               # runs the newest first
+            stack.callback(self._unmap_cmb)
+            stack.callback(self.unmap_vram)
+            stack.callback(self.nvme.shutdown)
+            for queue in list(self._queues):
+                stack.callback(queue.close)
 
     def __enter__(self) -> "StorageSession":
         return self
@@ -255,6 +275,8 @@ class StorageSession:
 
     # -- I/O -------------------------------------------------------------------------------
     def read(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int = 0, buf_offset: int = 0) -> int:
+        """``size`` bytes of the namespace at ``file_offset`` into the buffer at ``buf_offset``;
+        -> the bytes read (all of ``size``: an error raises)."""
         vram = self._check(fh, buf, size, file_offset, buf_offset)
         if self.mode == "p2p":
             self.stats["commands"] += self.nvme.read(fh.nsid, file_offset, VRAM_IOVA + vram, size)
@@ -276,6 +298,8 @@ class StorageSession:
         return size
 
     def write(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int = 0, buf_offset: int = 0) -> int:
+        """``size`` bytes of the buffer at ``buf_offset`` into the namespace at ``file_offset``;
+        -> the bytes written."""
         vram = self._check(fh, buf, size, file_offset, buf_offset)
         if self.mode == "p2p":
             self.stats["commands"] += self.nvme.write(fh.nsid, file_offset, VRAM_IOVA + vram, size)
