@@ -1,5 +1,6 @@
 """StorageSession's lifetime, without a VM: a closed session holds nothing, so a second one opens
-in the same process; an open that fails part-way leaves nothing.
+in the same process; an open that fails part-way leaves nothing; a closed session refuses work
+with a StorageError.
 
 The fake kernel (storage_fake_kernel.py) runs the library's own VFIO stack and GPU driver on
 real fds and mmaps, and gives a group node the kernel's single open (EBUSY while its fd, a
@@ -15,7 +16,8 @@ import fdcheck
 import pytest
 from storage_fake_kernel import BLOCK, GPU, NVME, FakeKernel
 
-from vfio_cxl.guest.storage import StorageSession
+from vfio_cxl.errors import LabError
+from vfio_cxl.guest.storage import IoParams, StorageError, StorageSession
 from vfio_cxl.guest.storage.gpu_initiated import GpuQueue
 from vfio_cxl.guest.storage.session import VRAM_IOVA
 from vfio_cxl.guest.vfio.errors import VfioError
@@ -131,3 +133,31 @@ def test_a_gpu_queue_that_fails_part_way_leaves_nothing(kernel):
         assert not any(iova >= 0x20_0000_0000 for iova in mapped), mapped   # the doorbells went again
         read_into_vram(s, 3)
     assert_released(kernel, before)
+
+
+def test_a_closed_session_refuses_work_with_a_storage_error(kernel):
+    """Before: the read reached the controller's deleted queues and raised a bare KeyError."""
+    s = StorageSession.open(NVME, GPU)
+    fh, buf = s.handle_register(1), s.buf_register(0, 1 << 20)
+    q = GpuQueue(s, entries=16)
+    s.close()
+    calls = {"read": lambda: s.read(fh, buf, 4096), "write": lambda: s.write(fh, buf, 4096),
+             "batch_submit": lambda: s.batch_submit([IoParams("read", fh, buf, 4096, 0, 0)]),
+             "handle_register": lambda: s.handle_register(1), "buf_register": lambda: s.buf_register(0, 4096),
+             "GpuQueue": lambda: GpuQueue(s), "GpuQueue.run": lambda: q.run([(0, 4096, 0)])}
+    for name, call in calls.items():
+        with pytest.raises(StorageError) as caught:
+            call()
+        err = caught.value
+        assert isinstance(err, LabError), name
+        assert "storage session" in err.what and "is closed" in err.what, (name, str(err))
+        assert f"StorageSession.open({NVME!r}, {GPU!r})" in err.fix, (name, str(err))
+    s.close()                                  # again: nothing to do
+
+
+def test_a_closed_gpu_queue_refuses_to_run(kernel):
+    with StorageSession.open(NVME, GPU) as s:
+        with GpuQueue(s, entries=16) as q:
+            pass
+        with pytest.raises(StorageError, match="GPU queue 2: it is closed"):
+            q.run([(0, 4096, 0)])

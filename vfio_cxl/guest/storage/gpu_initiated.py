@@ -41,6 +41,7 @@ NVME_READ, NVME_WRITE = 0x02, 0x01
 class GpuQueue:
     def __init__(self, session: StorageSession, *, entries: int = 64, qid: int | None = None,
                  timeout_ms: int = 5000, sq_in_cmb: bool = False):
+        session._require_open("make a GPU queue")
         nvme, gpu = session.nvme, session.gpu
         self.session, self.entries, self.timeout_ms, self.sq_in_cmb = session, entries, timeout_ms, sq_in_cmb
         self.closed = True            # until everything below is in place
@@ -117,6 +118,10 @@ class GpuQueue:
         register reads, each a vfio-user round trip that stalls this vCPU: a caller measuring
         CPU time reads them outside its measurement instead)."""
         s, gpu, nvme = self.session, self.session.gpu, self.session.nvme
+        s._require_open("run a GPU queue")
+        if self.closed:
+            raise StorageError(f"cannot run GPU queue {self.qid}: it is closed",
+                               "make a new one, GpuQueue(session), and run it before closing it")
         ns = nvme.namespace(1)
         if not 1 <= depth <= min(regs.NVME_MAX_DEPTH, self.entries - 1):
             raise StorageError(f"queue depth {depth}", f"use 1 to {min(regs.NVME_MAX_DEPTH, self.entries - 1)} "

@@ -89,6 +89,9 @@ class Batch:
         """Wait until every request of the batch completed (or failed); -> [(cookie, status, bytes)]
         with status "ok" or the error's text; a controller that dies fails them all at once."""
         s = self.session
+        if not self.pending:
+            return self.events           # all reaped (also after the session closed)
+        s._require_open("poll a batch")
         queue = s.nvme.queues[1]
         try:
             while self.pending:
@@ -167,12 +170,14 @@ class StorageSession:
 
     def map_vram(self) -> None:
         """The GPU's BAR2 into the shared IOMMU context at VRAM_IOVA (the NVMe may DMA there)."""
+        self._require_open("map VRAM for the NVMe")
         if self.vram_mapping is None:
             self.vram_mapping = map_peer_bar(self.nvme, self.gpu, VRAM_IOVA, notes=self.kernel)
 
     def map_cmb(self) -> None:
         """The NVMe's CMB on (controller address ``CMB_IOVA``), its BAR mapped for the GPU at the
         same IOVA, and the GPU's message window over it."""
+        self._require_open("map the CMB for the GPU")
         if self.cmb_mapping is None:
             cmb = self.nvme.enable_cmb(CMB_IOVA)
             if not (cmb.rds and cmb.wds):
@@ -229,7 +234,7 @@ class StorageSession:
         other mapping of the context, the NVMe and the GPU (interrupts, BAR mmaps, device fds,
         their VFIO groups), then the context (the container or the iommufd).  Every step runs
         even if an earlier one failed, and the failure is raised once all have run.  Safe to
-        call again."""
+        call again; the session refuses work after (StorageError)."""
         if self.closed:
             return
         self.closed = True
@@ -241,6 +246,14 @@ class StorageSession:
             for queue in list(self._queues):
                 stack.callback(queue.close)
 
+    def _require_open(self, action: str) -> None:
+        if self.closed:
+            nvme, gpu = self.bdfs
+            raise StorageError(f"cannot {action}: the storage session of NVMe {nvme} and GPU {gpu} is closed "
+                               "(its devices were released when it closed)",
+                               f"open a new one, StorageSession.open({nvme!r}, {gpu!r}), and do the I/O "
+                               "inside its with block")
+
     def __enter__(self) -> "StorageSession":
         return self
 
@@ -249,10 +262,12 @@ class StorageSession:
 
     # -- registration ------------------------------------------------------------
     def handle_register(self, nsid: int = 1) -> FileHandle:
+        self._require_open("register a file handle")
         ns = self.nvme.namespace(nsid)
         return FileHandle(nsid, ns.size, ns.block_size)
 
     def buf_register(self, offset: int, length: int) -> GpuBuffer:
+        self._require_open("register a VRAM buffer")
         if length <= 0 or offset < 0 or offset + length > self.gpu.vram_size:
             raise StorageError(f"VRAM buffer [{offset:#x}, {offset + length:#x}) is outside the GPU's "
                                f"{self.gpu.vram_size:#x} bytes of VRAM", "register a range inside VRAM")
@@ -277,6 +292,7 @@ class StorageSession:
     def read(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int = 0, buf_offset: int = 0) -> int:
         """``size`` bytes of the namespace at ``file_offset`` into the buffer at ``buf_offset``;
         -> the bytes read (all of ``size``: an error raises)."""
+        self._require_open("read")
         vram = self._check(fh, buf, size, file_offset, buf_offset)
         if self.mode == "p2p":
             self.stats["commands"] += self.nvme.read(fh.nsid, file_offset, VRAM_IOVA + vram, size)
@@ -300,6 +316,7 @@ class StorageSession:
     def write(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int = 0, buf_offset: int = 0) -> int:
         """``size`` bytes of the buffer at ``buf_offset`` into the namespace at ``file_offset``;
         -> the bytes written."""
+        self._require_open("write")
         vram = self._check(fh, buf, size, file_offset, buf_offset)
         if self.mode == "p2p":
             self.stats["commands"] += self.nvme.write(fh.nsid, file_offset, VRAM_IOVA + vram, size)
@@ -323,6 +340,7 @@ class StorageSession:
     def gpu_copy(self, *transfers: Transfer, timeout: float = 60) -> list[dict]:
         """GPU copies to or from the CMB (the window set over it first if it is not); a failed
         copy resets the GPU, which clears the window."""
+        self._require_open("copy with the GPU")
         if self.window not in ("cmb", "doorbells+cmb"):
             self.set_cmb_window()
         try:
@@ -337,6 +355,7 @@ class StorageSession:
         """p2p: every request's NVMe commands on the queue, one doorbell, reaped by ``poll``.
         compat, cmb: each request runs through the bounce buffer (or the CMB) now; ``poll``
         returns the results."""
+        self._require_open("submit a batch")
         batch = Batch(self)
         queue = self.nvme.queues[1]
         checked = [self._check(p.fh, p.buf, p.size, p.file_offset, p.buf_offset) for p in params]
