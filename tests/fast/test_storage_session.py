@@ -4,7 +4,8 @@ with a StorageError.
 
 The fake kernel (storage_fake_kernel.py) runs the library's own VFIO stack and GPU driver on
 real fds and mmaps, and gives a group node the kernel's single open (EBUSY while its fd, a
-device fd or a BAR mmap of the group is held).
+device fd or a BAR mmap of the group is held).  The two-sessions check runs on QEMU's NVMe and
+the lab GPU in tests/vm/test_storage.py::test_two_sessions_one_after_the_other_in_one_process.
 """
 
 from __future__ import annotations

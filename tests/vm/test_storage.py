@@ -184,6 +184,23 @@ def test_controller_reset_mid_batch_fails_the_batch_cleanly(storage_lab):
     assert out["after_reset_match"]
 
 
+def test_two_sessions_one_after_the_other_in_one_process(storage_lab):
+    """The issue: once a session's with block ended, a second StorageSession.open in the same
+    process failed with "GroupError: /dev/vfio/N is already open (EBUSY)" -- the first session
+    had left the GPU's VFIO group (and the rest) open.  Each session reads into VRAM, CPU-driven
+    and with a GPU queue it leaves for the session's close; no VFIO fd is left after either; a read
+    on the closed session is a StorageError."""
+    out = storage_check(storage_lab, "two-sessions", f"--size {MIB} --offset {224 * MIB}")
+    assert len(out["rounds"]) == 2, out
+    for r in out["rounds"]:
+        assert r["read"] == MIB and r["read_match"], out
+        assert r["gpu_statuses_ok"] and r["gpu_match"] and r["queue_closed"], out
+        assert r["vfio_fds_left"] == [], out
+    closed = out["closed_read"]
+    assert closed["type"] == "StorageError" and "is closed" in closed["what"], out
+    assert "StorageSession.open(" in closed["fix"], out
+
+
 def test_iommufd_p2p_and_gpu_initiated(storage_lab_kernel_lab):
     """The same paths with both devices in one iommufd IOAS: the GPU's BAR2 and the NVMe's BAR0
     and BAR2 (its CMB) go in as VFIO dma-bufs (IOMMU_IOAS_MAP_FILE)."""
