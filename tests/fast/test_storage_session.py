@@ -162,3 +162,11 @@ def test_a_closed_gpu_queue_refuses_to_run(kernel):
             pass
         with pytest.raises(StorageError, match="GPU queue 2: it is closed"):
             q.run([(0, 4096, 0)])
+
+
+def test_a_gpu_queue_refuses_an_unknown_op(kernel):
+    """run(op=...) takes "read" or "write" (docs/storage.md); anything else was run as a write."""
+    with StorageSession.open(NVME, GPU) as s, GpuQueue(s, entries=16) as q:
+        with pytest.raises(StorageError, match="op 'trim'") as caught:
+            q.run([(0, 4096, 0)], op="trim")
+        assert '"read"' in caught.value.fix and '"write"' in caught.value.fix

@@ -123,6 +123,8 @@ class GpuQueue:
             raise StorageError(f"cannot run GPU queue {self.qid}: it is closed",
                                "make a new one, GpuQueue(session), and run it before closing it")
         ns = nvme.namespace(1)
+        if op not in ("read", "write"):
+            raise StorageError(f"op {op!r} for a GPU queue", 'use "read" (namespace -> VRAM) or "write" (VRAM -> namespace)')
         if not 1 <= depth <= min(regs.NVME_MAX_DEPTH, self.entries - 1):
             raise StorageError(f"queue depth {depth}", f"use 1 to {min(regs.NVME_MAX_DEPTH, self.entries - 1)} "
                                f"(at most 64, and one less than the queue's {self.entries} entries)")
