@@ -261,6 +261,11 @@ class StandInNvme:
     def create_io_queue(self, qid, queue, **_):
         if self.refuse_create:
             raise NvmeError(f"create CQ {qid} failed: Invalid Queue Identifier", "the test said so")
+        # QEMU's nvme (nvme_create_cq/sq): a physically contiguous queue starts on a page
+        for what, iova in (("CQ", queue.cq_iova), ("SQ", queue.sq_iova)):
+            if iova % 4096:
+                raise NvmeError(f"{self.bdf}: create {what} {qid} failed: PRP Offset Invalid (SCT 0x0 SC 0x13)",
+                                f"queue at IOVA {iova:#x}: start it on a 4 KiB page")
         self.queues[qid] = queue
         self.created.append(qid)
         return queue

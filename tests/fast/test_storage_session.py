@@ -170,3 +170,12 @@ def test_a_gpu_queue_refuses_an_unknown_op(kernel):
         with pytest.raises(StorageError, match="op 'trim'") as caught:
             q.run([(0, 4096, 0)], op="trim")
         assert '"read"' in caught.value.fix and '"write"' in caught.value.fix
+
+
+@pytest.mark.parametrize("entries", [2, 16, 63, 64, 100, 2048])
+def test_a_gpu_queue_s_sq_and_cq_each_start_on_a_page(kernel, entries):
+    """QEMU's nvme refuses a queue that does not start on a page (PRP Offset Invalid); the CQ
+    used to follow the SQ directly, off a page for fewer than 64 entries (the VM test's 16)."""
+    with StorageSession.open(NVME, GPU) as s, GpuQueue(s, entries=entries) as q:
+        assert q.queue.sq_iova % 4096 == q.queue.cq_iova % 4096 == 0
+        assert q.cq_off + entries * 16 <= q.block_off          # still below the queue block

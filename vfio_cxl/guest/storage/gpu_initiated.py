@@ -60,7 +60,9 @@ class GpuQueue:
                 raise StorageError(f"{nvme.bdf} has no Controller Memory Buffer (CAP.CMBS = 0)",
                                    "keep the SQ in VRAM, or use a controller with a CMB")
         base = gpu.vram_size - QUEUE_AREA
-        self.sq_off, self.cq_off = base, base + entries * 64
+        # each queue on a page of its own: the controller refuses a queue that does not start on
+        # a page (Create I/O CQ/SQ: PRP Offset Invalid), and a CQ right after a 16-entry SQ does not
+        self.sq_off, self.cq_off = base, base + -(-entries * 64 // 4096) * 4096
         self.block_off = base + (1 << 20)
         self.requests_off = self.block_off + 4096
         self.max_requests = (QUEUE_AREA - (1 << 20) - 4096) // regs.NVME_REQUEST_SIZE
