@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
+import shlex
 import time
+from pathlib import Path
 
 import pytest
 
@@ -182,6 +185,40 @@ def test_controller_reset_mid_batch_fails_the_batch_cleanly(storage_lab):
     assert "reset under the request" in out["failed"][0]
     assert "reset under the request" in out["wait_error"]      # a wait on one fails at once
     assert out["after_reset_match"]
+
+
+def test_two_sessions_one_after_the_other_in_one_process(storage_lab):
+    """The issue: once a session's with block ended, a second StorageSession.open in the same
+    process failed with "GroupError: /dev/vfio/N is already open (EBUSY)" -- the first session
+    had left the GPU's VFIO group (and the rest) open.  Each session reads into VRAM, CPU-driven
+    and with a GPU queue it leaves for the session's close; no VFIO fd is left after either; a read
+    on the closed session is a StorageError."""
+    out = storage_check(storage_lab, "two-sessions", f"--size {MIB} --offset {224 * MIB}")
+    assert len(out["rounds"]) == 2, out
+    for r in out["rounds"]:
+        assert r["read"] == MIB and r["read_match"], out
+        assert r["gpu_statuses_ok"] and r["gpu_match"] and r["queue_closed"], out
+        assert r["vfio_fds_left"] == [], out
+    closed = out["closed_read"]
+    assert closed["type"] == "StorageError" and "is closed" in closed["what"], out
+    assert "StorageSession.open(" in closed["fix"], out
+
+
+def documented_program() -> tuple[str, str]:
+    """docs/storage.md's GPU-initiated program and the line the page says it prints."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "storage.md").read_text()
+    program = re.search(r'^```python\n("""gpu_initiated_reads\.py.*?)^```$', text, re.S | re.M)
+    shown = re.search(r"^```\n(.*?)^```$", text[program.end():], re.S | re.M)
+    return program.group(1), shown.group(1).strip()
+
+
+def test_the_documented_gpu_initiated_program_runs_as_typed(storage_lab):
+    """docs/storage.md's complete program, as the page shows it, on the library alone."""
+    program, shown = documented_program()
+    assert "vfio_cxl.guest.cmd" not in program
+    result = storage_lab["host0"].run(f"python3 -c {shlex.quote(program)}", timeout=900, check=False)
+    assert result.exited == 0, result.stderr
+    assert result.stdout.strip() == shown, (result.stdout, shown)
 
 
 def test_iommufd_p2p_and_gpu_initiated(storage_lab_kernel_lab):

@@ -4,6 +4,7 @@
     python3 -m vfio_cxl.guest.cmd.storage_checks isolation
     python3 -m vfio_cxl.guest.cmd.storage_checks gpu-initiated [--count N] [--size N] [--depth N] [--sq-in-cmb]
     python3 -m vfio_cxl.guest.cmd.storage_checks reset
+    python3 -m vfio_cxl.guest.cmd.storage_checks two-sessions [--size N] [--offset N]
     (all take --nvme BDF --gpu BDF --backend type1|iommufd; default: the GPU and the NVMe
     controller that shares its PCIe switch)
     python3 -m vfio_cxl.guest.cmd.storage_checks hot-remove --nvme BDF --marker PATH
@@ -34,7 +35,7 @@ from ..p2p import route
 from ..vfio import find_pci_devices
 from ..vfio.errors import VfioError
 from ..storage.gpu_initiated import GpuQueue
-from ..storage.session import VRAM_IOVA, StorageSession
+from ..storage.session import VRAM_IOVA, StorageError, StorageSession
 
 
 def pattern(seed: int, length: int) -> bytes:
@@ -160,6 +161,39 @@ def check_reset(s: StorageSession) -> dict:
             "wait_error": error, "after_reset_match": s.gpu.vram.read(0, 4096) == pattern(3, 4096)}
 
 
+def check_two_sessions(nvme: str, gpu: str, backend: str, size: int, offset: int) -> dict:
+    """Two sessions one after the other in this process, the second opening the same VFIO groups
+    (or device cdevs) again: each reads ``size`` bytes into VRAM (CPU-driven, p2p) and 64 blocks
+    with a GPU queue it leaves open for the session's close; after each close, what is left of
+    this process's VFIO and iommufd fds; then a read on the closed session."""
+    fds0 = vfio_fds()
+    rounds = []
+    for i in range(2):
+        with StorageSession.open(nvme, gpu, backend=backend) as s:
+            want = pattern(size ^ offset ^ i, size)
+            put(s, offset, want)
+            fh, buf = s.handle_register(1), s.buf_register(0, size)
+            s.gpu.vram_write(0, bytes(size))
+            n = s.read(fh, buf, size, offset, 0)
+            read_match = s.gpu.vram_read(0, size) == want
+            block = fh.block_size
+            s.gpu.vram_write(0, bytes(64 * block))
+            q = GpuQueue(s, entries=16)          # not closed here: the session's close does it
+            result = q.run([(offset + k * block, block, k * block) for k in range(64)], depth=8)
+            gpu_match = s.gpu.vram_read(0, 64 * block) == want[:64 * block]
+        rounds.append({"read": n, "read_match": read_match, "gpu_statuses_ok": result["statuses"] == [0] * 64,
+                       "gpu_match": gpu_match, "queue_closed": q.closed,
+                       "vfio_fds_left": [fd for fd in vfio_fds() if fd not in fds0]})
+    try:
+        s.read(fh, buf, block, offset, 0)
+        closed_read = None
+    except StorageError as err:
+        closed_read = {"type": type(err).__name__, "what": err.what, "fix": err.fix}
+    except Exception as err:       # what the issue saw: a bare KeyError
+        closed_read = {"type": type(err).__name__, "what": str(err), "fix": ""}
+    return {"vfio_backend": backend, "rounds": rounds, "closed_read": closed_read}
+
+
 def vfio_fds() -> list[str]:
     """This process's open fds into VFIO or iommufd (what a released device must not leave)."""
     found = []
@@ -211,7 +245,8 @@ def check_hot_remove(bdf: str, backend: str, marker: str, size: int = 512 << 10,
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.storage_checks")
-    p.add_argument("check", choices=("p2p", "compat", "cmb", "isolation", "gpu-initiated", "reset", "hot-remove"))
+    p.add_argument("check", choices=("p2p", "compat", "cmb", "isolation", "gpu-initiated", "reset", "hot-remove",
+                                     "two-sessions"))
     p.add_argument("--marker", default="/tmp/storage-hot-remove.inflight")
     p.add_argument("--nvme")
     p.add_argument("--gpu")
@@ -229,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(check_hot_remove(args.nvme, args.backend, args.marker)))
             return 0
         nvme, gpu = pick(args.nvme, args.gpu)
+        if args.check == "two-sessions":
+            out = check_two_sessions(nvme, gpu, args.backend, args.size, args.offset)
+            print(json.dumps(out | {"nvme": nvme, "gpu": gpu, "route": route(nvme, gpu)["kind"]}))
+            return 0
         mode = args.check if args.check in ("compat", "cmb") else "p2p"
         with StorageSession.open(nvme, gpu, mode=mode, backend=args.backend) as s:
             if args.check in ("p2p", "compat", "cmb"):

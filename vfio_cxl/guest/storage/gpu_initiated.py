@@ -23,6 +23,7 @@ the CMB.  The CQ stays in VRAM (QEMU's CMB holds no CQs: CMBSZ.CQS = 0).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 
@@ -40,8 +41,10 @@ NVME_READ, NVME_WRITE = 0x02, 0x01
 class GpuQueue:
     def __init__(self, session: StorageSession, *, entries: int = 64, qid: int | None = None,
                  timeout_ms: int = 5000, sq_in_cmb: bool = False):
+        session._require_open("make a GPU queue")
         nvme, gpu = session.nvme, session.gpu
         self.session, self.entries, self.timeout_ms, self.sq_in_cmb = session, entries, timeout_ms, sq_in_cmb
+        self.closed = True            # until everything below is in place
         self.qid = qid if qid is not None else nvme.io_queues + 1
         if not 2 <= entries <= min(regs.NVME_MAX_ENTRIES, nvme.cap.max_entries):
             raise StorageError(f"a GPU queue of {entries} entries",
@@ -57,28 +60,45 @@ class GpuQueue:
                 raise StorageError(f"{nvme.bdf} has no Controller Memory Buffer (CAP.CMBS = 0)",
                                    "keep the SQ in VRAM, or use a controller with a CMB")
         base = gpu.vram_size - QUEUE_AREA
-        self.sq_off, self.cq_off = base, base + entries * 64
+        # each queue on a page of its own: the controller refuses a queue that does not start on
+        # a page (Create I/O CQ/SQ: PRP Offset Invalid), and a CQ right after a 16-entry SQ does not
+        self.sq_off, self.cq_off = base, base + -(-entries * 64 // 4096) * 4096
         self.block_off = base + (1 << 20)
         self.requests_off = self.block_off + 4096
         self.max_requests = (QUEUE_AREA - (1 << 20) - 4096) // regs.NVME_REQUEST_SIZE
-        session.map_vram()
+        session.map_vram()            # the session's: it stays when the queue closes
         self.sq_iova = VRAM_IOVA + self.sq_off
-        if sq_in_cmb:
-            session.map_cmb()
-            if not nvme.cmb.sqs:
-                raise StorageError(f"{nvme.bdf}'s CMB does not hold submission queues (CMBSZ.SQS = 0)",
-                                   "keep the SQ in VRAM")
-            self.sq_iova = session.claim_cmb(-(-entries * 64 // 4096) * 4096)
-        self.doorbells = map_peer_bar(gpu, nvme, DOORBELL_IOVA, region=0, size=nvme.bar0.size,
-                                      notes=session.kernel)
-        # the CPU never writes the entries of a GPU-driven SQ: in the CMB its view is a stand-in
-        sq_view = bytearray(entries * 64) if sq_in_cmb else gpu.vram.view(self.sq_off, entries * 64)
-        self._views = (sq_view, gpu.vram.view(self.cq_off, entries * 16))
-        self.queue = QueuePair(self.qid, entries, self._views[0], self.sq_iova,
-                               self._views[1], VRAM_IOVA + self.cq_off, _cpu_never, _cpu_never, None, None)
-        nvme.create_io_queue(self.qid, self.queue)
-        self.state = (0, 0, 1)        # sq_tail, cq_head, phase: the GPU writes them back
-        self._set_window()
+        # What the queue holds goes on a stack, undone newest first by close() -- or here, if a
+        # step fails: views of VRAM and the doorbell mapping left behind would keep the GPU's and
+        # the NVMe's BAR mmaps, so their devices and VFIO groups, held after the session closed.
+        with contextlib.ExitStack() as stack:
+            stack.callback(self._window_off)
+            if sq_in_cmb:
+                session.map_cmb()
+                if not nvme.cmb.sqs:
+                    raise StorageError(f"{nvme.bdf}'s CMB does not hold submission queues (CMBSZ.SQS = 0)",
+                                       "keep the SQ in VRAM")
+                self.sq_iova = session.claim_cmb(-(-entries * 64 // 4096) * 4096)
+                stack.callback(session.release_cmb, self.sq_iova)
+            self.doorbells = map_peer_bar(gpu, nvme, DOORBELL_IOVA, region=0, size=nvme.bar0.size,
+                                          notes=session.kernel)
+            stack.callback(self.doorbells.close)
+            # the CPU never writes the entries of a GPU-driven SQ: in the CMB its view is a stand-in
+            sq_view = bytearray(entries * 64) if sq_in_cmb else gpu.vram.view(self.sq_off, entries * 64)
+            if isinstance(sq_view, memoryview):
+                stack.callback(sq_view.release)
+            cq_view = gpu.vram.view(self.cq_off, entries * 16)
+            stack.callback(cq_view.release)
+            self.queue = QueuePair(self.qid, entries, sq_view, self.sq_iova, cq_view, VRAM_IOVA + self.cq_off,
+                                   _cpu_never, _cpu_never, None, None)
+            stack.callback(self.queue.release)
+            nvme.create_io_queue(self.qid, self.queue)
+            stack.callback(self._delete_queue)
+            self.state = (0, 0, 1)        # sq_tail, cq_head, phase: the GPU writes them back
+            self._set_window()
+            self._stack = stack.pop_all()
+        self.closed = False
+        session._queues.append(self)      # closed with the session at the latest
 
     def _set_window(self) -> None:
         """The GPU's message window over the NVMe's doorbells, and its CMB when the SQ is there
@@ -100,7 +120,13 @@ class GpuQueue:
         register reads, each a vfio-user round trip that stalls this vCPU: a caller measuring
         CPU time reads them outside its measurement instead)."""
         s, gpu, nvme = self.session, self.session.gpu, self.session.nvme
+        s._require_open("run a GPU queue")
+        if self.closed:
+            raise StorageError(f"cannot run GPU queue {self.qid}: it is closed",
+                               "make a new one, GpuQueue(session), and run it before closing it")
         ns = nvme.namespace(1)
+        if op not in ("read", "write"):
+            raise StorageError(f"op {op!r} for a GPU queue", 'use "read" (namespace -> VRAM) or "write" (VRAM -> namespace)')
         if not 1 <= depth <= min(regs.NVME_MAX_DEPTH, self.entries - 1):
             raise StorageError(f"queue depth {depth}", f"use 1 to {min(regs.NVME_MAX_DEPTH, self.entries - 1)} "
                                f"(at most 64, and one less than the queue's {self.entries} entries)")
@@ -157,19 +183,33 @@ class GpuQueue:
                 "submit_s": t1 - t0, "submit_cpu_s": c1 - c0, "wait_s": t2 - t1, "wait_cpu_s": c2 - c1}
 
     def close(self) -> None:
+        """Delete the NVMe queue pair (unless the controller failed), let go of the queue's views
+        of VRAM, unmap the NVMe's doorbells, give back its CMB space, turn the GPU's message
+        window off.  Every step runs even if one fails.  Safe to call again; the session's close
+        does it for a queue still open."""
+        if self.closed:
+            return
+        self.closed = True
+        if self in self.session._queues:
+            self.session._queues.remove(self)
+        stack, self._stack = self._stack, contextlib.ExitStack()
+        stack.close()
+
+    def __enter__(self) -> "GpuQueue":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _delete_queue(self) -> None:
         nvme = self.session.nvme
         try:
             if nvme.failed is None and nvme.queues.get(self.qid) is self.queue:
                 nvme.delete_io_queue(self.qid)
         finally:
             nvme.queues.pop(self.qid, None)
-            self.queue.release()
-            for view in self._views:
-                if isinstance(view, memoryview):
-                    view.release()
-            self.doorbells.close()
-            if self.sq_in_cmb:
-                self.session.release_cmb(self.sq_iova)
+
+    def _window_off(self) -> None:
         for reg in (regs.REG_MSGWIN_SIZE_LO, regs.REG_MSGWIN_SIZE_HI):
             self.session.gpu.bar0.write32(reg, 0)
         self.session.window = None

@@ -89,6 +89,9 @@ class Batch:
         """Wait until every request of the batch completed (or failed); -> [(cookie, status, bytes)]
         with status "ok" or the error's text; a controller that dies fails them all at once."""
         s = self.session
+        if not self.pending:
+            return self.events           # all reaped (also after the session closed)
+        s._require_open("poll a batch")
         queue = s.nvme.queues[1]
         try:
             while self.pending:
@@ -122,7 +125,10 @@ class StorageSession:
     def __init__(self, nvme: NvmeController, gpu: GpuDriver, context, mode: str, backend: str,
                  stack: contextlib.ExitStack):
         self.nvme, self.gpu, self.context, self.mode, self.backend = nvme, gpu, context, mode, backend
-        self._stack = stack
+        self.bdfs = (nvme.bdf, gpu.device.bdf)
+        self._stack = stack              # closes the devices and the context (``close``)
+        self._queues: list = []          # GPU queues open on this session (gpu_initiated.GpuQueue)
+        self.closed = False
         self.vram_mapping = None
         self.bounce = None
         self.cmb_mapping = None
@@ -146,24 +152,32 @@ class StorageSession:
                                        spare_queues=spare_queues, **shared)
             stack.callback(nvme.close)
             stack.callback(context.unmap_all)   # type1: mappings go before the devices leave
-            self = cls(nvme, gpu, context, mode, backend, stack)
+            self = cls(nvme, gpu, context, mode, backend, stack.pop_all())   # the session owns them now
+        try:
             if mode == "p2p":
                 self.map_vram()
             elif mode == "cmb":
                 self.map_cmb()
             else:
                 self.bounce = nvme.dma_buffer(BOUNCE)
-            stack.pop_all()
+        except BaseException as error:     # a half-open session: released as a whole one is
+            try:
+                self.close()
+            except Exception as also:
+                error.add_note(f"closing the half-open session also failed: {also}")
+            raise
         return self
 
     def map_vram(self) -> None:
         """The GPU's BAR2 into the shared IOMMU context at VRAM_IOVA (the NVMe may DMA there)."""
+        self._require_open("map VRAM for the NVMe")
         if self.vram_mapping is None:
             self.vram_mapping = map_peer_bar(self.nvme, self.gpu, VRAM_IOVA, notes=self.kernel)
 
     def map_cmb(self) -> None:
         """The NVMe's CMB on (controller address ``CMB_IOVA``), its BAR mapped for the GPU at the
         same IOVA, and the GPU's message window over it."""
+        self._require_open("map the CMB for the GPU")
         if self.cmb_mapping is None:
             cmb = self.nvme.enable_cmb(CMB_IOVA)
             if not (cmb.rds and cmb.wds):
@@ -208,18 +222,37 @@ class StorageSession:
             self.vram_mapping.close()
             self.vram_mapping = None
 
+    def _unmap_cmb(self) -> None:
+        if self.cmb_mapping is not None:
+            self.cmb_mapping.close()
+            self.cmb_mapping = None
+
     def close(self) -> None:
-        """The controller stops DMA first (queues deleted, disabled), then the mappings go,
-        then the devices leave the context."""
+        """Release everything the session opened, in this order: its GPU queues (their NVMe
+        queues deleted, their views of VRAM and the doorbell mapping let go), the controller
+        stopped (I/O queues deleted, disabled: it DMAs no more), the VRAM and CMB mappings, every
+        other mapping of the context, the NVMe and the GPU (interrupts, BAR mmaps, device fds,
+        their VFIO groups), then the context (the container or the iommufd).  Every step runs
+        even if an earlier one failed, and the failure is raised once all have run.  Safe to
+        call again; the session refuses work after (StorageError)."""
+        if self.closed:
+            return
+        self.closed = True
         stack, self._stack = self._stack, contextlib.ExitStack()
-        try:
-            self.nvme.shutdown()
-        finally:
-            self.unmap_vram()
-            if self.cmb_mapping is not None:
-                self.cmb_mapping.close()
-                self.cmb_mapping = None
-            stack.close()
+        with stack:                               # runs the newest first
+            stack.callback(self._unmap_cmb)
+            stack.callback(self.unmap_vram)
+            stack.callback(self.nvme.shutdown)
+            for queue in list(self._queues):
+                stack.callback(queue.close)
+
+    def _require_open(self, action: str) -> None:
+        if self.closed:
+            nvme, gpu = self.bdfs
+            raise StorageError(f"cannot {action}: the storage session of NVMe {nvme} and GPU {gpu} is closed "
+                               "(its devices were released when it closed)",
+                               f"open a new one, StorageSession.open({nvme!r}, {gpu!r}), and do the I/O "
+                               "inside its with block")
 
     def __enter__(self) -> "StorageSession":
         return self
@@ -229,10 +262,12 @@ class StorageSession:
 
     # -- registration ------------------------------------------------------------
     def handle_register(self, nsid: int = 1) -> FileHandle:
+        self._require_open("register a file handle")
         ns = self.nvme.namespace(nsid)
         return FileHandle(nsid, ns.size, ns.block_size)
 
     def buf_register(self, offset: int, length: int) -> GpuBuffer:
+        self._require_open("register a VRAM buffer")
         if length <= 0 or offset < 0 or offset + length > self.gpu.vram_size:
             raise StorageError(f"VRAM buffer [{offset:#x}, {offset + length:#x}) is outside the GPU's "
                                f"{self.gpu.vram_size:#x} bytes of VRAM", "register a range inside VRAM")
@@ -255,6 +290,9 @@ class StorageSession:
 
     # -- I/O -------------------------------------------------------------------------------
     def read(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int = 0, buf_offset: int = 0) -> int:
+        """``size`` bytes of the namespace at ``file_offset`` into the buffer at ``buf_offset``;
+        -> the bytes read (all of ``size``: an error raises)."""
+        self._require_open("read")
         vram = self._check(fh, buf, size, file_offset, buf_offset)
         if self.mode == "p2p":
             self.stats["commands"] += self.nvme.read(fh.nsid, file_offset, VRAM_IOVA + vram, size)
@@ -276,6 +314,9 @@ class StorageSession:
         return size
 
     def write(self, fh: FileHandle, buf: GpuBuffer, size: int, file_offset: int = 0, buf_offset: int = 0) -> int:
+        """``size`` bytes of the buffer at ``buf_offset`` into the namespace at ``file_offset``;
+        -> the bytes written."""
+        self._require_open("write")
         vram = self._check(fh, buf, size, file_offset, buf_offset)
         if self.mode == "p2p":
             self.stats["commands"] += self.nvme.write(fh.nsid, file_offset, VRAM_IOVA + vram, size)
@@ -299,6 +340,7 @@ class StorageSession:
     def gpu_copy(self, *transfers: Transfer, timeout: float = 60) -> list[dict]:
         """GPU copies to or from the CMB (the window set over it first if it is not); a failed
         copy resets the GPU, which clears the window."""
+        self._require_open("copy with the GPU")
         if self.window not in ("cmb", "doorbells+cmb"):
             self.set_cmb_window()
         try:
@@ -313,6 +355,7 @@ class StorageSession:
         """p2p: every request's NVMe commands on the queue, one doorbell, reaped by ``poll``.
         compat, cmb: each request runs through the bounce buffer (or the CMB) now; ``poll``
         returns the results."""
+        self._require_open("submit a batch")
         batch = Batch(self)
         queue = self.nvme.queues[1]
         checked = [self._check(p.fh, p.buf, p.size, p.file_offset, p.buf_offset) for p in params]

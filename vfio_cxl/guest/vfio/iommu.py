@@ -181,11 +181,14 @@ class DmaMapping:
             self.context._unmap(self)
 
     def _release(self) -> None:
-        """Let go of the buffer: called once the kernel no longer maps it."""
+        """Let go of the buffer: called once the kernel no longer maps it.  The reference goes
+        too: a mapping kept after its unmap must not keep the buffer exported (a view of a BAR
+        mmap would keep the mmap, so the device fd and its VFIO group, open)."""
         self.active = False
         if self._handle is not None:
             ffi.release(self._handle)
             self._handle = None
+        self.buffer = None
 
     def __enter__(self) -> "DmaMapping":
         return self

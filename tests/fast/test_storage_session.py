@@ -1,0 +1,181 @@
+"""StorageSession's lifetime, without a VM: a closed session holds nothing, so a second one opens
+in the same process; an open that fails part-way leaves nothing; a closed session refuses work
+with a StorageError.
+
+The fake kernel (storage_fake_kernel.py) runs the library's own VFIO stack and GPU driver on
+real fds and mmaps, and gives a group node the kernel's single open (EBUSY while its fd, a
+device fd or a BAR mmap of the group is held).  The two-sessions check runs on QEMU's NVMe and
+the lab GPU in tests/vm/test_storage.py::test_two_sessions_one_after_the_other_in_one_process.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import fdcheck
+import pytest
+from storage_fake_kernel import BLOCK, GPU, NVME, FakeKernel
+
+from vfio_cxl.errors import LabError
+from vfio_cxl.guest.storage import IoParams, StorageError, StorageSession
+from vfio_cxl.guest.storage.gpu_initiated import GpuQueue
+from vfio_cxl.guest.storage.session import VRAM_IOVA
+from vfio_cxl.guest.vfio.errors import VfioError
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    fake = FakeKernel(tmp_path)
+    fake.install(monkeypatch)
+    return fake
+
+
+def held(kernel: FakeKernel) -> dict:
+    """What this process holds: its fds by kind (tests/fdcheck.py), and of the fake kernel its
+    fds and mmaps, the DMA mappings and the groups in a container."""
+    return {"fds": fdcheck.fd_kinds(os.getpid()),
+            "kernel": {**kernel.holdings(), "dma": dict(kernel.type1.mapped), "attached": dict(kernel.attached)}}
+
+
+NOTHING = {"fds": [], "mmaps": [], "dma": {}, "attached": {}}
+
+
+def assert_released(kernel: FakeKernel, before: dict) -> None:
+    now = held(kernel)
+    leaked = fdcheck.differences({"process": before["fds"]}, {"process": now["fds"]})
+    assert leaked == {}, f"fds left open: {leaked}"
+    assert before["kernel"] == now["kernel"] == NOTHING, now["kernel"]
+
+
+def read_into_vram(s: StorageSession, seed: int, blocks: int = 64) -> None:
+    data = random.Random(seed).randbytes(blocks * BLOCK)
+    s.nvme.disk[8 * BLOCK:8 * BLOCK + len(data)] = data
+    fh, buf = s.handle_register(1), s.buf_register(0, len(data))
+    assert s.read(fh, buf, len(data), file_offset=8 * BLOCK) == len(data)
+    assert s.gpu.vram_read(0, len(data)) == data
+
+
+def test_two_sessions_one_after_the_other_in_one_process(kernel):
+    """The issue's report: the second open failed with 'GroupError: /dev/vfio/N is already open
+    (EBUSY)'; the first session had left its devices and their groups open."""
+    for seed in range(2):
+        with StorageSession.open(NVME, GPU) as s:
+            read_into_vram(s, seed)
+
+
+def test_a_closed_session_holds_nothing(kernel):
+    before = held(kernel)
+    with StorageSession.open(NVME, GPU) as s:
+        read_into_vram(s, 1)
+        gpu_group, nvme_group, container = s.gpu.device.group, s.nvme.device.group, s.context
+        assert kernel.group_busy(5) and kernel.type1.mapped
+    # the GPU's VFIO group fd is its VfioPciDevice's Group (GpuDriver.device.group): GpuDriver.close
+    # closes it; the NVMe's likewise, and the container the session opened
+    assert (gpu_group.fd, nvme_group.fd, container.fd) == (-1, -1, -1)
+    assert kernel.group_busy(5) == [] and kernel.group_busy(6) == []
+    assert_released(kernel, before)
+
+
+@pytest.mark.parametrize("failure", ["nvme bring-up", "VRAM mapping"])
+def test_an_open_that_fails_part_way_leaves_nothing(kernel, failure):
+    before = held(kernel)
+    if failure == "nvme bring-up":       # after the GPU opened
+        kernel.refuse_nvme_open = True
+    else:                                # after both devices opened
+        kernel.refuse_map.add(VRAM_IOVA)
+    with pytest.raises(VfioError):
+        StorageSession.open(NVME, GPU)
+    assert_released(kernel, before)
+    kernel.refuse_nvme_open, kernel.refuse_map = False, set()
+    with StorageSession.open(NVME, GPU) as s:
+        read_into_vram(s, 2)
+
+
+def test_closing_releases_everything_even_when_a_step_fails(kernel):
+    before = held(kernel)
+    s = StorageSession.open(NVME, GPU)
+    shutdown = s.nvme.shutdown
+    calls = []
+
+    def failing_shutdown():
+        calls.append(1)
+        if len(calls) == 1:
+            raise VfioError("the controller's CSTS read failed", "the test said so")
+        shutdown()
+    s.nvme.shutdown = failing_shutdown
+    with pytest.raises(VfioError, match="CSTS read failed"):
+        s.close()
+    assert_released(kernel, before)
+
+
+def test_a_gpu_queue_left_open_is_closed_with_its_session(kernel):
+    """A GpuQueue holds views of VRAM (its SQ and CQ) and a mapping of the NVMe's BAR0: left
+    open, the GPU's BAR cannot be unmapped, and the GPU's device -- so its group -- stays held."""
+    before = held(kernel)
+    with StorageSession.open(NVME, GPU) as s:
+        q = GpuQueue(s, entries=16)
+        assert s.nvme.queues[q.qid] is q.queue
+    assert q.qid not in s.nvme.queues
+    assert_released(kernel, before)
+    with StorageSession.open(NVME, GPU) as s:
+        with GpuQueue(s, entries=16) as q:     # and closed by its own with: the session's close is a no-op for it
+            pass
+    assert_released(kernel, before)
+
+
+def test_a_gpu_queue_that_fails_part_way_leaves_nothing(kernel):
+    before = held(kernel)
+    with StorageSession.open(NVME, GPU) as s:
+        s.nvme.refuse_create = True
+        with pytest.raises(VfioError, match="Invalid Queue Identifier"):
+            GpuQueue(s, entries=16)
+        mapped = sorted(kernel.type1.mapped)
+        assert not any(iova >= 0x20_0000_0000 for iova in mapped), mapped   # the doorbells went again
+        read_into_vram(s, 3)
+    assert_released(kernel, before)
+
+
+def test_a_closed_session_refuses_work_with_a_storage_error(kernel):
+    """Before: the read reached the controller's deleted queues and raised a bare KeyError."""
+    s = StorageSession.open(NVME, GPU)
+    fh, buf = s.handle_register(1), s.buf_register(0, 1 << 20)
+    q = GpuQueue(s, entries=16)
+    s.close()
+    calls = {"read": lambda: s.read(fh, buf, 4096), "write": lambda: s.write(fh, buf, 4096),
+             "batch_submit": lambda: s.batch_submit([IoParams("read", fh, buf, 4096, 0, 0)]),
+             "handle_register": lambda: s.handle_register(1), "buf_register": lambda: s.buf_register(0, 4096),
+             "GpuQueue": lambda: GpuQueue(s), "GpuQueue.run": lambda: q.run([(0, 4096, 0)])}
+    for name, call in calls.items():
+        with pytest.raises(StorageError) as caught:
+            call()
+        err = caught.value
+        assert isinstance(err, LabError), name
+        assert "storage session" in err.what and "is closed" in err.what, (name, str(err))
+        assert f"StorageSession.open({NVME!r}, {GPU!r})" in err.fix, (name, str(err))
+    s.close()                                  # again: nothing to do
+
+
+def test_a_closed_gpu_queue_refuses_to_run(kernel):
+    with StorageSession.open(NVME, GPU) as s:
+        with GpuQueue(s, entries=16) as q:
+            pass
+        with pytest.raises(StorageError, match="GPU queue 2: it is closed"):
+            q.run([(0, 4096, 0)])
+
+
+def test_a_gpu_queue_refuses_an_unknown_op(kernel):
+    """run(op=...) takes "read" or "write" (docs/storage.md); anything else was run as a write."""
+    with StorageSession.open(NVME, GPU) as s, GpuQueue(s, entries=16) as q:
+        with pytest.raises(StorageError, match="op 'trim'") as caught:
+            q.run([(0, 4096, 0)], op="trim")
+        assert '"read"' in caught.value.fix and '"write"' in caught.value.fix
+
+
+@pytest.mark.parametrize("entries", [2, 16, 63, 64, 100, 2048])
+def test_a_gpu_queue_s_sq_and_cq_each_start_on_a_page(kernel, entries):
+    """QEMU's nvme refuses a queue that does not start on a page (PRP Offset Invalid); the CQ
+    used to follow the SQ directly, off a page for fewer than 64 entries (the VM test's 16)."""
+    with StorageSession.open(NVME, GPU) as s, GpuQueue(s, entries=entries) as q:
+        assert q.queue.sq_iova % 4096 == q.queue.cq_iova % 4096 == 0
+        assert q.cq_off + entries * 16 <= q.block_off          # still below the queue block
