@@ -369,3 +369,58 @@ def test_reset_while_a_fault_waits_leaves_nothing_pending(far):
     assert far.c.reg_read(regs.REG_STATUS) == 0          # IDLE, not busy
     assert far.rig.completion(0)["seq"] == 0              # the op never completed
     assert far.c.reg_read(regs.REG_MEM_MODE) == 0 and far.c.reg_read(regs.REG_FAR_SIZE_LO) == 0
+
+
+# ---- BAD_KERNEL: ERR_ADDR is the value that was bad (docs/gpu-device.md, "Status codes")
+@pytest.mark.parametrize("desc,addr", [
+    (pack_descriptor(Op.COMPUTE, PARAMS_IOVA, 0x1000, 0x40), 0x1000),   # dst, not the (good) length
+    (pack_descriptor(Op.COMPUTE, PARAMS_IOVA, 0, 0x20), 0x20),
+    (pack_descriptor(Op.COMPUTE, PARAMS_IOVA, 0x1000, 0x20), 0x1000),   # both bad: dst first
+    (pack_descriptor(Op.FLUSH, 0, 0x2000, 0), 0x2000),
+    (pack_descriptor(Op.FLUSH, 7, 0x2000, 64), 7),                      # the first nonzero: src
+    (pack_descriptor(Op.FLUSH, 0, 0, 64), 64),
+], ids=["compute-dst", "compute-length", "compute-both", "flush-dst", "flush-src", "flush-length"])
+def test_bad_kernel_descriptor_reports_the_bad_value(far, desc, addr):
+    far.params.view[:64] = regs.pack_kernel(Kernel.STREAM, 10, FAR)
+    (i,) = far.rig.submit([desc])
+    assert far.failed(i) == (Status.BAD_KERNEL, addr)
+    rec = far.rig.completion(i)
+    assert (rec["status"], rec["bytes_done"]) == (Status.BAD_KERNEL, 0)
+
+
+def _bfs_graph(r, row, col):
+    r.u64(0, len(row))[:] = row
+    r.u32(1 << 20, len(col))[:] = col
+    return dict(a=FAR, b=FAR + (2 << 20), idx=FAR + (1 << 20), aux=len(col))
+
+
+@pytest.mark.parametrize("case", ["reserved", "kernel", "n-zero", "n-too-big", "aux-zero", "bfs-source",
+                                  "row0", "row-decreasing", "row-end", "column"])
+def test_bad_kernel_parameters_report_the_bad_value_or_position(far, case):
+    """A bad parameter: its value; bad data in an index array: the element's position."""
+    if case == "reserved":
+        far.params.view[:64] = regs.KERNEL_PARAMS.pack(Kernel.STREAM, 0x55, 10, FAR, 0, 0, 0, 0, 0)
+        (i,) = far.rig.submit([pack_descriptor(Op.COMPUTE, PARAMS_IOVA, 0, 64)])
+        assert far.failed(i) == (Status.BAD_KERNEL, 0x55)
+        return
+    g = _bfs_graph(far, [0, 1, 2, 3, 4], [1, 2, 3, 0])          # a 4-vertex ring
+    launches = {
+        "kernel": ((77, 10, FAR), 77),
+        "n-zero": ((Kernel.STREAM, 0, FAR), 0),
+        "n-too-big": ((Kernel.STREAM, 1 << 32, FAR), 1 << 32),
+        "aux-zero": ((Kernel.GATHER, 4, FAR, FAR + 4096, FAR + 8192, 0), 0),
+        "bfs-source": ((Kernel.BFS, 4, g["a"], g["b"], g["idx"], 4, 9), 9),
+    }
+    if case in launches:
+        args, addr = launches[case]
+        assert far.failed(far.launch(*args)) == (Status.BAD_KERNEL, addr)
+        return
+    row, col, pos = {
+        "row0": ([1, 1, 2, 3, 4], [1, 2, 3, 0], 0),              # row_ptr[0] != 0
+        "row-decreasing": ([0, 1, 3, 2, 4], [1, 2, 3, 0], 3),    # row_ptr[3] < row_ptr[2]
+        "row-end": ([0, 1, 2, 3, 5], [1, 2, 3, 0], 4),           # row_ptr[n] = 5 > aux = 4
+        "column": ([0, 1, 2, 3, 4], [1, 2, 7, 0], 2),            # column[2] = 7 is not a vertex
+    }[case]
+    g = _bfs_graph(far, row, col)
+    assert far.failed(far.launch(Kernel.BFS, 4, g["a"], g["b"], g["idx"], g["aux"], 0)) == (
+        Status.BAD_KERNEL, pos)

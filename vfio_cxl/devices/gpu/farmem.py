@@ -399,8 +399,8 @@ class FarMemory:
             self.busy = True
         try:
             if op == regs.Op.FLUSH:
-                if src or dst or length:
-                    raise OpFailed(Status.BAD_KERNEL, 0)
+                if src or dst or length:   # ERR_ADDR: the first of them that is not 0
+                    raise OpFailed(Status.BAD_KERNEL, next(v for v in (src, dst, length) if v))
                 return Status.OK, self.flush(port, stale) * regs.LINE_SIZE, 0, 0
             return self._compute(src, dst, length, port, stale)
         except OpFailed as failed:
@@ -425,7 +425,9 @@ class FarMemory:
                     "pt": self.pt.copy() if self.mode & regs.MODE_UVM else None}
 
     def _compute(self, src, dst, length, port, stale):
-        if dst or length != regs.KERNEL_PARAMS.size:
+        if dst:   # ERR_ADDR: the bad value (dst first, then length)
+            raise OpFailed(Status.BAD_KERNEL, dst)
+        if length != regs.KERNEL_PARAMS.size:
             raise OpFailed(Status.BAD_KERNEL, length)
         raw = bytearray(regs.KERNEL_PARAMS.size)
         port.read(src, memoryview(raw), stale)

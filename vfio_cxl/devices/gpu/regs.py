@@ -189,7 +189,7 @@ class Status(IntEnum):
     QUEUE_TIMEOUT = 16  # NVME_IO: no completion within the queue block's timeout (ERR_ADDR = request's VRAM offset)
     BAD_QUEUE = 17  # NVME_IO: bad queue block, request or completion entry (ERR_ADDR = its VRAM offset)
     # interface 1.1 (far memory and compute)
-    BAD_KERNEL = 24  # unknown kernel, bad parameters, an index out of its table (ERR_ADDR = detail)
+    BAD_KERNEL = 24  # bad COMPUTE/FLUSH descriptor or kernel parameter (ERR_ADDR = the bad value), bad index data (= its position)
     FAR_RANGE = 25  # no far window, or an operand outside it / VRAM (ERR_ADDR = device address)
     FAULT_TIMEOUT = 26  # a replayable fault was not replayed within UVM_FAULT_TIMEOUT_MS (ERR_ADDR = address)
     FAULT_CANCELLED = 27  # the driver cancelled the faulting op (UVM_CONTROL.CANCEL)
