@@ -424,3 +424,18 @@ def test_bad_kernel_parameters_report_the_bad_value_or_position(far, case):
     g = _bfs_graph(far, row, col)
     assert far.failed(far.launch(Kernel.BFS, 4, g["a"], g["b"], g["idx"], g["aux"], 0)) == (
         Status.BAD_KERNEL, pos)
+
+
+@pytest.mark.parametrize("mode,reg,value", [
+    (regs.MODE_UVM | regs.MODE_DS, None, regs.MODE_UVM | regs.MODE_DS),
+    (regs.MODE_SR, regs.REG_SR_DEGREE, 0),
+    (regs.MODE_SR, regs.REG_SR_DISTANCE, 0),                       # degree 8 is fine: distance is bad
+    (regs.MODE_SR, regs.REG_SR_DISTANCE, regs.SR_BUFFER_LINES),    # 8 + 1024 > 1024
+    (regs.MODE_DS, regs.REG_DS_BACKLOG_LINES, 0),                  # the stage base is fine: backlog is bad
+    (regs.MODE_DS, regs.REG_DS_STAGE_BASE, 32),
+], ids=["uvm+ds", "sr-degree", "sr-distance-0", "sr-distance-big", "ds-backlog", "ds-stage"])
+def test_bad_mode_reports_the_offending_register_value(far, mode, reg, value):
+    far.c.reg_write(regs.REG_MEM_MODE, mode)
+    if reg is not None:
+        far.c.reg_write(reg, value)
+    assert far.failed(far.launch(Kernel.STREAM, 10, FAR)) == (Status.BAD_MODE, value)

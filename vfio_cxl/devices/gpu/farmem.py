@@ -438,15 +438,18 @@ class FarMemory:
         mode = cfg["mode"]
         if mode & regs.MODE_UVM and mode & (regs.MODE_SR | regs.MODE_DS):
             raise OpFailed(Status.BAD_MODE, mode)
-        degree, distance = cfg["sr"]
-        if mode & regs.MODE_SR and not (1 <= degree <= regs.SR_MAX_DEGREE and distance >= 1
-                                        and degree + distance <= regs.SR_BUFFER_LINES):
-            raise OpFailed(Status.BAD_MODE, degree)
+        degree, distance = cfg["sr"]   # BAD_MODE's ERR_ADDR: the register value that is bad
+        if mode & regs.MODE_SR:
+            if not 1 <= degree <= regs.SR_MAX_DEGREE:
+                raise OpFailed(Status.BAD_MODE, degree)
+            if distance < 1 or degree + distance > regs.SR_BUFFER_LINES:
+                raise OpFailed(Status.BAD_MODE, distance)
         backlog, stage = cfg["ds"]
-        if mode & regs.MODE_DS and not (1 <= backlog <= regs.DS_MAX_BACKLOG_LINES
-                                        and stage % regs.LINE_SIZE == 0
-                                        and stage + backlog * regs.LINE_SIZE <= self.vram_size):
-            raise OpFailed(Status.BAD_MODE, stage)
+        if mode & regs.MODE_DS:
+            if not 1 <= backlog <= regs.DS_MAX_BACKLOG_LINES:
+                raise OpFailed(Status.BAD_MODE, backlog)
+            if stage % regs.LINE_SIZE or stage + backlog * regs.LINE_SIZE > self.vram_size:
+                raise OpFailed(Status.BAD_MODE, stage)
         ops = compute.operands(kernel, n, a, b, idx, aux, arg)
         touches_far = False
         for o in ops:

@@ -193,7 +193,7 @@ class Status(IntEnum):
     FAR_RANGE = 25  # no far window, or an operand outside it / VRAM (ERR_ADDR = device address)
     FAULT_TIMEOUT = 26  # a replayable fault was not replayed within UVM_FAULT_TIMEOUT_MS (ERR_ADDR = address)
     FAULT_CANCELLED = 27  # the driver cancelled the faulting op (UVM_CONTROL.CANCEL)
-    BAD_MODE = 28  # MEM_MODE combines UVM with SR/DS, or a bad SR/DS/UVM parameter
+    BAD_MODE = 28  # MEM_MODE combines UVM with SR/DS, or a bad SR/DS parameter (ERR_ADDR = that register's value)
 
 
 # --------------------------------------------------------------------------
