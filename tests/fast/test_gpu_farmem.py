@@ -8,6 +8,7 @@ reaches it with pread/pwrite, as it reaches the CXL memory backend file in a lab
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from vfio_user_client import Rig, gpu_server, wait_eventfd  # noqa: F401
 
 from vfio_cxl.devices.gpu import regs
 from vfio_cxl.devices.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Kernel, Op, Status, pack_descriptor
+from vfio_cxl.devices.vfio_user import wire
 
 FAR_IOVA = 0x4000_0000
 FAR_SIZE = 8 * regs.MIB
@@ -26,7 +28,7 @@ TIMEOUT = 10
 
 
 class FarRig:
-    def __init__(self, srv, *, far_flags_writable=True, map_far=True):
+    def __init__(self, srv, *, far_flags_writable=True, map_far=True, far_direct=True):
         self.rig = Rig(srv, direct=True, entries=16)
         self.c = self.rig.client
         mem = self.rig.memory
@@ -34,7 +36,7 @@ class FarRig:
         self.params = mem.add(PARAMS_IOVA, 4096, shared=True)
         self.faults = mem.add(FAULTS_IOVA, 4096, shared=True)
         if map_far:
-            self.c.map_area(self.far)
+            self.c.map_area(self.far, direct=far_direct)
         self.c.map_area(self.params)
         self.c.map_area(self.faults)
         self.program_far()
@@ -439,3 +441,130 @@ def test_bad_mode_reports_the_offending_register_value(far, mode, reg, value):
     if reg is not None:
         far.c.reg_write(reg, value)
     assert far.failed(far.launch(Kernel.STREAM, 10, FAR)) == (Status.BAD_MODE, value)
+
+
+# ---- the copy engine (docs/gpu-device.md, "The copy engine")
+FAR_RANGE_AT_ONCE = regs.MIG_ERROR | Status.FAR_RANGE << 8      # 0x1904
+ABORTED = regs.MIG_ERROR | Status.DMA_ABORTED << 8              # 0x0804
+SLOT = 1 << 20                                                  # a VRAM offset to migrate into
+
+
+def go(r, src, dst, length, tag, *, posted=False):
+    """Program a migration and write GO; returns the first MIG_STATUS read after it (None if posted)."""
+    for reg, value in ((regs.REG_MIG_SRC_LO, src & 0xFFFFFFFF), (regs.REG_MIG_SRC_HI, src >> 32),
+                       (regs.REG_MIG_DST_LO, dst & 0xFFFFFFFF), (regs.REG_MIG_DST_HI, dst >> 32),
+                       (regs.REG_MIG_LENGTH, length),
+                       (regs.REG_MIG_CONTROL, regs.MIG_GO | tag << regs.CMD_TAG_SHIFT)):
+        r.c.reg_write(reg, value, posted=posted)
+    return None if posted else r.c.reg_read(regs.REG_MIG_STATUS)
+
+
+def mig_end(r, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while (status := r.c.reg_read(regs.REG_MIG_STATUS)) & regs.MIG_BUSY:
+        assert time.monotonic() < deadline, "MIG_STATUS stays BUSY"
+    return status
+
+
+def vram(r, off, n):
+    return r.c.read(regs.BAR_VRAM, off, n)
+
+
+@pytest.mark.parametrize("length", [0, 1, 32, 63, 65, 100, 4096 + 8])
+def test_a_migration_length_not_a_nonzero_multiple_of_64_is_far_range_at_once(far, length):
+    far.far_np[:8192] = 0x5A
+    before = vram(far, SLOT, 8192)
+    far.clear()
+    assert go(far, FAR, SLOT, length, tag=1) == FAR_RANGE_AT_ONCE == 0x1904
+    assert vram(far, SLOT, 8192) == before                    # nothing copied
+    c = far.counters()
+    assert c["migrations"] == c["bytes_migrated"] == 0
+    # the failed GO was accepted: its tag is the last one, so the same tag again is ignored
+    assert go(far, FAR, SLOT, 128, tag=1) == FAR_RANGE_AT_ONCE
+    assert vram(far, SLOT, 128) == before[:128]
+    go(far, FAR, SLOT, 128, tag=2)
+    assert mig_end(far) == regs.MIG_DONE
+    assert vram(far, SLOT, 128) == b"\x5A" * 128
+    # the other direction, and a range that is right but a length that is not
+    assert go(far, SLOT, FAR + 4096, 96, tag=3) == FAR_RANGE_AT_ONCE
+
+
+def test_mig_status_is_busy_at_once_after_go_and_until_the_copy_ends(far, gpu_server):
+    far.far_np[:1 << 16] = 7
+    with gpu_server.device.engine.gate:     # the copy engine can touch no memory: the copy cannot end
+        assert go(far, FAR, SLOT, 1 << 16, tag=1) == regs.MIG_BUSY
+        assert far.c.reg_read(regs.REG_MIG_STATUS) == regs.MIG_BUSY
+        # ignored while busy, even with a new tag: MIG_STATUS unchanged
+        assert go(far, FAR, SLOT + (1 << 16), 64, tag=2) == regs.MIG_BUSY
+    assert mig_end(far) == regs.MIG_DONE
+    assert vram(far, SLOT, 1 << 16) == b"\x07" * (1 << 16)
+    assert vram(far, SLOT + (1 << 16), 64) != b"\x07" * 64       # the ignored GO copied nothing
+
+
+def test_a_read_after_go_never_shows_the_previous_migrations_status(far):
+    """A quick copy may be over by the first read (DONE), but the read never shows what was
+    there before the GO (here an ERROR, told apart from this migration's outcome)."""
+    far.far_np[:64] = 9
+    tag = 0
+    for _ in range(40):
+        tag += 1
+        assert go(far, FAR, SLOT, 0, tag) == FAR_RANGE_AT_ONCE     # the status before the GO
+        tag += 1
+        first = go(far, FAR, SLOT, 64, tag)
+        assert first in (regs.MIG_BUSY, regs.MIG_DONE), hex(first)
+        assert mig_end(far) == regs.MIG_DONE
+
+
+def test_a_reset_forgets_the_last_tag(far):
+    go(far, FAR, SLOT, 64, tag=5)
+    assert mig_end(far) == regs.MIG_DONE
+    far.reset()
+    assert far.c.reg_read(regs.REG_MIG_STATUS) == 0
+    assert go(far, FAR, SLOT, 64, tag=5) in (regs.MIG_BUSY, regs.MIG_DONE)
+    assert mig_end(far) == regs.MIG_DONE
+
+
+def test_a_go_without_bus_master_enable_copies_nothing(far):
+    far.far_np[:4096] = 3
+    before = vram(far, SLOT, 4096)
+    far.c.set_bus_master(False)
+    assert go(far, FAR, SLOT, 4096, tag=1) == ABORTED == 0x0804
+    assert vram(far, SLOT, 4096) == before
+    far.c.set_bus_master(True)
+    go(far, FAR, SLOT, 4096, tag=2)
+    assert mig_end(far) == regs.MIG_DONE and vram(far, SLOT, 4096) == b"\x03" * 4096
+
+
+@pytest.mark.parametrize("how", ["enable-cleared", "bad-tail", "bus-master-cleared", "reset"])
+def test_a_dropped_migration_ends_at_once_and_never_stays_busy(gpu_server, how):
+    """The far window on the message path, and the client holds back its answer to the
+    copy's first DMA_READ: the copy cannot end.  The input drops it; MIG_STATUS says so
+    (it used to stay BUSY for good: the copy engine threw its work away silently)."""
+    r = FarRig(gpu_server, far_direct=False)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(header):
+        entered.set()
+        release.wait(TIMEOUT)
+
+    try:
+        r.c.before_dma = hold
+        go(r, FAR, SLOT, 1 << 16, tag=1, posted=True)    # posted: the client's reader is about to block
+        assert entered.wait(TIMEOUT)
+        if how == "enable-cleared":
+            r.c.reg_write(regs.REG_CONTROL, 0, posted=True)
+        elif how == "bad-tail":
+            r.c.reg_write(regs.REG_RING_TAIL, r.rig.entries, posted=True)
+        elif how == "bus-master-cleared":
+            r.c.write(wire.PCI_CONFIG_REGION, 0x04, (0x2).to_bytes(2, "little"), posted=True)  # memory on, BME off
+        else:
+            r.c.reg_write(regs.REG_CONTROL, regs.CONTROL_RESET, posted=True)
+        r.c.before_dma = None
+        release.set()
+        status = r.c.reg_read(regs.REG_MIG_STATUS)
+        assert status == (0 if how == "reset" else ABORTED), hex(status)
+        assert r.counters()["bytes_migrated"] == 0
+    finally:
+        release.set()
+        r.close()
+

@@ -234,15 +234,26 @@ class FarMemory:
             self._copy_thread = None
 
     def _start_migration(self) -> None:
-        """MIG_GO (engine.lock held): check, then hand the copy to the copy engine."""
+        """MIG_GO (engine.lock held): check, then hand the copy to the copy engine.  MIG_STATUS
+        changes here, before the device answers the next message: BUSY, or ERROR at once."""
         src, dst, length = self.mig_src, self.mig_dst, self.mig_len
         far_to_vram = self.far_range(src, length) and self.vram_range(dst, length)
         vram_to_far = self.vram_range(src, length) and self.far_range(dst, length)
         if length == 0 or length % regs.LINE_SIZE or not (far_to_vram or vram_to_far):
             self.mig_status = regs.MIG_ERROR | int(Status.FAR_RANGE) << 8
             return
+        if not self.engine.bus_master:  # no DMA without Bus Master Enable
+            self.mig_status = regs.MIG_ERROR | int(Status.DMA_ABORTED) << 8
+            return
         self.mig_status = regs.MIG_BUSY
         self.mig_job = (self.engine.epoch, self.engine.port, src, dst, length, far_to_vram)
+
+    def drop_migration(self) -> None:
+        """The device dropped its work (engine.lock held, the epoch already bumped): a migration
+        in flight ends now, in ERROR (DMA_ABORTED), never to be finished by the copy engine."""
+        self.mig_job = None
+        if self.mig_status & regs.MIG_BUSY:
+            self.mig_status = regs.MIG_ERROR | int(Status.DMA_ABORTED) << 8
 
     def _copy_loop(self) -> None:
         eng = self.engine
@@ -289,7 +300,7 @@ class FarMemory:
                 status = Status.DMA_ABORTED
             with eng.lock:
                 if eng.epoch != epoch:
-                    continue  # dropped (reset): MIG_STATUS was reset with it
+                    continue  # dropped: drop_migration (or a reset) has set MIG_STATUS
                 if status:
                     self.mig_status = regs.MIG_ERROR | int(status) << 8
                 else:
