@@ -7,6 +7,7 @@ reaches it with pread/pwrite, as it reaches the CXL memory backend file in a lab
 """
 
 import gc
+import os
 import threading
 import time
 
@@ -568,3 +569,67 @@ def test_a_dropped_migration_ends_at_once_and_never_stays_busy(gpu_server, how):
         release.set()
         r.close()
 
+
+# ---- fault seq (docs/gpu-device.md, "Fault seq")
+def fault_once(r, page, *, resolve=True):
+    """Start a STREAM over one far page in uvm mode, wait for its fault; returns the record's
+    (slot, seq).  ``resolve``: map the page (any VRAM slot) and replay, the op completes;
+    else cancel it (the ring halts with FAULT_CANCELLED)."""
+    r.mode("uvm")
+    slot = r.c.reg_read(regs.REG_FAULT_PUT)
+    i = r.launch(Kernel.STREAM, 8, FAR + (page << 16))
+    assert wait_eventfd(r.rig.efds[regs.VEC_FAULT], TIMEOUT)
+    assert r.c.reg_read(regs.REG_FAULT_PUT) == (slot + 1) % 64
+    addr, _flags, seq = regs.FAULT_RECORD.unpack_from(r.faults.view, 16 * slot)
+    assert addr == FAR + (page << 16)
+    r.c.reg_write(regs.REG_FAULT_GET, (slot + 1) % 64)
+    if resolve:
+        r.c.reg_write(regs.REG_PT_INDEX, page)
+        r.c.reg_write(regs.REG_PT_ENTRY, SLOT | regs.PTE_VALID)
+        r.c.reg_write(regs.REG_UVM_CONTROL, regs.UVM_REPLAY | (seq & regs.CMD_TAG_MASK) << regs.CMD_TAG_SHIFT)
+        r.finish(i)
+    else:
+        r.c.reg_write(regs.REG_UVM_CONTROL, regs.UVM_CANCEL | (seq & regs.CMD_TAG_MASK) << regs.CMD_TAG_SHIFT)
+        assert r.failed(i) == (Status.FAULT_CANCELLED, FAR + (page << 16))
+    return slot, seq
+
+
+@pytest.mark.parametrize("how", ["control-reset", "device-reset"])
+def test_fault_seq_counts_from_1_and_restarts_at_reset_only(far, how):
+    assert fault_once(far, 0) == (0, 1)
+    assert fault_once(far, 1) == (1, 2)
+    far.c.reg_write(regs.REG_FAULT_ENTRIES, 64)          # PUT = GET = 0: seq goes on
+    assert fault_once(far, 2) == (0, 3)
+    assert fault_once(far, 3, resolve=False) == (1, 4)   # a cancelled fault: seq goes on
+    if how == "control-reset":
+        far.reset()
+    else:
+        far.c.reset()                                     # VFIO_USER_DEVICE_RESET
+        far.rig.program()
+        far.program_far()
+    assert fault_once(far, 4) == (0, 1)                  # the count starts again
+    assert fault_once(far, 5) == (1, 2)
+
+
+def test_fault_seq_goes_on_across_a_disconnect(gpu_server):
+    r = FarRig(gpu_server)
+    try:
+        assert fault_once(r, 0) == (0, 1)                 # the op completed: the ring is empty
+        head = r.c.reg_read(regs.REG_RING_HEAD)
+        # the client goes and comes back without resetting the device
+        for fd in r.rig.efds:
+            os.close(fd)
+        r.c.close()
+        gpu_server.wait_idle()
+        c = gpu_server.client(r.rig.memory)
+        for area in r.rig.memory.areas:
+            area.mapped = False
+            c.map_area(area)
+        r.rig.client = r.c = c
+        r.rig.efds = c.attach_msix(regs.MSIX_VECTORS)
+        c.set_bus_master()
+        assert c.reg_read(regs.REG_STATUS) & regs.STATUS_ENABLED and c.reg_read(regs.REG_RING_HEAD) == head
+        r.rig.tail = head
+        assert fault_once(r, 1) == (1, 2)
+    finally:
+        r.close()

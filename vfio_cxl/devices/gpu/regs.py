@@ -318,7 +318,8 @@ CAPS2_DS = 1 << 2
 CAPS2_UVM = 1 << 3
 CAPS2 = CAPS2_FAR | CAPS2_SR | CAPS2_DS | CAPS2_UVM
 
-# fault record (FAULT_BASE + 16 * index): u64 device address, u32 flags (FAULT_WRITE), u32 seq (from 1)
+# fault record (FAULT_BASE + 16 * index): u64 device address, u32 flags (FAULT_WRITE), u32 seq (from 1 since
+# the last reset: only a reset restarts it; never 0)
 FAULT_RECORD = struct.Struct("<QII")
 FAULT_WRITE = 1 << 0
 
