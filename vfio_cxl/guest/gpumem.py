@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import weakref
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from .dax import DaxMapping
 from .drivers.gpu import GpuDriver, GpuError, Transfer
 from .vfio.errors import InterruptTimeout
 
-__all__ = ["GpuMemory", "UvmPager", "Layout", "layout", "Verifier", "LruCache", "simulate_faults",
+__all__ = ["GpuMemory", "UvmPager", "migrate", "Layout", "layout", "Verifier", "LruCache", "simulate_faults",
            "GpuMemError", "FAR_IOVA", "AUX_IOVA"]
 
 FAR_IOVA = 0x1_0000_0000  # the CXL devdax region, as the GPU sees it
@@ -219,8 +220,45 @@ class Verifier:
 
 
 # --------------------------------------------------------------------------
-# The UVM pager: the replayable-fault path
+# The copy engine, and the UVM pager: the replayable-fault path
 # --------------------------------------------------------------------------
+_last_tag: "weakref.WeakKeyDictionary[GpuDriver, int]" = weakref.WeakKeyDictionary()
+
+
+def _next_tag(gpu: GpuDriver) -> int:
+    """A MIG_CONTROL tag unlike the last one written to this GPU: the device ignores a GO that
+    repeats the tag of the last GO it accepted (and forgets it only at a reset), so the tags go
+    on from one pager to the next on the same GPU."""
+    tag = _last_tag.get(gpu, 0) % regs.CMD_TAG_MASK + 1     # 1 .. 2**24 - 1
+    _last_tag[gpu] = tag
+    return tag
+
+
+def migrate(gpu: GpuDriver, src: int, dst: int, length: int) -> None:
+    """Copy ``length`` bytes between VRAM and the far window with the GPU's copy engine and
+    wait until it is done (docs/gpu-device.md, "The copy engine").  ``src`` and ``dst`` are
+    device addresses: a VRAM offset, or ``regs.FAR_DEVADDR`` + a far window offset; one of
+    each.  GpuMemError if the device reports an error or stays busy."""
+    b = gpu.bar0
+    for reg, value in ((regs.REG_MIG_SRC_LO, src & 0xFFFFFFFF), (regs.REG_MIG_SRC_HI, src >> 32),
+                       (regs.REG_MIG_DST_LO, dst & 0xFFFFFFFF), (regs.REG_MIG_DST_HI, dst >> 32),
+                       (regs.REG_MIG_LENGTH, length),
+                       (regs.REG_MIG_CONTROL, regs.MIG_GO | _next_tag(gpu) << regs.CMD_TAG_SHIFT)):
+        b.write32(reg, value)
+    deadline = time.monotonic() + MIGRATION_TIMEOUT
+    # polled: one copy in the device, a register read per look (no vector is spent on it); the
+    # first read already answers for this GO (BUSY, or its outcome)
+    while (status := b.read32(regs.REG_MIG_STATUS)) & regs.MIG_BUSY:
+        if time.monotonic() > deadline:
+            raise GpuMemError(f"migration {src:#x} -> {dst:#x} still busy after {MIGRATION_TIMEOUT} s",
+                              "is the GPU server alive?")
+    if status != regs.MIG_DONE:
+        code = status >> 8 & 0xFF
+        raise GpuMemError(f"migration {src:#x} -> {dst:#x} failed: "
+                          f"{regs.Status(code).name if code in regs.Status._value2member_map_ else code}",
+                          "see docs/gpu-device.md, MIG_STATUS")
+
+
 class UvmPager:
     def __init__(self, gpu: GpuDriver, faults: memoryview, page_shift: int, vram_base: int,
                  vram_cache: int):
@@ -230,7 +268,6 @@ class UvmPager:
         self.cache = LruCache(vram_cache // self.page)
         self.served = 0
         self.spurious = 0  # faults on pages the cache already holds
-        self.tag = 0
         self.trace: list[int] = []
         self.check = bool(os.environ.get("VFIO_CXL_GPUMEM_CHECK"))
         self.bar0.write32(regs.REG_UVM_PAGE_SHIFT, page_shift)  # also clears the page table
@@ -239,28 +276,8 @@ class UvmPager:
         self.bar0.write32(regs.REG_FAULT_GET, self.get)
 
     def migrate(self, src: int, dst: int) -> None:
-        b = self.bar0
-        for reg, value in ((regs.REG_MIG_SRC_LO, src & 0xFFFFFFFF), (regs.REG_MIG_SRC_HI, src >> 32),
-                           (regs.REG_MIG_DST_LO, dst & 0xFFFFFFFF), (regs.REG_MIG_DST_HI, dst >> 32),
-                           (regs.REG_MIG_LENGTH, self.page),
-                           (regs.REG_MIG_CONTROL, regs.MIG_GO | self._tag() << regs.CMD_TAG_SHIFT)):
-            b.write32(reg, value)
-        deadline = time.monotonic() + MIGRATION_TIMEOUT
-        # polled: one copy in the device, a register read per look (no vector is spent on it)
-        while (status := b.read32(regs.REG_MIG_STATUS)) & regs.MIG_BUSY:
-            if time.monotonic() > deadline:
-                raise GpuMemError(f"migration {src:#x} -> {dst:#x} still busy after {MIGRATION_TIMEOUT} s",
-                                  "is the GPU server alive?")
-        if status != regs.MIG_DONE:
-            code = status >> 8 & 0xFF
-            raise GpuMemError(f"migration {src:#x} -> {dst:#x} failed: "
-                              f"{regs.Status(code).name if code in regs.Status._value2member_map_ else code}",
-                              "see docs/gpu-device.md, MIG_STATUS")
-
-    def _tag(self) -> int:
-        """A tag unlike the last one: the device ignores a GO that repeats its tag."""
-        self.tag = (self.tag + 1) & regs.CMD_TAG_MASK
-        return self.tag
+        """One page through the copy engine."""
+        migrate(self.gpu, src, dst, self.page)
 
     def _pte(self, page: int) -> int:
         self.bar0.write32(regs.REG_PT_INDEX, page)
