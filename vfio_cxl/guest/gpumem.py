@@ -17,6 +17,11 @@ reads the records, evicts the least recently migrated page when the cache is ful
 (writing it back if the device marked it dirty), migrates the faulting page into
 VRAM through the copy engine (the MIG_* registers: not the ring, where the compute
 op waits), maps it in the page table and replays.
+
+A pager is pluggable: ``GpuMemory.run(..., pager=MyPager)`` (or ``launch(layout,
+pager)``) takes any object with ``service()`` and ``write_back()``, built as
+``MyPager(gpu, faults, page_shift, vram_base, vram_cache)``; docs/guest-library.md,
+"Your own pager", is its contract.  ``migrate`` is the copy engine for such a pager.
 """
 
 from __future__ import annotations
@@ -260,6 +265,9 @@ def migrate(gpu: GpuDriver, src: int, dst: int, length: int) -> None:
 
 
 class UvmPager:
+    """The library's pager: LRU over ``vram_cache // page`` VRAM slots from ``vram_base`` (the
+    pager protocol and how to write another: docs/guest-library.md, "Your own pager")."""
+
     def __init__(self, gpu: GpuDriver, faults: memoryview, page_shift: int, vram_base: int,
                  vram_cache: int):
         self.gpu, self.bar0, self.faults = gpu, gpu.bar0, faults
@@ -269,6 +277,7 @@ class UvmPager:
         self.served = 0
         self.spurious = 0  # faults on pages the cache already holds
         self.trace: list[int] = []
+        self.entries = len(faults) // regs.FAULT_RECORD.size
         self.check = bool(os.environ.get("VFIO_CXL_GPUMEM_CHECK"))
         self.bar0.write32(regs.REG_UVM_PAGE_SHIFT, page_shift)  # also clears the page table
         # records before this pager (an earlier run's) are not ours: start at the device's PUT
@@ -309,7 +318,7 @@ class UvmPager:
             else:
                 self.spurious += 1
             self.trace.append(page)
-            self.get = (self.get + 1) % FAULT_ENTRIES
+            self.get = (self.get + 1) % self.entries
             handled += 1
         self.served += handled
         self.bar0.write32(regs.REG_FAULT_GET, self.get)
@@ -352,7 +361,7 @@ class GpuMemory:
         self.far_size = dax.size if far_size is None else min(dax.size, _align(far_size, 2 << 20))
         self._aux = mmap.mmap(-1, 4096)
         self._aux_view = memoryview(self._aux)
-        self._fault_view = self._aux_view[FAULT_OFFSET:]
+        self._fault_view = self._aux_view[FAULT_OFFSET:FAULT_OFFSET + FAULT_ENTRIES * regs.FAULT_RECORD.size]
         self._far_view = dax.view[:self.far_size]
         self._mappings = []
         try:
@@ -455,8 +464,15 @@ class GpuMemory:
             out[name] = lo | self.bar0.read32(regs.REG_COUNTERS + 8 * i + 4) << 32
         return out
 
-    def launch(self, lay: Layout, pager: UvmPager | None = None, timeout: float = 600) -> int:
-        """One COMPUTE descriptor; services faults while it runs; returns its result."""
+    @property
+    def fault_buffer(self) -> memoryview:
+        """The fault buffer the device writes its fault records into (``len // 16`` records of
+        ``regs.FAULT_RECORD``; record ``i`` at ``16 * i``): what a pager reads."""
+        return self._fault_view
+
+    def launch(self, lay: Layout, pager=None, timeout: float = 600) -> int:
+        """One COMPUTE descriptor; services faults while it runs (``pager.service()`` each time
+        the fault vector fires); returns its result."""
         self._aux_view[:regs.KERNEL_PARAMS.size] = regs.pack_kernel(
             lay.kernel, lay.n, FAR + lay.a, FAR + lay.b, FAR + lay.idx, lay.aux, lay.arg)
         indices = self.gpu.submit([Transfer(Op.COMPUTE, src=AUX_IOVA, dst=0, length=regs.KERNEL_PARAMS.size)])
@@ -495,8 +511,12 @@ class GpuMemory:
 
     def run(self, kernel: str, mode: str = "cxl", latency: str = "cxl-80ns",
             working_set: int = 8 << 20, vram_cache: int | None = None, unit: str = "64K",
-            warm: bool = False, seed: int = 1, prepared: tuple | None = None) -> dict:
-        """Run one kernel; the result dict carries the counters, the modelled and the wall time."""
+            warm: bool = False, seed: int = 1, prepared: tuple | None = None, pager=UvmPager) -> dict:
+        """Run one kernel; the result dict carries the counters, the modelled and the wall time.
+
+        ``pager`` (mode uvm): the pager's class, or any callable that builds one as
+        ``pager(gpu, faults, page_shift, vram_base, vram_cache)`` (docs/guest-library.md,
+        "Your own pager")."""
         lay = layout(kernel, working_set)
         self.configure(mode, latency)
         if unit not in UNITS:
@@ -518,7 +538,14 @@ class GpuMemory:
         else:
             verifier = self.prepare(lay, seed)
         setup_s = time.perf_counter() - t0
-        pager = UvmPager(self.gpu, self._fault_view, shift, 0, cache) if mode == "uvm" else None
+        if mode == "uvm":
+            # what every pager starts from: pages of 1 << shift, an empty page table, and no
+            # fault record before this one's (FAULT_GET = FAULT_PUT)
+            self.bar0.write32(regs.REG_UVM_PAGE_SHIFT, shift)
+            self.bar0.write32(regs.REG_FAULT_GET, self.bar0.read32(regs.REG_FAULT_PUT))
+            pager = pager(self.gpu, self._fault_view, shift, 0, cache)
+        else:
+            pager = None
         if warm:  # one run to bring the pages in; the measured run starts warm
             self.launch(lay, pager)
             if kernel == "scatter":  # it updates in place: the measured run starts from here
@@ -544,8 +571,8 @@ class GpuMemory:
                 "warm": warm, "n": lay.n, "result": result, "verified": ok, "check": what,
                 "modelled_ns": counters["modelled_ns"], "wall_s": wall_s, "setup_s": setup_s,
                 "verify_s": verify_s, "counters": counters, "ds_flushed_bytes": flushed,
-                "pager": ({"served": pager.served, "spurious": pager.spurious,
-                           "trace": pager.trace[:200]} if pager else None),
+                "pager": ({"served": getattr(pager, "served", None), "spurious": getattr(pager, "spurious", None),
+                           "trace": list(getattr(pager, "trace", ()))[:200]} if pager is not None else None),
                 "vfio_backend": self.gpu.device.backend}
 
     def close(self) -> None:
