@@ -633,3 +633,18 @@ def test_fault_seq_goes_on_across_a_disconnect(gpu_server):
         assert fault_once(r, 1) == (1, 2)
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("reg,first,offset,data,want", [
+    (regs.REG_MIG_LENGTH, 0x1240, 2, b"\x01\x00", 0x0001_1240),
+    (regs.REG_SR_DISTANCE, 0x0180, 0, b"\x20", 0x0120),
+    (regs.REG_UVM_FAULT_TIMEOUT_MS, 5000, 1, b"\x00", 5000 & 0xFF),
+    (regs.REG_PT_INDEX, 0x0003_0005, 2, b"\x00\x00", 5),
+    (regs.REG_DS_STAGE_BASE, 0x00F0_0000, 0, b"\x40", 0x00F0_0040),
+], ids=["mig-length-high-half", "sr-distance-low-byte", "timeout-byte-1", "pt-index-high-half", "stage-low-byte"])
+def test_a_partial_write_to_a_far_memory_register_only_touches_its_bytes(far, reg, first, offset, data, want):
+    """docs/gpu-device.md, "BAR0 registers": narrower accesses work; a partial write only
+    touches the bytes written (the 1.1 registers used to take the written bytes as the value)."""
+    far.c.reg_write(reg, first)
+    far.c.write(regs.BAR_REGS, reg + offset, data)
+    assert far.c.reg_read(reg) == want

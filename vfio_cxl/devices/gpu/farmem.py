@@ -34,6 +34,16 @@ UVM_WALK_WINDOW = 4096  # page touches checked against the page table per look
 DEFAULT_TIMEOUT_MS = 5000
 
 
+# RW registers kept as one value: a partial write is merged with what the register reads
+# (docs/gpu-device.md, "BAR0 registers").  The 64-bit pairs (_set32) and MEM_MODE merge on their
+# own; the command registers (UVM_CONTROL, MIG_CONTROL, COUNTER_CONTROL) read 0 and take what
+# was written.
+_MERGED = frozenset((regs.REG_LATENCY_PROFILE, regs.REG_SR_DEGREE, regs.REG_SR_DISTANCE,
+                     regs.REG_DS_BACKLOG_LINES, regs.REG_DS_STAGE_BASE, regs.REG_UVM_PAGE_SHIFT,
+                     regs.REG_UVM_FAULT_TIMEOUT_MS, regs.REG_FAULT_ENTRIES, regs.REG_FAULT_GET,
+                     regs.REG_PT_INDEX, regs.REG_PT_ENTRY, regs.REG_MIG_LENGTH))
+
+
 class OpFailed(Exception):
     def __init__(self, status: Status, addr: int = 0, err: int = 0):
         self.status, self.addr, self.err = status, addr, err
@@ -97,6 +107,8 @@ class FarMemory:
 
     def reg_write(self, reg: int, value: int, mask: int) -> None:
         v = value & mask
+        if reg in _MERGED and mask != 0xFFFFFFFF:  # a partial write only touches the bytes written
+            v = (self.reg_value(reg) & ~mask | v) & 0xFFFFFFFF
         if reg in (regs.REG_FAR_BASE_LO, regs.REG_FAR_BASE_HI, regs.REG_FAR_SIZE_LO,
                    regs.REG_FAR_SIZE_HI):
             if self.busy or self.mig_status & regs.MIG_BUSY:
