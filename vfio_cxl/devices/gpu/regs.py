@@ -180,7 +180,7 @@ class Status(IntEnum):
     DMA_PERMISSION = 5  # mapping lacks read (or write) permission (ERR_ADDR = IOVA)
     DMA_REFUSED = 6  # the client answered a DMA message with an error (ERR_ERRNO = its errno)
     DMA_TIMEOUT = 7  # the client did not answer a DMA message in time (ERR_ERRNO = ETIMEDOUT)
-    DMA_ABORTED = 8  # client gone with work queued (ECONNRESET) or device failure (EIO)
+    DMA_ABORTED = 8  # client gone with work queued (ECONNRESET) or device failure (EIO); MIG_STATUS: no BME, or dropped
     RING_FETCH = 9  # descriptor fetch failed (ERR_ADDR = IOVA)
     COMPLETION_WRITE = 10  # the completion record could not be written (ERR_ADDR = IOVA)
     BAD_TAIL = 11  # doorbell value >= RING_SIZE (ERR_ADDR = value written)
