@@ -7,7 +7,9 @@ reaches it with pread/pwrite, as it reaches the CXL memory backend file in a lab
 """
 
 import gc
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from vfio_user_client import Rig, gpu_server, wait_eventfd  # noqa: F401
 
 from vfio_cxl.devices.gpu import regs
 from vfio_cxl.devices.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Kernel, Op, Status, pack_descriptor
+from vfio_cxl.devices.vfio_user import wire
 
 FAR_IOVA = 0x4000_0000
 FAR_SIZE = 8 * regs.MIB
@@ -26,7 +29,7 @@ TIMEOUT = 10
 
 
 class FarRig:
-    def __init__(self, srv, *, far_flags_writable=True, map_far=True):
+    def __init__(self, srv, *, far_flags_writable=True, map_far=True, far_direct=True):
         self.rig = Rig(srv, direct=True, entries=16)
         self.c = self.rig.client
         mem = self.rig.memory
@@ -34,7 +37,7 @@ class FarRig:
         self.params = mem.add(PARAMS_IOVA, 4096, shared=True)
         self.faults = mem.add(FAULTS_IOVA, 4096, shared=True)
         if map_far:
-            self.c.map_area(self.far)
+            self.c.map_area(self.far, direct=far_direct)
         self.c.map_area(self.params)
         self.c.map_area(self.faults)
         self.program_far()
@@ -369,3 +372,279 @@ def test_reset_while_a_fault_waits_leaves_nothing_pending(far):
     assert far.c.reg_read(regs.REG_STATUS) == 0          # IDLE, not busy
     assert far.rig.completion(0)["seq"] == 0              # the op never completed
     assert far.c.reg_read(regs.REG_MEM_MODE) == 0 and far.c.reg_read(regs.REG_FAR_SIZE_LO) == 0
+
+
+# ---- BAD_KERNEL: ERR_ADDR is the value that was bad (docs/gpu-device.md, "Status codes")
+@pytest.mark.parametrize("desc,addr", [
+    (pack_descriptor(Op.COMPUTE, PARAMS_IOVA, 0x1000, 0x40), 0x1000),   # dst, not the (good) length
+    (pack_descriptor(Op.COMPUTE, PARAMS_IOVA, 0, 0x20), 0x20),
+    (pack_descriptor(Op.COMPUTE, PARAMS_IOVA, 0x1000, 0x20), 0x1000),   # both bad: dst first
+    (pack_descriptor(Op.FLUSH, 0, 0x2000, 0), 0x2000),
+    (pack_descriptor(Op.FLUSH, 7, 0x2000, 64), 7),                      # the first nonzero: src
+    (pack_descriptor(Op.FLUSH, 0, 0, 64), 64),
+], ids=["compute-dst", "compute-length", "compute-both", "flush-dst", "flush-src", "flush-length"])
+def test_bad_kernel_descriptor_reports_the_bad_value(far, desc, addr):
+    far.params.view[:64] = regs.pack_kernel(Kernel.STREAM, 10, FAR)
+    (i,) = far.rig.submit([desc])
+    assert far.failed(i) == (Status.BAD_KERNEL, addr)
+    rec = far.rig.completion(i)
+    assert (rec["status"], rec["bytes_done"]) == (Status.BAD_KERNEL, 0)
+
+
+def _bfs_graph(r, row, col):
+    r.u64(0, len(row))[:] = row
+    r.u32(1 << 20, len(col))[:] = col
+    return dict(a=FAR, b=FAR + (2 << 20), idx=FAR + (1 << 20), aux=len(col))
+
+
+@pytest.mark.parametrize("case", ["reserved", "kernel", "n-zero", "n-too-big", "aux-zero", "bfs-source",
+                                  "row0", "row-decreasing", "row-end", "column"])
+def test_bad_kernel_parameters_report_the_bad_value_or_position(far, case):
+    """A bad parameter: its value; bad data in an index array: the element's position."""
+    if case == "reserved":
+        far.params.view[:64] = regs.KERNEL_PARAMS.pack(Kernel.STREAM, 0x55, 10, FAR, 0, 0, 0, 0, 0)
+        (i,) = far.rig.submit([pack_descriptor(Op.COMPUTE, PARAMS_IOVA, 0, 64)])
+        assert far.failed(i) == (Status.BAD_KERNEL, 0x55)
+        return
+    g = _bfs_graph(far, [0, 1, 2, 3, 4], [1, 2, 3, 0])          # a 4-vertex ring
+    launches = {
+        "kernel": ((77, 10, FAR), 77),
+        "n-zero": ((Kernel.STREAM, 0, FAR), 0),
+        "n-too-big": ((Kernel.STREAM, 1 << 32, FAR), 1 << 32),
+        "aux-zero": ((Kernel.GATHER, 4, FAR, FAR + 4096, FAR + 8192, 0), 0),
+        "bfs-source": ((Kernel.BFS, 4, g["a"], g["b"], g["idx"], 4, 9), 9),
+    }
+    if case in launches:
+        args, addr = launches[case]
+        assert far.failed(far.launch(*args)) == (Status.BAD_KERNEL, addr)
+        return
+    row, col, pos = {
+        "row0": ([1, 1, 2, 3, 4], [1, 2, 3, 0], 0),              # row_ptr[0] != 0
+        "row-decreasing": ([0, 1, 3, 2, 4], [1, 2, 3, 0], 3),    # row_ptr[3] < row_ptr[2]
+        "row-end": ([0, 1, 2, 3, 5], [1, 2, 3, 0], 4),           # row_ptr[n] = 5 > aux = 4
+        "column": ([0, 1, 2, 3, 4], [1, 2, 7, 0], 2),            # column[2] = 7 is not a vertex
+    }[case]
+    g = _bfs_graph(far, row, col)
+    assert far.failed(far.launch(Kernel.BFS, 4, g["a"], g["b"], g["idx"], g["aux"], 0)) == (
+        Status.BAD_KERNEL, pos)
+
+
+@pytest.mark.parametrize("mode,reg,value", [
+    (regs.MODE_UVM | regs.MODE_DS, None, regs.MODE_UVM | regs.MODE_DS),
+    (regs.MODE_SR, regs.REG_SR_DEGREE, 0),
+    (regs.MODE_SR, regs.REG_SR_DISTANCE, 0),                       # degree 8 is fine: distance is bad
+    (regs.MODE_SR, regs.REG_SR_DISTANCE, regs.SR_BUFFER_LINES),    # 8 + 1024 > 1024
+    (regs.MODE_DS, regs.REG_DS_BACKLOG_LINES, 0),                  # the stage base is fine: backlog is bad
+    (regs.MODE_DS, regs.REG_DS_STAGE_BASE, 32),
+], ids=["uvm+ds", "sr-degree", "sr-distance-0", "sr-distance-big", "ds-backlog", "ds-stage"])
+def test_bad_mode_reports_the_offending_register_value(far, mode, reg, value):
+    far.c.reg_write(regs.REG_MEM_MODE, mode)
+    if reg is not None:
+        far.c.reg_write(reg, value)
+    assert far.failed(far.launch(Kernel.STREAM, 10, FAR)) == (Status.BAD_MODE, value)
+
+
+# ---- the copy engine (docs/gpu-device.md, "The copy engine")
+FAR_RANGE_AT_ONCE = regs.MIG_ERROR | Status.FAR_RANGE << 8      # 0x1904
+ABORTED = regs.MIG_ERROR | Status.DMA_ABORTED << 8              # 0x0804
+SLOT = 1 << 20                                                  # a VRAM offset to migrate into
+
+
+def go(r, src, dst, length, tag, *, posted=False):
+    """Program a migration and write GO; returns the first MIG_STATUS read after it (None if posted)."""
+    for reg, value in ((regs.REG_MIG_SRC_LO, src & 0xFFFFFFFF), (regs.REG_MIG_SRC_HI, src >> 32),
+                       (regs.REG_MIG_DST_LO, dst & 0xFFFFFFFF), (regs.REG_MIG_DST_HI, dst >> 32),
+                       (regs.REG_MIG_LENGTH, length),
+                       (regs.REG_MIG_CONTROL, regs.MIG_GO | tag << regs.CMD_TAG_SHIFT)):
+        r.c.reg_write(reg, value, posted=posted)
+    return None if posted else r.c.reg_read(regs.REG_MIG_STATUS)
+
+
+def mig_end(r, timeout=TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while (status := r.c.reg_read(regs.REG_MIG_STATUS)) & regs.MIG_BUSY:
+        assert time.monotonic() < deadline, "MIG_STATUS stays BUSY"
+    return status
+
+
+def vram(r, off, n):
+    return r.c.read(regs.BAR_VRAM, off, n)
+
+
+@pytest.mark.parametrize("length", [0, 1, 32, 63, 65, 100, 4096 + 8])
+def test_a_migration_length_not_a_nonzero_multiple_of_64_is_far_range_at_once(far, length):
+    far.far_np[:8192] = 0x5A
+    before = vram(far, SLOT, 8192)
+    far.clear()
+    assert go(far, FAR, SLOT, length, tag=1) == FAR_RANGE_AT_ONCE == 0x1904
+    assert vram(far, SLOT, 8192) == before                    # nothing copied
+    c = far.counters()
+    assert c["migrations"] == c["bytes_migrated"] == 0
+    # the failed GO was accepted: its tag is the last one, so the same tag again is ignored
+    assert go(far, FAR, SLOT, 128, tag=1) == FAR_RANGE_AT_ONCE
+    assert vram(far, SLOT, 128) == before[:128]
+    go(far, FAR, SLOT, 128, tag=2)
+    assert mig_end(far) == regs.MIG_DONE
+    assert vram(far, SLOT, 128) == b"\x5A" * 128
+    # the other direction, and a range that is right but a length that is not
+    assert go(far, SLOT, FAR + 4096, 96, tag=3) == FAR_RANGE_AT_ONCE
+
+
+def test_mig_status_is_busy_at_once_after_go_and_until_the_copy_ends(far, gpu_server):
+    far.far_np[:1 << 16] = 7
+    with gpu_server.device.engine.gate:     # the copy engine can touch no memory: the copy cannot end
+        assert go(far, FAR, SLOT, 1 << 16, tag=1) == regs.MIG_BUSY
+        assert far.c.reg_read(regs.REG_MIG_STATUS) == regs.MIG_BUSY
+        # ignored while busy, even with a new tag: MIG_STATUS unchanged
+        assert go(far, FAR, SLOT + (1 << 16), 64, tag=2) == regs.MIG_BUSY
+    assert mig_end(far) == regs.MIG_DONE
+    assert vram(far, SLOT, 1 << 16) == b"\x07" * (1 << 16)
+    assert vram(far, SLOT + (1 << 16), 64) != b"\x07" * 64       # the ignored GO copied nothing
+
+
+def test_a_read_after_go_never_shows_the_previous_migrations_status(far):
+    """A quick copy may be over by the first read (DONE), but the read never shows what was
+    there before the GO (here an ERROR, told apart from this migration's outcome)."""
+    far.far_np[:64] = 9
+    tag = 0
+    for _ in range(40):
+        tag += 1
+        assert go(far, FAR, SLOT, 0, tag) == FAR_RANGE_AT_ONCE     # the status before the GO
+        tag += 1
+        first = go(far, FAR, SLOT, 64, tag)
+        assert first in (regs.MIG_BUSY, regs.MIG_DONE), hex(first)
+        assert mig_end(far) == regs.MIG_DONE
+
+
+def test_a_reset_forgets_the_last_tag(far):
+    go(far, FAR, SLOT, 64, tag=5)
+    assert mig_end(far) == regs.MIG_DONE
+    far.reset()
+    assert far.c.reg_read(regs.REG_MIG_STATUS) == 0
+    assert go(far, FAR, SLOT, 64, tag=5) in (regs.MIG_BUSY, regs.MIG_DONE)
+    assert mig_end(far) == regs.MIG_DONE
+
+
+def test_a_go_without_bus_master_enable_copies_nothing(far):
+    far.far_np[:4096] = 3
+    before = vram(far, SLOT, 4096)
+    far.c.set_bus_master(False)
+    assert go(far, FAR, SLOT, 4096, tag=1) == ABORTED == 0x0804
+    assert vram(far, SLOT, 4096) == before
+    far.c.set_bus_master(True)
+    go(far, FAR, SLOT, 4096, tag=2)
+    assert mig_end(far) == regs.MIG_DONE and vram(far, SLOT, 4096) == b"\x03" * 4096
+
+
+@pytest.mark.parametrize("how", ["enable-cleared", "bad-tail", "bus-master-cleared", "reset"])
+def test_a_dropped_migration_ends_at_once_and_never_stays_busy(gpu_server, how):
+    """The far window on the message path, and the client holds back its answer to the
+    copy's first DMA_READ: the copy cannot end.  The input drops it; MIG_STATUS says so
+    (it used to stay BUSY for good: the copy engine threw its work away silently)."""
+    r = FarRig(gpu_server, far_direct=False)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(header):
+        entered.set()
+        release.wait(TIMEOUT)
+
+    try:
+        r.c.before_dma = hold
+        go(r, FAR, SLOT, 1 << 16, tag=1, posted=True)    # posted: the client's reader is about to block
+        assert entered.wait(TIMEOUT)
+        if how == "enable-cleared":
+            r.c.reg_write(regs.REG_CONTROL, 0, posted=True)
+        elif how == "bad-tail":
+            r.c.reg_write(regs.REG_RING_TAIL, r.rig.entries, posted=True)
+        elif how == "bus-master-cleared":
+            r.c.write(wire.PCI_CONFIG_REGION, 0x04, (0x2).to_bytes(2, "little"), posted=True)  # memory on, BME off
+        else:
+            r.c.reg_write(regs.REG_CONTROL, regs.CONTROL_RESET, posted=True)
+        r.c.before_dma = None
+        release.set()
+        status = r.c.reg_read(regs.REG_MIG_STATUS)
+        assert status == (0 if how == "reset" else ABORTED), hex(status)
+        assert r.counters()["bytes_migrated"] == 0
+    finally:
+        release.set()
+        r.close()
+
+
+# ---- fault seq (docs/gpu-device.md, "Fault seq")
+def fault_once(r, page, *, resolve=True):
+    """Start a STREAM over one far page in uvm mode, wait for its fault; returns the record's
+    (slot, seq).  ``resolve``: map the page (any VRAM slot) and replay, the op completes;
+    else cancel it (the ring halts with FAULT_CANCELLED)."""
+    r.mode("uvm")
+    slot = r.c.reg_read(regs.REG_FAULT_PUT)
+    i = r.launch(Kernel.STREAM, 8, FAR + (page << 16))
+    assert wait_eventfd(r.rig.efds[regs.VEC_FAULT], TIMEOUT)
+    assert r.c.reg_read(regs.REG_FAULT_PUT) == (slot + 1) % 64
+    addr, _flags, seq = regs.FAULT_RECORD.unpack_from(r.faults.view, 16 * slot)
+    assert addr == FAR + (page << 16)
+    r.c.reg_write(regs.REG_FAULT_GET, (slot + 1) % 64)
+    if resolve:
+        r.c.reg_write(regs.REG_PT_INDEX, page)
+        r.c.reg_write(regs.REG_PT_ENTRY, SLOT | regs.PTE_VALID)
+        r.c.reg_write(regs.REG_UVM_CONTROL, regs.UVM_REPLAY | (seq & regs.CMD_TAG_MASK) << regs.CMD_TAG_SHIFT)
+        r.finish(i)
+    else:
+        r.c.reg_write(regs.REG_UVM_CONTROL, regs.UVM_CANCEL | (seq & regs.CMD_TAG_MASK) << regs.CMD_TAG_SHIFT)
+        assert r.failed(i) == (Status.FAULT_CANCELLED, FAR + (page << 16))
+    return slot, seq
+
+
+@pytest.mark.parametrize("how", ["control-reset", "device-reset"])
+def test_fault_seq_counts_from_1_and_restarts_at_reset_only(far, how):
+    assert fault_once(far, 0) == (0, 1)
+    assert fault_once(far, 1) == (1, 2)
+    far.c.reg_write(regs.REG_FAULT_ENTRIES, 64)          # PUT = GET = 0: seq goes on
+    assert fault_once(far, 2) == (0, 3)
+    assert fault_once(far, 3, resolve=False) == (1, 4)   # a cancelled fault: seq goes on
+    if how == "control-reset":
+        far.reset()
+    else:
+        far.c.reset()                                     # VFIO_USER_DEVICE_RESET
+        far.rig.program()
+        far.program_far()
+    assert fault_once(far, 4) == (0, 1)                  # the count starts again
+    assert fault_once(far, 5) == (1, 2)
+
+
+def test_fault_seq_goes_on_across_a_disconnect(gpu_server):
+    r = FarRig(gpu_server)
+    try:
+        assert fault_once(r, 0) == (0, 1)                 # the op completed: the ring is empty
+        head = r.c.reg_read(regs.REG_RING_HEAD)
+        # the client goes and comes back without resetting the device
+        for fd in r.rig.efds:
+            os.close(fd)
+        r.c.close()
+        gpu_server.wait_idle()
+        c = gpu_server.client(r.rig.memory)
+        for area in r.rig.memory.areas:
+            area.mapped = False
+            c.map_area(area)
+        r.rig.client = r.c = c
+        r.rig.efds = c.attach_msix(regs.MSIX_VECTORS)
+        c.set_bus_master()
+        assert c.reg_read(regs.REG_STATUS) & regs.STATUS_ENABLED and c.reg_read(regs.REG_RING_HEAD) == head
+        r.rig.tail = head
+        assert fault_once(r, 1) == (1, 2)
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("reg,first,offset,data,want", [
+    (regs.REG_MIG_LENGTH, 0x1240, 2, b"\x01\x00", 0x0001_1240),
+    (regs.REG_SR_DISTANCE, 0x0180, 0, b"\x20", 0x0120),
+    (regs.REG_UVM_FAULT_TIMEOUT_MS, 5000, 1, b"\x00", 5000 & 0xFF),
+    (regs.REG_PT_INDEX, 0x0003_0005, 2, b"\x00\x00", 5),
+    (regs.REG_DS_STAGE_BASE, 0x00F0_0000, 0, b"\x40", 0x00F0_0040),
+], ids=["mig-length-high-half", "sr-distance-low-byte", "timeout-byte-1", "pt-index-high-half", "stage-low-byte"])
+def test_a_partial_write_to_a_far_memory_register_only_touches_its_bytes(far, reg, first, offset, data, want):
+    """docs/gpu-device.md, "BAR0 registers": narrower accesses work; a partial write only
+    touches the bytes written (the 1.1 registers used to take the written bytes as the value)."""
+    far.c.reg_write(reg, first)
+    far.c.write(regs.BAR_REGS, reg + offset, data)
+    assert far.c.reg_read(reg) == want

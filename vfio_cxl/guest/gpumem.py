@@ -17,6 +17,11 @@ reads the records, evicts the least recently migrated page when the cache is ful
 (writing it back if the device marked it dirty), migrates the faulting page into
 VRAM through the copy engine (the MIG_* registers: not the ring, where the compute
 op waits), maps it in the page table and replays.
+
+A pager is pluggable: ``GpuMemory.run(..., pager=MyPager)`` (or ``launch(layout,
+pager)``) takes any object with ``service()`` and ``write_back()``, built as
+``MyPager(gpu, faults, page_shift, vram_base, vram_cache)``; docs/guest-library.md,
+"Your own pager", is its contract.  ``migrate`` is the copy engine for such a pager.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import time
+import weakref
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,7 +41,7 @@ from .dax import DaxMapping
 from .drivers.gpu import GpuDriver, GpuError, Transfer
 from .vfio.errors import InterruptTimeout
 
-__all__ = ["GpuMemory", "UvmPager", "Layout", "layout", "Verifier", "LruCache", "simulate_faults",
+__all__ = ["GpuMemory", "UvmPager", "migrate", "Layout", "layout", "Verifier", "LruCache", "simulate_faults",
            "GpuMemError", "FAR_IOVA", "AUX_IOVA"]
 
 FAR_IOVA = 0x1_0000_0000  # the CXL devdax region, as the GPU sees it
@@ -219,9 +225,49 @@ class Verifier:
 
 
 # --------------------------------------------------------------------------
-# The UVM pager: the replayable-fault path
+# The copy engine, and the UVM pager: the replayable-fault path
 # --------------------------------------------------------------------------
+_last_tag: "weakref.WeakKeyDictionary[GpuDriver, int]" = weakref.WeakKeyDictionary()
+
+
+def _next_tag(gpu: GpuDriver) -> int:
+    """A MIG_CONTROL tag unlike the last one written to this GPU: the device ignores a GO that
+    repeats the tag of the last GO it accepted (and forgets it only at a reset), so the tags go
+    on from one pager to the next on the same GPU."""
+    tag = _last_tag.get(gpu, 0) % regs.CMD_TAG_MASK + 1     # 1 .. 2**24 - 1
+    _last_tag[gpu] = tag
+    return tag
+
+
+def migrate(gpu: GpuDriver, src: int, dst: int, length: int) -> None:
+    """Copy ``length`` bytes between VRAM and the far window with the GPU's copy engine and
+    wait until it is done (docs/gpu-device.md, "The copy engine").  ``src`` and ``dst`` are
+    device addresses: a VRAM offset, or ``regs.FAR_DEVADDR`` + a far window offset; one of
+    each.  GpuMemError if the device reports an error or stays busy."""
+    b = gpu.bar0
+    for reg, value in ((regs.REG_MIG_SRC_LO, src & 0xFFFFFFFF), (regs.REG_MIG_SRC_HI, src >> 32),
+                       (regs.REG_MIG_DST_LO, dst & 0xFFFFFFFF), (regs.REG_MIG_DST_HI, dst >> 32),
+                       (regs.REG_MIG_LENGTH, length),
+                       (regs.REG_MIG_CONTROL, regs.MIG_GO | _next_tag(gpu) << regs.CMD_TAG_SHIFT)):
+        b.write32(reg, value)
+    deadline = time.monotonic() + MIGRATION_TIMEOUT
+    # polled: one copy in the device, a register read per look (no vector is spent on it); the
+    # first read already answers for this GO (BUSY, or its outcome)
+    while (status := b.read32(regs.REG_MIG_STATUS)) & regs.MIG_BUSY:
+        if time.monotonic() > deadline:
+            raise GpuMemError(f"migration {src:#x} -> {dst:#x} still busy after {MIGRATION_TIMEOUT} s",
+                              "is the GPU server alive?")
+    if status != regs.MIG_DONE:
+        code = status >> 8 & 0xFF
+        raise GpuMemError(f"migration {src:#x} -> {dst:#x} failed: "
+                          f"{regs.Status(code).name if code in regs.Status._value2member_map_ else code}",
+                          "see docs/gpu-device.md, MIG_STATUS")
+
+
 class UvmPager:
+    """The library's pager: LRU over ``vram_cache // page`` VRAM slots from ``vram_base`` (the
+    pager protocol and how to write another: docs/guest-library.md, "Your own pager")."""
+
     def __init__(self, gpu: GpuDriver, faults: memoryview, page_shift: int, vram_base: int,
                  vram_cache: int):
         self.gpu, self.bar0, self.faults = gpu, gpu.bar0, faults
@@ -230,8 +276,8 @@ class UvmPager:
         self.cache = LruCache(vram_cache // self.page)
         self.served = 0
         self.spurious = 0  # faults on pages the cache already holds
-        self.tag = 0
         self.trace: list[int] = []
+        self.entries = len(faults) // regs.FAULT_RECORD.size
         self.check = bool(os.environ.get("VFIO_CXL_GPUMEM_CHECK"))
         self.bar0.write32(regs.REG_UVM_PAGE_SHIFT, page_shift)  # also clears the page table
         # records before this pager (an earlier run's) are not ours: start at the device's PUT
@@ -239,28 +285,8 @@ class UvmPager:
         self.bar0.write32(regs.REG_FAULT_GET, self.get)
 
     def migrate(self, src: int, dst: int) -> None:
-        b = self.bar0
-        for reg, value in ((regs.REG_MIG_SRC_LO, src & 0xFFFFFFFF), (regs.REG_MIG_SRC_HI, src >> 32),
-                           (regs.REG_MIG_DST_LO, dst & 0xFFFFFFFF), (regs.REG_MIG_DST_HI, dst >> 32),
-                           (regs.REG_MIG_LENGTH, self.page),
-                           (regs.REG_MIG_CONTROL, regs.MIG_GO | self._tag() << regs.CMD_TAG_SHIFT)):
-            b.write32(reg, value)
-        deadline = time.monotonic() + MIGRATION_TIMEOUT
-        # polled: one copy in the device, a register read per look (no vector is spent on it)
-        while (status := b.read32(regs.REG_MIG_STATUS)) & regs.MIG_BUSY:
-            if time.monotonic() > deadline:
-                raise GpuMemError(f"migration {src:#x} -> {dst:#x} still busy after {MIGRATION_TIMEOUT} s",
-                                  "is the GPU server alive?")
-        if status != regs.MIG_DONE:
-            code = status >> 8 & 0xFF
-            raise GpuMemError(f"migration {src:#x} -> {dst:#x} failed: "
-                              f"{regs.Status(code).name if code in regs.Status._value2member_map_ else code}",
-                              "see docs/gpu-device.md, MIG_STATUS")
-
-    def _tag(self) -> int:
-        """A tag unlike the last one: the device ignores a GO that repeats its tag."""
-        self.tag = (self.tag + 1) & regs.CMD_TAG_MASK
-        return self.tag
+        """One page through the copy engine."""
+        migrate(self.gpu, src, dst, self.page)
 
     def _pte(self, page: int) -> int:
         self.bar0.write32(regs.REG_PT_INDEX, page)
@@ -292,7 +318,7 @@ class UvmPager:
             else:
                 self.spurious += 1
             self.trace.append(page)
-            self.get = (self.get + 1) % FAULT_ENTRIES
+            self.get = (self.get + 1) % self.entries
             handled += 1
         self.served += handled
         self.bar0.write32(regs.REG_FAULT_GET, self.get)
@@ -335,7 +361,7 @@ class GpuMemory:
         self.far_size = dax.size if far_size is None else min(dax.size, _align(far_size, 2 << 20))
         self._aux = mmap.mmap(-1, 4096)
         self._aux_view = memoryview(self._aux)
-        self._fault_view = self._aux_view[FAULT_OFFSET:]
+        self._fault_view = self._aux_view[FAULT_OFFSET:FAULT_OFFSET + FAULT_ENTRIES * regs.FAULT_RECORD.size]
         self._far_view = dax.view[:self.far_size]
         self._mappings = []
         try:
@@ -438,8 +464,15 @@ class GpuMemory:
             out[name] = lo | self.bar0.read32(regs.REG_COUNTERS + 8 * i + 4) << 32
         return out
 
-    def launch(self, lay: Layout, pager: UvmPager | None = None, timeout: float = 600) -> int:
-        """One COMPUTE descriptor; services faults while it runs; returns its result."""
+    @property
+    def fault_buffer(self) -> memoryview:
+        """The fault buffer the device writes its fault records into (``len // 16`` records of
+        ``regs.FAULT_RECORD``; record ``i`` at ``16 * i``): what a pager reads."""
+        return self._fault_view
+
+    def launch(self, lay: Layout, pager=None, timeout: float = 600) -> int:
+        """One COMPUTE descriptor; services faults while it runs (``pager.service()`` each time
+        the fault vector fires); returns its result."""
         self._aux_view[:regs.KERNEL_PARAMS.size] = regs.pack_kernel(
             lay.kernel, lay.n, FAR + lay.a, FAR + lay.b, FAR + lay.idx, lay.aux, lay.arg)
         indices = self.gpu.submit([Transfer(Op.COMPUTE, src=AUX_IOVA, dst=0, length=regs.KERNEL_PARAMS.size)])
@@ -478,8 +511,12 @@ class GpuMemory:
 
     def run(self, kernel: str, mode: str = "cxl", latency: str = "cxl-80ns",
             working_set: int = 8 << 20, vram_cache: int | None = None, unit: str = "64K",
-            warm: bool = False, seed: int = 1, prepared: tuple | None = None) -> dict:
-        """Run one kernel; the result dict carries the counters, the modelled and the wall time."""
+            warm: bool = False, seed: int = 1, prepared: tuple | None = None, pager=UvmPager) -> dict:
+        """Run one kernel; the result dict carries the counters, the modelled and the wall time.
+
+        ``pager`` (mode uvm): the pager's class, or any callable that builds one as
+        ``pager(gpu, faults, page_shift, vram_base, vram_cache)`` (docs/guest-library.md,
+        "Your own pager")."""
         lay = layout(kernel, working_set)
         self.configure(mode, latency)
         if unit not in UNITS:
@@ -501,7 +538,14 @@ class GpuMemory:
         else:
             verifier = self.prepare(lay, seed)
         setup_s = time.perf_counter() - t0
-        pager = UvmPager(self.gpu, self._fault_view, shift, 0, cache) if mode == "uvm" else None
+        if mode == "uvm":
+            # what every pager starts from: pages of 1 << shift, an empty page table, and no
+            # fault record before this one's (FAULT_GET = FAULT_PUT)
+            self.bar0.write32(regs.REG_UVM_PAGE_SHIFT, shift)
+            self.bar0.write32(regs.REG_FAULT_GET, self.bar0.read32(regs.REG_FAULT_PUT))
+            pager = pager(self.gpu, self._fault_view, shift, 0, cache)
+        else:
+            pager = None
         if warm:  # one run to bring the pages in; the measured run starts warm
             self.launch(lay, pager)
             if kernel == "scatter":  # it updates in place: the measured run starts from here
@@ -527,8 +571,8 @@ class GpuMemory:
                 "warm": warm, "n": lay.n, "result": result, "verified": ok, "check": what,
                 "modelled_ns": counters["modelled_ns"], "wall_s": wall_s, "setup_s": setup_s,
                 "verify_s": verify_s, "counters": counters, "ds_flushed_bytes": flushed,
-                "pager": ({"served": pager.served, "spurious": pager.spurious,
-                           "trace": pager.trace[:200]} if pager else None),
+                "pager": ({"served": getattr(pager, "served", None), "spurious": getattr(pager, "spurious", None),
+                           "trace": list(getattr(pager, "trace", ()))[:200]} if pager is not None else None),
                 "vfio_backend": self.gpu.device.backend}
 
     def close(self) -> None:

@@ -162,10 +162,14 @@ def run(kernel: int, n: int, a: int, b: int, idx: int, aux: int, arg: int,
         out.lines, out.is_write, out.pcs = coalesce(*_merge(parts))
         return out
     # BFS over CSR
-    row = load(a, 8 * (n + 1)).view(U64).astype(np.int64)
-    if row[0] != 0 or np.any(np.diff(row) < 0) or row[-1] > aux:
-        raise KernelError(f"BFS: row_ptr must start at 0, not decrease and end at most at aux = {aux}",
-                          int(row[-1]))
+    row = load(a, 8 * (n + 1)).view(U64)
+    down = np.flatnonzero(row[1:] < row[:-1])   # compared as u64
+    if row[0] != 0 or len(down) or row[-1] > aux:
+        # detail: the position of the first entry that breaks the rule
+        pos = 0 if row[0] != 0 else int(down[0]) + 1 if len(down) else n
+        raise KernelError(f"BFS: row_ptr[{pos}] = {row[pos]}: row_ptr must start at 0, not decrease "
+                          f"and end at most at aux = {aux}", pos)
+    row = row.astype(np.int64)   # every entry <= aux < 2**32 now
     col = load(idx, 4 * aux).view(U32).astype(np.int64)
     bad = np.flatnonzero(col[:row[-1]] >= n)
     if len(bad):

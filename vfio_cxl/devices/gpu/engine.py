@@ -218,6 +218,7 @@ class Engine:
             self.epoch += 1
         if self.port is not None:
             self.port.abort_transfers()
+        self.farmem.drop_migration()  # the copy engine's work is dropped too
 
     def _latch_halt(self, status: Status, index: int, addr: int, err: int) -> None:
         self.regs.latch_error(status, index, addr, err)

@@ -34,6 +34,16 @@ UVM_WALK_WINDOW = 4096  # page touches checked against the page table per look
 DEFAULT_TIMEOUT_MS = 5000
 
 
+# RW registers kept as one value: a partial write is merged with what the register reads
+# (docs/gpu-device.md, "BAR0 registers").  The 64-bit pairs (_set32) and MEM_MODE merge on their
+# own; the command registers (UVM_CONTROL, MIG_CONTROL, COUNTER_CONTROL) read 0 and take what
+# was written.
+_MERGED = frozenset((regs.REG_LATENCY_PROFILE, regs.REG_SR_DEGREE, regs.REG_SR_DISTANCE,
+                     regs.REG_DS_BACKLOG_LINES, regs.REG_DS_STAGE_BASE, regs.REG_UVM_PAGE_SHIFT,
+                     regs.REG_UVM_FAULT_TIMEOUT_MS, regs.REG_FAULT_ENTRIES, regs.REG_FAULT_GET,
+                     regs.REG_PT_INDEX, regs.REG_PT_ENTRY, regs.REG_MIG_LENGTH))
+
+
 class OpFailed(Exception):
     def __init__(self, status: Status, addr: int = 0, err: int = 0):
         self.status, self.addr, self.err = status, addr, err
@@ -97,6 +107,8 @@ class FarMemory:
 
     def reg_write(self, reg: int, value: int, mask: int) -> None:
         v = value & mask
+        if reg in _MERGED and mask != 0xFFFFFFFF:  # a partial write only touches the bytes written
+            v = (self.reg_value(reg) & ~mask | v) & 0xFFFFFFFF
         if reg in (regs.REG_FAR_BASE_LO, regs.REG_FAR_BASE_HI, regs.REG_FAR_SIZE_LO,
                    regs.REG_FAR_SIZE_HI):
             if self.busy or self.mig_status & regs.MIG_BUSY:
@@ -234,15 +246,26 @@ class FarMemory:
             self._copy_thread = None
 
     def _start_migration(self) -> None:
-        """MIG_GO (engine.lock held): check, then hand the copy to the copy engine."""
+        """MIG_GO (engine.lock held): check, then hand the copy to the copy engine.  MIG_STATUS
+        changes here, before the device answers the next message: BUSY, or ERROR at once."""
         src, dst, length = self.mig_src, self.mig_dst, self.mig_len
         far_to_vram = self.far_range(src, length) and self.vram_range(dst, length)
         vram_to_far = self.vram_range(src, length) and self.far_range(dst, length)
         if length == 0 or length % regs.LINE_SIZE or not (far_to_vram or vram_to_far):
             self.mig_status = regs.MIG_ERROR | int(Status.FAR_RANGE) << 8
             return
+        if not self.engine.bus_master:  # no DMA without Bus Master Enable
+            self.mig_status = regs.MIG_ERROR | int(Status.DMA_ABORTED) << 8
+            return
         self.mig_status = regs.MIG_BUSY
         self.mig_job = (self.engine.epoch, self.engine.port, src, dst, length, far_to_vram)
+
+    def drop_migration(self) -> None:
+        """The device dropped its work (engine.lock held, the epoch already bumped): a migration
+        in flight ends now, in ERROR (DMA_ABORTED), never to be finished by the copy engine."""
+        self.mig_job = None
+        if self.mig_status & regs.MIG_BUSY:
+            self.mig_status = regs.MIG_ERROR | int(Status.DMA_ABORTED) << 8
 
     def _copy_loop(self) -> None:
         eng = self.engine
@@ -289,7 +312,7 @@ class FarMemory:
                 status = Status.DMA_ABORTED
             with eng.lock:
                 if eng.epoch != epoch:
-                    continue  # dropped (reset): MIG_STATUS was reset with it
+                    continue  # dropped: drop_migration (or a reset) has set MIG_STATUS
                 if status:
                     self.mig_status = regs.MIG_ERROR | int(status) << 8
                 else:
@@ -399,8 +422,8 @@ class FarMemory:
             self.busy = True
         try:
             if op == regs.Op.FLUSH:
-                if src or dst or length:
-                    raise OpFailed(Status.BAD_KERNEL, 0)
+                if src or dst or length:   # ERR_ADDR: the first of them that is not 0
+                    raise OpFailed(Status.BAD_KERNEL, next(v for v in (src, dst, length) if v))
                 return Status.OK, self.flush(port, stale) * regs.LINE_SIZE, 0, 0
             return self._compute(src, dst, length, port, stale)
         except OpFailed as failed:
@@ -425,7 +448,9 @@ class FarMemory:
                     "pt": self.pt.copy() if self.mode & regs.MODE_UVM else None}
 
     def _compute(self, src, dst, length, port, stale):
-        if dst or length != regs.KERNEL_PARAMS.size:
+        if dst:   # ERR_ADDR: the bad value (dst first, then length)
+            raise OpFailed(Status.BAD_KERNEL, dst)
+        if length != regs.KERNEL_PARAMS.size:
             raise OpFailed(Status.BAD_KERNEL, length)
         raw = bytearray(regs.KERNEL_PARAMS.size)
         port.read(src, memoryview(raw), stale)
@@ -436,15 +461,18 @@ class FarMemory:
         mode = cfg["mode"]
         if mode & regs.MODE_UVM and mode & (regs.MODE_SR | regs.MODE_DS):
             raise OpFailed(Status.BAD_MODE, mode)
-        degree, distance = cfg["sr"]
-        if mode & regs.MODE_SR and not (1 <= degree <= regs.SR_MAX_DEGREE and distance >= 1
-                                        and degree + distance <= regs.SR_BUFFER_LINES):
-            raise OpFailed(Status.BAD_MODE, degree)
+        degree, distance = cfg["sr"]   # BAD_MODE's ERR_ADDR: the register value that is bad
+        if mode & regs.MODE_SR:
+            if not 1 <= degree <= regs.SR_MAX_DEGREE:
+                raise OpFailed(Status.BAD_MODE, degree)
+            if distance < 1 or degree + distance > regs.SR_BUFFER_LINES:
+                raise OpFailed(Status.BAD_MODE, distance)
         backlog, stage = cfg["ds"]
-        if mode & regs.MODE_DS and not (1 <= backlog <= regs.DS_MAX_BACKLOG_LINES
-                                        and stage % regs.LINE_SIZE == 0
-                                        and stage + backlog * regs.LINE_SIZE <= self.vram_size):
-            raise OpFailed(Status.BAD_MODE, stage)
+        if mode & regs.MODE_DS:
+            if not 1 <= backlog <= regs.DS_MAX_BACKLOG_LINES:
+                raise OpFailed(Status.BAD_MODE, backlog)
+            if stage % regs.LINE_SIZE or stage + backlog * regs.LINE_SIZE > self.vram_size:
+                raise OpFailed(Status.BAD_MODE, stage)
         ops = compute.operands(kernel, n, a, b, idx, aux, arg)
         touches_far = False
         for o in ops:

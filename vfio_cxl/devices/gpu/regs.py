@@ -100,7 +100,7 @@ REG_MSGWIN_WRITES = 0x210  # RO  DMA_WRITE messages sent into the window since c
 REG_MSGWIN_READS = 0x214  # RO  DMA_READ messages sent into the window since connect (wraps)
 
 ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
-DEVICE_VERSION = 0x00010003  # 1.3: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3); a 1.0 driver works unchanged
+DEVICE_VERSION = 0x00010004  # 1.4: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3), 1.1's error values, copy engine and fault seq pinned down (1.4); a 1.0 driver works unchanged
 
 # REG_CONTROL bits
 CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE
@@ -180,7 +180,7 @@ class Status(IntEnum):
     DMA_PERMISSION = 5  # mapping lacks read (or write) permission (ERR_ADDR = IOVA)
     DMA_REFUSED = 6  # the client answered a DMA message with an error (ERR_ERRNO = its errno)
     DMA_TIMEOUT = 7  # the client did not answer a DMA message in time (ERR_ERRNO = ETIMEDOUT)
-    DMA_ABORTED = 8  # client gone with work queued (ECONNRESET) or device failure (EIO)
+    DMA_ABORTED = 8  # client gone with work queued (ECONNRESET) or device failure (EIO); MIG_STATUS: no BME, or dropped
     RING_FETCH = 9  # descriptor fetch failed (ERR_ADDR = IOVA)
     COMPLETION_WRITE = 10  # the completion record could not be written (ERR_ADDR = IOVA)
     BAD_TAIL = 11  # doorbell value >= RING_SIZE (ERR_ADDR = value written)
@@ -189,11 +189,11 @@ class Status(IntEnum):
     QUEUE_TIMEOUT = 16  # NVME_IO: no completion within the queue block's timeout (ERR_ADDR = request's VRAM offset)
     BAD_QUEUE = 17  # NVME_IO: bad queue block, request or completion entry (ERR_ADDR = its VRAM offset)
     # interface 1.1 (far memory and compute)
-    BAD_KERNEL = 24  # unknown kernel, bad parameters, an index out of its table (ERR_ADDR = detail)
+    BAD_KERNEL = 24  # bad COMPUTE/FLUSH descriptor or kernel parameter (ERR_ADDR = the bad value), bad index data (= its position)
     FAR_RANGE = 25  # no far window, or an operand outside it / VRAM (ERR_ADDR = device address)
     FAULT_TIMEOUT = 26  # a replayable fault was not replayed within UVM_FAULT_TIMEOUT_MS (ERR_ADDR = address)
     FAULT_CANCELLED = 27  # the driver cancelled the faulting op (UVM_CONTROL.CANCEL)
-    BAD_MODE = 28  # MEM_MODE combines UVM with SR/DS, or a bad SR/DS/UVM parameter
+    BAD_MODE = 28  # MEM_MODE combines UVM with SR/DS, or a bad SR/DS parameter (ERR_ADDR = that register's value)
 
 
 # --------------------------------------------------------------------------
@@ -274,9 +274,9 @@ REG_MIG_SRC_LO = 0x154  # RW  migration source: device address (FAR_DEVADDR + of
 REG_MIG_SRC_HI = 0x158  # RW
 REG_MIG_DST_LO = 0x15C  # RW  migration destination: device address (one side VRAM, the other far)
 REG_MIG_DST_HI = 0x160  # RW
-REG_MIG_LENGTH = 0x164  # RW  bytes (multiple of 64)
+REG_MIG_LENGTH = 0x164  # RW  bytes, a nonzero multiple of 64 (else a GO fails at once: FAR_RANGE)
 REG_MIG_CONTROL = 0x168  # W   MIG_GO | tag << 8 starts the copy engine (a tag unlike the last one); reads 0
-REG_MIG_STATUS = 0x16C  # RO  MIG_BUSY / MIG_DONE / MIG_ERROR, bits 8-15 the Status of an error
+REG_MIG_STATUS = 0x16C  # RO  MIG_BUSY (set by an accepted GO at once) / MIG_DONE / MIG_ERROR, bits 8-15 the Status of an error
 REG_DS_PENDING_LINES = 0x170  # RO  lines staged by DS and not yet in the far window
 REG_COUNTER_CONTROL = 0x178  # W   COUNTERS_CLEAR; reads 0
 REG_CAPS2 = 0x17C  # RO  CAPS2_* feature bits
@@ -318,7 +318,8 @@ CAPS2_DS = 1 << 2
 CAPS2_UVM = 1 << 3
 CAPS2 = CAPS2_FAR | CAPS2_SR | CAPS2_DS | CAPS2_UVM
 
-# fault record (FAULT_BASE + 16 * index): u64 device address, u32 flags (FAULT_WRITE), u32 seq (from 1)
+# fault record (FAULT_BASE + 16 * index): u64 device address, u32 flags (FAULT_WRITE), u32 seq (from 1 since
+# the last reset: only a reset restarts it; never 0)
 FAULT_RECORD = struct.Struct("<QII")
 FAULT_WRITE = 1 << 0
 
