@@ -225,6 +225,7 @@ CASES.update({
     "scripts/boot-shared": Case(group="boot", timeout=900, until=r"^lab running; Ctrl-C stops it$"),
     "vfio-cxl vm up single|shared": same("scripts/boot-vm"),
     "vfio-cxl vm up TOPOLOGY --detach": same("vfio-cxl vm up shared --detach"),
+    "vfio-cxl vm up single --detach": same("vfio-cxl vm up shared --detach"),
     # README's console session on `shared` (README.md, "Fabric manager"), in order
     "vfio-cxl vm up shared --detach": Case(group="detached", timeout=900),
     "vfio-cxl vm ls": Case(group="detached"),
