@@ -36,6 +36,16 @@ def doc_files() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+def program_and_output(doc: str, starts: str = "") -> tuple[str, str]:
+    """A doc's complete program (its first ``python`` block whose text starts with ``starts``) and
+    the output the page shows for it (the first untagged block after it), for the VM tests that
+    run a documented program as typed."""
+    text = (ROOT / doc).read_text()
+    program = re.search(rf"^```python\n({re.escape(starts)}.*?)^```$", text, re.S | re.M)
+    output = re.search(r"^```\n(.*?)^```$", text[program.end():], re.S | re.M)
+    return program.group(1), output.group(1).strip()
+
+
 def normal(text: str) -> str:
     return " ".join(text.split())
 

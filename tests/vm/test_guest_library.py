@@ -2,27 +2,17 @@
 alone (no command module) drives the GPU's DMA into CXL memory, and prints the line the page shows."""
 
 import json
-import re
 import shlex
-from pathlib import Path
 
 import pytest
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "guest-library.md"
+import documented_commands as docs
 
 pytestmark = pytest.mark.lab("single")
 
 
-def program_and_output() -> tuple[str, str]:
-    """The page's first python block (the program) and the first untagged block after it (its output)."""
-    text = DOC.read_text()
-    program = re.search(r"^```python\n(.*?)^```$", text, re.S | re.M)
-    output = re.search(r"^```\n(.*?)^```$", text[program.end():], re.S | re.M)
-    return program.group(1), output.group(1).strip()
-
-
 def test_the_documented_program_runs_on_the_library_alone(lab):
-    program, shown = program_and_output()
+    program, shown = docs.program_and_output("docs/guest-library.md")
     assert "vfio_cxl.guest.cmd" not in program
     check = "\nimport sys\nprint(sorted(m for m in sys.modules if m.startswith('vfio_cxl.guest.cmd')))\n"
     out = lab.ssh("host0", f"python3 -c {shlex.quote(program + check)}").splitlines()

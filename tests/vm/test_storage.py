@@ -11,12 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 import shlex
 import time
-from pathlib import Path
 
 import pytest
+
+import documented_commands as docs
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -204,17 +204,9 @@ def test_two_sessions_one_after_the_other_in_one_process(storage_lab):
     assert "StorageSession.open(" in closed["fix"], out
 
 
-def documented_program() -> tuple[str, str]:
-    """docs/storage.md's GPU-initiated program and the line the page says it prints."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "storage.md").read_text()
-    program = re.search(r'^```python\n("""gpu_initiated_reads\.py.*?)^```$', text, re.S | re.M)
-    shown = re.search(r"^```\n(.*?)^```$", text[program.end():], re.S | re.M)
-    return program.group(1), shown.group(1).strip()
-
-
 def test_the_documented_gpu_initiated_program_runs_as_typed(storage_lab):
     """docs/storage.md's complete program, as the page shows it, on the library alone."""
-    program, shown = documented_program()
+    program, shown = docs.program_and_output("docs/storage.md", '"""gpu_initiated_reads.py')
     assert "vfio_cxl.guest.cmd" not in program
     result = storage_lab["host0"].run(f"python3 -c {shlex.quote(program)}", timeout=900, check=False)
     assert result.exited == 0, result.stderr

@@ -16,7 +16,7 @@ The names below load their module on first use, so ``import vfio_cxl.guest``
 costs nothing and a host program that needs only the channel does not load cffi.
 """
 
-import importlib
+from .lazy import lazy_names
 
 _HOMES = {
     "vfio": ("VfioPciDevice", "IommuContext", "Container", "IommufdContext", "DmaMapping", "VfioError",
@@ -32,18 +32,4 @@ _HOMES = {
     "p2p": ("PeerPair", "map_peer_bar"),
     "gpumem": ("GpuMemory", "UvmPager"),
 }
-_HOME = {name: module for module, names in _HOMES.items() for name in names}
-
-__all__ = sorted(_HOME)
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_names(__name__, _HOMES)

@@ -20,7 +20,7 @@ The names below load their module on first use: a command that only lists device
 (``bind``) or asks which backend would drive one (``backend``) loads no cffi and no ioctl code.
 """
 
-import importlib
+from ..lazy import lazy_names
 
 _HOMES = {
     "bind": ("Binding", "bind_vfio_pci", "find_pci_devices", "iommu_group", "normalize_bdf"),
@@ -37,18 +37,4 @@ _HOMES = {
     "pci": ("VfioPciDevice",),
     "region": ("Region", "RegionInfo"),
 }
-_HOME = {name: module for module, names in _HOMES.items() for name in names}
-
-__all__ = sorted(_HOME)
-
-
-def __getattr__(name: str):
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_names(__name__, _HOMES)
