@@ -26,7 +26,8 @@ def soak(request):
 
 def pytest_configure(config):
     # every process the session starts (detached labs, documented commands) inherits it
-    fd, path = tempfile.mkstemp(prefix="vfio-cxl-usage-", suffix=".jsonl")
+    # not "vfio-cxl-*": that is the lab's run directories' pattern in the same /tmp
+    fd, path = tempfile.mkstemp(prefix="usage-of-vfio-cxl-tests-", suffix=".jsonl")
     os.close(fd)
     os.environ[usage.ENV] = path
     config.stash[USAGE_LOG] = path

@@ -1,6 +1,6 @@
 """What a run costs in labs and guest commands, counted across processes.
 
-With ``$VFIO_CXL_USAGE_LOG`` naming a file, every lab boot (``Lab.start``) and every guest
+With ``$VFIO_CXL_USAGE_LOG`` naming an existing file, every lab boot (``Lab.start``) and every guest
 command the host runs (``GuestShell``, ``vfio-cxl vm ssh``) in this process and its children
 appends one JSON line to it; nothing is written without it.  The project's own test session
 sets it and prints a summary at its end (tests/conftest.py)."""
@@ -24,8 +24,9 @@ def record(kind: str, detail: str) -> None:
     if not path:
         return
     line = json.dumps({"kind": kind, "detail": detail[:300], "pid": os.getpid()}) + "\n"
-    try:   # one write of one line with O_APPEND: lines of several processes never interleave
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:   # one write of one line with O_APPEND: lines of several processes never interleave;
+        # no O_CREAT: a process that outlives the session (a lab left up) makes no stray file
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         try:
             os.write(fd, line.encode())
         finally:
