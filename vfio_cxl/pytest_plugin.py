@@ -223,7 +223,6 @@ class LabPool:
         self._image = None
         self.current = None
         self.kept: dict = {}
-        self.rebooted: list[tuple[str, str]] = []   # (topology, why) of in-process labs booted again
 
     @property
     def runtime(self):
@@ -246,8 +245,7 @@ class LabPool:
             why = self.current.unhealthy()
             if why is None:
                 return self.current
-            self.rebooted.append((name, why))
-            from .lab import usage
+            from .lab import usage   # the session's summary names each lab booted again
             usage.record("reboot", f"{name}: {why}")
         self.close_all()
         from .lab import topology
