@@ -32,8 +32,13 @@ from ..lab.qemu_runtime import find_runtime
 TARGETS = {"debian": (15.0, None), "lab": (1.5, 1.0)}
 
 
+def _targets(kernel: str, name: str) -> tuple[float | None, float | None]:
+    """(boot to SSH, regions after SSH) targets: set for ``single`` only."""
+    return TARGETS.get(kernel, (None, None)) if name == "single" else (None, None)
+
+
 def _target(kernel: str, name: str) -> str:
-    ssh, regions = TARGETS.get(kernel, (None, None)) if name == "single" else (None, None)
+    ssh, regions = _targets(kernel, name)
     return "" if ssh is None else f"<= {ssh:g} s" + (f", regions <= {regions:g} s after" if regions else "")
 
 
@@ -110,8 +115,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"runs": args.runs, "rows": [
             {"topology": name, "kernel": k, "vms": count, "ssh_s": statistics.median(b), "ssh_min_s": min(b),
              "ssh_max_s": max(b), "regions_after_ssh_s": after, "up_s": total,
-             "target_ssh_s": TARGETS.get(k, (None, None))[0] if name == "single" else None,
-             "target_regions_after_ssh_s": TARGETS.get(k, (None, None))[1] if name == "single" else None,
+             "target_ssh_s": _targets(k, name)[0], "target_regions_after_ssh_s": _targets(k, name)[1],
              "stages": {stage: median([getattr(x, stage) for x in st if x is not None and getattr(x, stage) is not None])
                         for stage in ("before_kernel", "kernel_to_init", "init_to_ready", "ssh", "cpu")}}
             for name, k, count, b, total, st, after in rows]}, indent=1), file=out)
