@@ -220,7 +220,7 @@ def _write(sysfs: Sysfs, path: Path, text: str, what: str) -> None:
 
 def find_pci_devices(vendor: int, device: int, sysfs: Sysfs | None = None) -> list[str]:
     """BDFs of the PCI devices with these ids, sorted (sysfs: see the module docstring)."""
-    return sorted(find_pci_devices_sysfs(vendor, device, sysfs))
+    return find_pci_devices_sysfs(vendor, device, sysfs)   # Sysfs.pci_devices lists them sorted
 
 
 def find_pci_devices_udev(vendor: int, device: int) -> list[str]:
