@@ -34,6 +34,11 @@ UVM_WALK_WINDOW = 4096  # page touches checked against the page table per look
 DEFAULT_TIMEOUT_MS = 5000
 
 
+def _mig_error(status: Status) -> int:
+    """MIG_STATUS of a migration that failed with ``status`` (its code in bits 8-15)."""
+    return regs.MIG_ERROR | int(status) << 8
+
+
 # RW registers kept as one value: a partial write is merged with what the register reads
 # (docs/gpu-device.md, "BAR0 registers").  The 64-bit pairs (_set32) and MEM_MODE merge on their
 # own; the command registers (UVM_CONTROL, MIG_CONTROL, COUNTER_CONTROL) read 0 and take what
@@ -252,10 +257,10 @@ class FarMemory:
         far_to_vram = self.far_range(src, length) and self.vram_range(dst, length)
         vram_to_far = self.vram_range(src, length) and self.far_range(dst, length)
         if length == 0 or length % regs.LINE_SIZE or not (far_to_vram or vram_to_far):
-            self.mig_status = regs.MIG_ERROR | int(Status.FAR_RANGE) << 8
+            self.mig_status = _mig_error(Status.FAR_RANGE)
             return
         if not self.engine.bus_master:  # no DMA without Bus Master Enable
-            self.mig_status = regs.MIG_ERROR | int(Status.DMA_ABORTED) << 8
+            self.mig_status = _mig_error(Status.DMA_ABORTED)
             return
         self.mig_status = regs.MIG_BUSY
         self.mig_job = (self.engine.epoch, self.engine.port, src, dst, length, far_to_vram)
@@ -265,7 +270,7 @@ class FarMemory:
         in flight ends now, in ERROR (DMA_ABORTED), never to be finished by the copy engine."""
         self.mig_job = None
         if self.mig_status & regs.MIG_BUSY:
-            self.mig_status = regs.MIG_ERROR | int(Status.DMA_ABORTED) << 8
+            self.mig_status = _mig_error(Status.DMA_ABORTED)
 
     def _copy_loop(self) -> None:
         eng = self.engine
@@ -314,7 +319,7 @@ class FarMemory:
                 if eng.epoch != epoch:
                     continue  # dropped: drop_migration (or a reset) has set MIG_STATUS
                 if status:
-                    self.mig_status = regs.MIG_ERROR | int(status) << 8
+                    self.mig_status = _mig_error(status)
                 else:
                     self.mig_status = regs.MIG_DONE
                     self.counters["bytes_migrated"] += length
