@@ -109,6 +109,13 @@ def start(*jobs):
     return ts
 
 
+def finish(ts, timeout: float = 60) -> None:
+    """Every program thread ended within ``timeout`` s each."""
+    for t in ts:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in ts)
+
+
 def test_survivor_rung_before_a_slow_holder_is_killed(drivers):
     """tests/vm/test_smc.py's peer-lost test: b must get a's doorbell although a rings late, and see a hold
     semaphore 5 before it dies; then the controller refuses a's stale epoch and b takes the next."""
@@ -120,9 +127,7 @@ def test_survivor_rung_before_a_slow_holder_is_killed(drivers):
     ts = start((smc_checks.hold, a, sh, args(peer=1, sem=5, nonce=31), out, "a"),
                (smc_checks.survive, b, sh, args(peer=0, sem=5, nonce=31), out, "b"))
     epoch, writer = host.watch()
-    for t in ts:
-        t.join(60)
-    assert not any(t.is_alive() for t in ts)
+    finish(ts)
     got = out["b"]
     assert isinstance(got, dict), got     # not SmcTimeout: "waiting for a doorbell: timed out ... vector 0"
     assert holder.rang and isinstance(out["a"], Killed)
@@ -154,13 +159,10 @@ def test_channel_survivor_rung_before_a_slow_holder_is_killed(drivers):
     ts = start((smc_checks.chan_hold, a, sh, args(peer=1, sem=3, nonce=44), out, "a"),
                (smc_checks.chan_survive, b, sh, args(peer=0, consumer=2, sem=3, nonce=44), out, "b"))
     epoch, writer = host.watch()
-    for t in ts:
-        t.join(60)
-    assert not any(t.is_alive() for t in ts)
+    finish(ts)
     got_b = out["b"]
     assert isinstance(got_b, dict), got_b   # not SmcTimeout: "waiting for a doorbell: timed out ... vector 0"
-    watch[0].join(60)                       # c takes the records b wrote
-    assert not watch[0].is_alive()
+    finish(watch)                           # c takes the records b wrote
     got_c = out["c"]
     assert isinstance(got_c, dict), got_c
     assert holder.rang and isinstance(out["a"], Killed)
