@@ -146,7 +146,7 @@ def same(command: str) -> Case:
 
 
 READY = r"^READY "
-LAB_KERNEL = "needs the lab kernel (vfio-cxl provision --kernel lab, ~1,700 CPU-s): run when it is cached"
+LAB_KERNEL = "needs the lab kernel (vfio-cxl provision --kernel lab, ~700 CPU-s): run when it is cached"
 CASES: dict[str, Case] = {}   # filled in below, one entry per documented command
 
 SCRIPT_DEMO = "./scripts/demo"
@@ -162,7 +162,7 @@ CASES.update({
     "./scripts/test": skip("the whole suite: this test is part of it"),
     "./scripts/test --durations=0": skip("the whole suite, every test's time listed: this test is part of it"),
     "VFIO_CXL_LAB_KERNEL=1 ./scripts/test": skip("the whole suite after building the lab kernel "
-                                                 "(~1,700 CPU-s): this test is part of the suite"),
+                                                 "(~700 CPU-s): this test is part of the suite"),
     "./scripts/test tests/vm/test_smc.py -s": skip("a VM test module of the suite, run by ./scripts/test"),
     "vfio-cxl vm topologies": Case(expect=(r"^single\s+\S",)),
     "vfio-cxl vm topology hb2": Case(expect=(r"hb2",)),
@@ -236,7 +236,7 @@ CASES.update({
     "vfio-cxl vm up single|shared": same("scripts/boot-vm"),
     "vfio-cxl vm up TOPOLOGY --detach": same("vfio-cxl vm up shared --detach"),
     "vfio-cxl vm up single --detach": same("vfio-cxl vm up shared --detach"),
-    # README's console session on `shared` (README.md, "Fabric manager"), in order
+    # the console session on `shared` (docs/fabric-manager.md, "A detached lab, as a user types it"), in order
     "vfio-cxl vm up shared --detach": Case(group="detached", timeout=900),
     "vfio-cxl vm ls": Case(group="detached"),
     "vfio-cxl fm status": Case(group="detached"),
@@ -244,7 +244,7 @@ CASES.update({
     "vfio-cxl vm ssh b": Case(group="detached", timeout=600),   # a shell in b: the test types into it
     "vfio-cxl fm events --follow": Case(group="detached", until=r"\bvm-died\b"),
     "vfio-cxl vm down": Case(group="detached", timeout=300),
-    # README's console session on `fabric` ("Moving GPUs between hosts"), in order
+    # README's console session on `fabric` ("Fabric manager: labs that stay up, and GPUs that move"), in order
     "vfio-cxl vm up fabric --detach": Case(group="fabric", timeout=900),
     "vfio-cxl vm ssh a -- vfio-cxl gpu ls": Case(group="fabric", timeout=600),
     "vfio-cxl vm ssh a -- vfio-cxl gpu dma": Case(group="fabric", timeout=600),
