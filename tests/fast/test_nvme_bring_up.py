@@ -173,3 +173,18 @@ def test_check_passes_success_and_raises_an_error_status_with_its_fix():
         rq.check("0000:04:00.0", req)
     assert "is every IOVA of the buffer mapped" in err.value.fix and err.value.status == 0x004
 
+
+def test_the_documented_step_by_step_program_takes_the_steps_of_bring_up(monkeypatch, capsys):
+    """docs/storage.md's nvme_steps.py, as typed, against the model (its exact output on QEMU's
+    nvme: tests/vm/test_storage.py)."""
+    from documented_commands import program_and_output
+
+    program, shown = program_and_output("docs/storage.md", '"""nvme_steps.py')
+    fake = FakeNvme(model="QEMU NVMe Ctrl", max_queue_pairs=16, namespaces={1: (256 << 20) // BLOCK})
+    monkeypatch.setattr(NvmeController, "open", classmethod(lambda cls, bdf, **kw: cls(fake, **kw)))
+    exec(compile(program, "nvme_steps.py", "exec"), {})
+    assert [e for e in fake.log if e not in ("DELETE_SQ 0x1", "DELETE_CQ 0x1", "CC=0x460000")] == BRING_UP[:9] + \
+        BRING_UP[10:]
+    printed = capsys.readouterr().out.strip()
+    assert printed == shown                                 # the model answers as QEMU's nvme0 does
+    assert fake.namespaces[1].read(248 << 20, 4096) == bytes(range(256)) * 16
