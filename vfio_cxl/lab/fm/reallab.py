@@ -18,7 +18,7 @@ from ..ssh import ShellSession, join_all
 from ..logs import archive_logs
 from .guestscripts import (BIND_OUTPUT_MAX, BIND_SCRIPT, HOLDERS_OUTPUT_MAX, HOLDERS_SCRIPT, KILL_OUTPUT_MAX,
                            KILL_SCRIPT, PREPARE_SCRIPT, parse_bind, parse_holders, parse_kills, show)
-from .manager import Child
+from .state import Child
 
 
 def gpu_names(lab: Lab) -> dict[str, str]:
