@@ -23,13 +23,15 @@ documented with examples in ``docs/topologies.md``.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tomllib
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
+                      field_validator,
                       model_validator)
 
 from ..errors import LabError
@@ -503,6 +505,10 @@ class Topology(_Table):
     smcs: dict[Name, Smc] = Field({}, alias="smc")
     nics: dict[Name, Nic] = {}
     source: str = Field("", exclude=True)
+    # The file it was loaded from (absolute) and its bytes' SHA-256, for handing it to a child
+    # process (handoff); unset for a topology parsed from text.
+    _file: Path | None = PrivateAttr(None)
+    _sha256: str = PrivateAttr("")
 
     @model_validator(mode="before")
     @classmethod
@@ -1049,4 +1055,49 @@ def resolve(name_or_path: str) -> Path:
 def load(name_or_path: str) -> Topology:
     """A topology by name (``single``) or by path to a ``.toml`` file, validated."""
     path = resolve(name_or_path)
-    return parse(path.read_text(), path.stem, str(path) if path.parent != TOPOLOGY_DIR else path.name)
+    return _load_file(path, path.read_bytes())
+
+
+def _load_file(path: Path, data: bytes) -> Topology:
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as err:
+        raise LabError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})",
+                       "a topology is a TOML file, in UTF-8") from None
+    topo = parse(text, path.stem, str(path) if path.parent != TOPOLOGY_DIR else path.name)
+    topo._file, topo._sha256 = path.resolve(), hashlib.sha256(data).hexdigest()
+    return topo
+
+
+# -- handing a loaded topology to a child process ------------------------------------------------
+# A process loads its topology once and passes the object on.  Across a process boundary
+# (the detached fabric manager, the Redfish service) it passes the file's path and SHA-256;
+# the child loads that file and refuses it if it is not the one the parent loaded.
+
+def handoff(topo: Topology) -> list[str]:
+    """The options that hand ``topo`` to a child: ``--topology PATH --topology-sha256 HEX``
+    (the child parses them with :func:`add_handoff_options` and loads with :func:`load_handed`)."""
+    if topo._file is None:
+        raise LabError(f"topology {topo.name} was not loaded from a file", "load it with topology.load")
+    return ["--topology", str(topo._file), "--topology-sha256", topo._sha256]
+
+
+def add_handoff_options(parser) -> None:
+    """``--topology PATH --topology-sha256 HEX`` on an argparse parser (see :func:`handoff`)."""
+    parser.add_argument("--topology", required=True, type=Path, help="the topology file the parent loaded")
+    parser.add_argument("--topology-sha256", required=True, help="its SHA-256 (hex), checked before use")
+
+
+def load_handed(path: Path, sha256: str) -> Topology:
+    """The topology file a parent process loaded, refused if it is not the same any more."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise LabError(f"topology file {path}: {err.strerror}", "the file the lab was started from must stay "
+                       "in place while the lab runs") from None
+    found = hashlib.sha256(data).hexdigest()
+    if found != sha256:
+        raise LabError(f"topology file {path} changed after it was loaded (SHA-256 {found[:12]}..., "
+                       f"expected {sha256[:12]}...)", "put the file back as it was, or stop the lab "
+                       "(vfio-cxl vm down) and start it again from the file as it is now")
+    return _load_file(path, data)

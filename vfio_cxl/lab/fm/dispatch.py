@@ -91,12 +91,14 @@ class Dispatcher:
             fm.event("redfish-stopped", f"Redfish service pid {result['pid']} stopped", **result)
             return result
         port = request.get("port", 0)
+        if fm.lab.topology is None:
+            raise LabError(f"lab {name} has no topology for a Redfish service to model", "use a real lab")
         if running:
             if port not in (0, fm.redfish.port):
                 raise LabError(f"lab {name}'s Redfish service already listens on {fm.redfish.url}",
                                f"stop it first: vfio-cxl fm redfish --lab {name} --stop")
             return {**fm.redfish.info(), "already": True}
-        fm.redfish = RedfishService.start(fm_socket=fm.record.socket, lab=name, topology=getattr(fm.lab, "topology_arg", fm.record.topology),
+        fm.redfish = RedfishService.start(fm_socket=fm.record.socket, lab=name, topology=fm.lab.topology,
                                           port=port, log=Path(fm.record.rundir) / "redfish.log")
         fm.event("redfish-started", f"Redfish service on {fm.redfish.url} (pid {fm.redfish.popen.pid})",
                  **fm.redfish.info())

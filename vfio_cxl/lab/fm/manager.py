@@ -60,6 +60,7 @@ from . import protocol
 from .dispatch import SLOW_OPS, Dispatcher
 from .events import EVENT_HISTORY, EventLog
 from .gpuops import GpuOps
+from ..topology import Topology
 from .registry import LabRecord
 from .server import ControlServer
 from .state import Child, LabState
@@ -74,7 +75,7 @@ class ManagedLab(Protocol):
     a lab with a fabric also has ``device_add``, ``device_del``, ``hotplug_ports``..."""
 
     rundir: Path
-    topology_ref: str   # the topology for a child process (the Redfish service): see topology.ref
+    topology: Topology | None   # as loaded by this process (None: a fake lab without one)
 
     def start(self, log: Callable[[str], None]) -> None: ...
     def children(self) -> list[Child]: ...

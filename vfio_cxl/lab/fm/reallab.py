@@ -55,10 +55,9 @@ class RealLab:
                 self._session(vm.name).run("true", [], 60)
 
     @property
-    def topology_arg(self) -> str:
-        """How ``topology.load`` finds this lab's topology again: its name, or its file's path."""
-        source = self.lab.topology.source
-        return source if "/" in source else self.lab.topology.name
+    def topology(self):
+        """The lab's topology, as loaded (once) by this process."""
+        return self.lab.topology
 
     @property
     def known_hosts(self) -> Path:
