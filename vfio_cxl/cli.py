@@ -24,7 +24,7 @@ import shlex
 import signal
 import sys
 
-from . import fm_cli
+from .lab.fm import cli as fm_cli
 from .errors import LabError
 
 
@@ -75,16 +75,16 @@ def _vm_up(args) -> int:
     from .lab import topology
     from .lab.lab import Lab
 
-    if args.detach and not args.dry_run:
-        if args.run:
-            raise LabError("--run and --detach do not go together",
-                           "use --detach, then vfio-cxl vm ssh VM -- CMD")
-        from .fm_cli import vm_up_detached
-        return vm_up_detached(args)
+    detach = args.detach and not args.dry_run
+    if detach and args.run:
+        raise LabError("--run and --detach do not go together",
+                       "use --detach, then vfio-cxl vm ssh VM -- CMD")
+    topo = topology.load(args.topology)   # once: the lab here, or the detached lab's manager, gets it
+    if detach:
+        return fm_cli.vm_up_detached(args, topo)
 
     from .lab.kernel import resolve
 
-    topo = topology.load(args.topology)
     # Checked before anything starts: a missing file or option fails here.
     kernel = resolve(args.kernel, args.modules, args.append or "", provision=not args.dry_run)
     lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu, kernel=kernel)
