@@ -34,6 +34,12 @@ def make(can_remove=True, specs=None):
     return state, record, events, jobs, adopted
 
 
+def died(state: LabState, child: Child, returncode: int) -> Child:
+    child.returncode = returncode
+    state.exited(child)
+    return child
+
+
 def test_adoption_sorts_children_and_frees_the_gpus_without_a_server():
     state, _, _, _, adopted = make()
     assert [vm.name for vm in adopted] == ["a", "b"]
@@ -59,9 +65,8 @@ def test_running_and_stopping_are_written_to_the_record():
 
 def test_a_vm_death_degrades_the_lab_and_queues_freeing_its_gpus():
     state, _, events, jobs, _ = make()
-    vm = state.vms["a"]
-    vm.returncode, vm.qemu_pid = -9, 12
-    state.exited(vm)
+    state.vms["a"].qemu_pid = 12
+    vm = died(state, state.vms["a"], -9)
     assert (vm.state, state.state) == ("dead", "degraded")
     assert [(k, m) for k, m, _ in events] == [
         ("vm-died", "VM a: QEMU (pid 12) was killed by SIGKILL; the other VMs are untouched")]
@@ -82,9 +87,7 @@ def test_a_death_while_the_lab_stops_is_no_news():
 
 def test_a_gpu_server_death_queues_removal_and_a_restart_within_its_budget():
     state, _, events, jobs, _ = make()
-    gpu = state.gpus["gpu0"]
-    gpu.returncode = 1
-    state.exited(gpu)
+    gpu = died(state, state.gpus["gpu0"], 1)
     assert gpu.state == "failed" and state.state == "degraded"
     assert events[0][:2] == ("gpu-server-died", "GPU gpu0 (in VM a): server pid 20 exited with 1")
     assert [k for k, _ in jobs] == ["surprise_removal", "auto_restart"]
@@ -93,9 +96,8 @@ def test_a_gpu_server_death_queues_removal_and_a_restart_within_its_budget():
 
 def test_a_gpu_past_its_restart_budget_stays_failed():
     state, _, events, jobs, _ = make(can_remove=False)
-    gpu = state.gpus["gpu0"]
-    gpu.restarts, gpu.returncode = 1, 1
-    state.exited(gpu)
+    state.gpus["gpu0"].restarts = 1
+    died(state, state.gpus["gpu0"], 1)
     assert jobs == []   # no device_del in this lab, no restarts left
     assert events[-1][:2] == ("gpu-restart-limit", "GPU gpu0: restarted 1 times already (max_restarts = 1); "
                                                    "it stays failed")
@@ -103,9 +105,7 @@ def test_a_gpu_past_its_restart_budget_stays_failed():
 
 def test_an_smc_death_is_reported_with_its_hosts():
     state, _, events, _, _ = make()
-    smc = state.smcs["smc0"]
-    smc.returncode = 139
-    state.exited(smc)
+    smc = died(state, state.smcs["smc0"], 139)
     assert smc.state == "failed" and state.state == "degraded"
     assert events[0][1] == ("shared-memory controller smc0 (hosts a, b): server pid 30 exited with 139 "
                             "(SIGSEGV)")
