@@ -16,8 +16,8 @@ Two threads, one lock (``OpWorker.lock``, "the lock"), which guards all of the l
 the children and their states, the event log, the registry record, the Redfish service.
 
 - **The loop** (the main thread, :meth:`FabricManager._loop`) waits in one ``selectors``
-  selector on the control socket and its clients, a signal wake-up pipe, the op worker's
-  wake-up pipe, and one pidfd per child (a death is seen within one loop turn).  It takes
+  selector on the control socket and its clients, a signal wake-up socket, the op worker's
+  wake-up socket, and one pidfd per child (a death is seen within one loop turn).  It takes
   the lock for each batch of ready keys and answers every request but the slow ones, reaps
   children, and is the only thread that touches a client socket: it sends what the worker
   posted to its outbox.  The main thread also boots the lab (QEMU, the servers the topology
@@ -26,14 +26,19 @@ the children and their states, the event log, the registry record, the Redfish s
   at a time, the slow ops (:data:`.dispatch.SLOW_OPS`: assign, release, restart) and what a
   death entails (freeing a dead VM's GPUs, surprise removal, automatic restart).  It holds
   the lock while it runs a job and **drops it only around one blocking call** (QMP, the
-  guest's scripts over SSH, a server start: ``OpWorker.unlocked``).  Meanwhile the loop may
-  change state: it may see a death, answer a status, queue a job.  That is safe because an
-  operation marks its GPU "moving" (or owned, for attach) before it drops the lock, re-reads
-  what it needs after (a dead VM, a replaced server), the loop refuses to touch a "moving"
-  GPU, and the jobs a death queues run only after the current job, and re-check.  Once the
-  lab stops, ``unlocked`` raises when it takes the lock back, so no job outlives the stop.
-  The worker registers a fresh server's pidfd with the selector while the loop waits in it
-  (epoll allows that).
+  guest's scripts over SSH, a server start: ``OpWorker.unlocked``), so that meanwhile the
+  loop reports deaths and answers status.
+
+Why dropping the lock is safe: only the worker moves a GPU (its owner, device id, port and
+server: :mod:`.gpuops`); the loop, meanwhile, only reads state (status, events, ssh_info),
+records events, starts or stops the Redfish service, records a death (a child's state
+becomes dead/failed, the lab's degraded) and *queues* what the death entails behind the
+running job.  So a job that takes the lock back finds at most
+a death it did not see, and each re-checks for one: attach asks whether its VM still runs,
+release whether its server still lives, and every queued job whether its GPU is still where
+the death left it.  Once the lab stops, ``unlocked`` raises when it takes the lock back, so
+no job outlives the stop.  The worker registers a fresh server's pidfd with the selector
+while the loop waits in it (epoll allows that).
 
 Why children are started only from these two long-lived threads: every child is started
 with PR_SET_PDEATHSIG (and bwrap ``--die-with-parent``), which fires when the *thread*
