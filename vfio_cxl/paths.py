@@ -48,8 +48,9 @@ def guest_source(rundir: Path) -> Path:
 
 
 def guest_bytecode_dir() -> Path:
-    """Where the guests' Python keeps the bytecode of the shared source (and of whatever else
-    it imports), shared writable into every VM as /var/cache/vfio-cxl/pyc: ``PYTHONPYCACHEPREFIX``.
+    """Where the guests' Python keeps the bytecode of the shared source, shared writable into
+    every VM as /var/cache/vfio-cxl/pyc: ``VFIO_CXL_PYC`` (see ``vfio_cxl._bytecode_in``; the
+    standard library keeps its own ``__pycache__`` on the guest's disk).
 
     The source reaches the guests over a read-only 9p share, where Python cannot write a
     ``__pycache__``: without this every guest command compiles the package again (about
