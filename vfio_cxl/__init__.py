@@ -18,46 +18,23 @@ __version__ = "0.1.0"
 BYTECODE_ENV = "VFIO_CXL_PYC"   # set by the guest's init: the lab's shared bytecode cache
 
 
-def _bytecode_in(cache: str) -> None:
-    """This package's modules keep their bytecode under ``cache`` (the guest: the source share is
-    read-only, so no ``__pycache__`` can be written beside it); every other module, the standard
-    library first, keeps its own ``__pycache__`` (on the guest's disk, read without a round trip
-    to the host).  ``PYTHONPYCACHEPREFIX`` would move all of them into ``cache``.
-
-    A finder for the package's directories whose source loader compiles with
-    ``sys.pycache_prefix`` set to ``cache`` for that one module; Python still checks each
-    ``.pyc`` against its source and its own magic number before it uses it."""
-    import sys
-    from importlib import machinery
-
-    class SharedCacheLoader(machinery.SourceFileLoader):
-        def get_code(self, fullname):
-            saved, sys.pycache_prefix = sys.pycache_prefix, cache
-            try:
-                return super().get_code(fullname)
-            finally:
-                sys.pycache_prefix = saved
-
-    finder = machinery.FileFinder.path_hook(
-        (machinery.ExtensionFileLoader, machinery.EXTENSION_SUFFIXES),
-        (SharedCacheLoader, machinery.SOURCE_SUFFIXES),
-        (machinery.SourcelessFileLoader, machinery.BYTECODE_SUFFIXES))
-    root = __path__[0]
-
-    def hook(path: str):
-        if path != root and not path.startswith(root + "/"):
-            raise ImportError("not this package's directory")
-        return finder(path)
-
-    sys.path_hooks.insert(0, hook)
-
-
 def _setup() -> None:
+    """In the guest, this package's bytecode lives in the lab's shared cache (vfio_cxl.guest.bytecode).
+    The modules that install that finder are cached there too: ``sys.pycache_prefix`` points at
+    the cache while they load (this file itself is compiled at every start: keep it short)."""
     import os
 
     cache = os.environ.get(BYTECODE_ENV)
-    if cache:
-        _bytecode_in(cache)
+    if not cache:
+        return
+    import sys
+
+    saved, sys.pycache_prefix = sys.pycache_prefix, cache
+    try:
+        from .guest.bytecode import install
+    finally:
+        sys.pycache_prefix = saved
+    install(cache, __path__[0])
 
 
 _setup()

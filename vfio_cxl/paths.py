@@ -49,7 +49,7 @@ def guest_source(rundir: Path) -> Path:
 
 def guest_bytecode_dir() -> Path:
     """Where the guests' Python keeps the bytecode of the shared source, shared writable into
-    every VM as /var/cache/vfio-cxl/pyc: ``VFIO_CXL_PYC`` (see ``vfio_cxl._bytecode_in``; the
+    every VM as /var/cache/vfio-cxl/pyc: ``VFIO_CXL_PYC`` (see ``vfio_cxl.guest.bytecode``; the
     standard library keeps its own ``__pycache__`` on the guest's disk).
 
     The source reaches the guests over a read-only 9p share, where Python cannot write a

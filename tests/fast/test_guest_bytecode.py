@@ -1,4 +1,4 @@
-"""The guest's bytecode cache (``VFIO_CXL_PYC``, vfio_cxl._bytecode_in): the package's modules
+"""The guest's bytecode cache (``VFIO_CXL_PYC``, vfio_cxl.guest.bytecode): the package's modules
 keep their bytecode there, every other module (the standard library) beside its own source; an
 edited source is compiled anew; a cache that cannot be written costs a compile, never an error.
 Real Python processes over a copy of the package (the guest sees it on a read-only share)."""
