@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 from ssh_loopback import FakeRunning, LoopbackSsh
 
-from vfio_cxl import cacheline
+from vfio_cxl.guest import cacheline
 from vfio_cxl.bench import share as bench_share
 from vfio_cxl.demos import share as demo_share
 from vfio_cxl.errors import LabError

@@ -48,7 +48,7 @@ def stream(lab: Lab, count: int, *, notify: bool = False, corrupt: tuple[int, ..
     The producer waits for the consumer (clock echo, notification listener)
     itself, so the two may start in either order.  ``coherence``: "coherent"
     (the lab's memory is) or "x86" (real cache-line instructions; the host
-    must have built ``vfio_cxl.cacheline`` first)."""
+    must have built ``vfio_cxl.guest.cacheline`` first)."""
     a, b = lab["a"], lab["b"]
     a.run(f"{STREAM} reset")
     common = f"--count {count} --max-size {max_size} --timeout {timeout} --coherence {coherence}"
