@@ -6,8 +6,9 @@ import time
 
 from vfio_cxl.guest import cacheline
 from vfio_cxl.bench.share import phases, transport_run
-from vfio_cxl.demos.share import B_LINK_ADDRESS, STREAM, seed_flow, stream
-from vfio_cxl.guest.cmd.share_bench import parse_plan
+from vfio_cxl.demos.share import seed_flow
+from vfio_cxl.guest.record_plan import parse_plan
+from vfio_cxl.lab.record_stream import B_LINK_ADDRESS, STREAM, stream
 from vfio_cxl.guest.cmd.stream import CHANNEL_BASE
 
 

@@ -38,12 +38,12 @@ import statistics
 import sys
 import traceback
 
-from ..demos.share import B_LINK_ADDRESS, STREAM, latencies_ms, stream, what_failed
 from ..errors import LabError
 from ..guest import cacheline
-from ..guest.cmd.share_bench import DEFAULT_PLAN, parse_plan
+from ..guest.record_plan import DEFAULT_PLAN, parse_plan
 from ..lab import topology
 from ..lab.lab import Lab
+from ..lab.record_stream import B_LINK_ADDRESS, STREAM, latencies_ms, stream, what_failed
 
 SHARE_BENCH = "python3 -m vfio_cxl.guest.cmd.share_bench"
 BOOT_TIMEOUT = 600          # s per VM to SSH: a loaded 2-core host took over 180 s
