@@ -12,7 +12,7 @@ checks it, and that no import circle exists):
   inside the VM: VFIO, CXL/devdax, the GPU, SMC and NVMe drivers, storage, the record channel
   and its cache maintenance, ``cacheline``).
 * shared by both sides: ``vfio_abi`` (the kernel's VFIO ABI), the register maps
-  ``devices.gpu.regs`` and ``devices.smc.regs`` (with ``devices.msix_bar``), ``errors``
+  ``devices.gpu.regs`` and ``devices.smc.regs``, ``errors``
   (``LabError``) and ``paths``.
 
 The guest library and the guest's commands import only the standard library, cffi, pyudev,

@@ -1,7 +1,7 @@
 """Register map of the vfio-cxl GPU, as Python (docs/gpu-device.md is the contract).
 
 The device model (``vfio_cxl.devices.gpu``) and the guest driver both import
-this module, so it imports the standard library (and ``devices.msix_bar``) only and runs on any
+this module, so it imports the standard library only and runs on any
 Python >= 3.11 (the guest has 3.13).  docs/gpu-device.md is the contract;
 this module writes its numbers down as Python.  If the two disagree, one has
 a bug and both are fixed together.
@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import struct
 from enum import IntEnum
-
-from ..msix_bar import (BAR_MSIX, MSIX_BAR_SIZE, MSIX_ENTRY_SIZE,  # noqa: F401 (part of the map)
-                        MSIX_PBA_OFFSET, MSIX_TABLE_OFFSET)
 
 # --------------------------------------------------------------------------
 # PCI identity
@@ -35,9 +32,13 @@ PCI_CLASS_CODE = 0x030200  # base 0x03 display, sub 0x02 "3D controller", prog-i
 # --------------------------------------------------------------------------
 BAR_REGS = 0  # 4 KiB, 32-bit, non-prefetchable: the registers below (trapped)
 BAR_VRAM = 2  # 64-bit prefetchable VRAM (BAR2+BAR3), mmappable, direct CPU access
-# BAR4: 4 KiB, 32-bit, MSI-X table and PBA (BAR_MSIX, MSIX_*: ..msix_bar)
+BAR_MSIX = 4  # 4 KiB, 32-bit: MSI-X table and PBA
 
 REGS_SIZE = 0x1000
+MSIX_BAR_SIZE = 0x1000
+MSIX_TABLE_OFFSET = 0x000
+MSIX_PBA_OFFSET = 0x800
+MSIX_ENTRY_SIZE = 16
 
 MIB = 1 << 20
 DEFAULT_VRAM_SIZE = 64 * MIB
