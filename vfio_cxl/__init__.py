@@ -6,14 +6,13 @@ checks it, and that no import circle exists):
 * commands: ``cli`` (``vfio-cxl``, ``__main__``), ``demos``, ``bench``, ``pytest_plugin`` on the
   host; ``guest.cmd`` in the guest.  Host commands run guest commands by name over SSH
   (``python3 -m vfio_cxl.guest.cmd.X``), never by importing them.
-* libraries: ``lab`` (host lab: topology -> QEMU argv -> running VMs; QMP, console, SSH; the
-  fabric manager) and ``matrix`` above it; ``devices`` (device models served to QEMU over
-  vfio-user: ``vfio_user``, ``gpu``, ``smc``) below the lab; ``guest`` (the library that runs
-  inside the VM: VFIO, CXL/devdax, the GPU, SMC and NVMe drivers, storage, the record channel
-  and its cache maintenance, ``cacheline``).
+* libraries: ``lab`` (host lab: topology -> QEMU argv -> running VMs; QMP, console, SSH;
+  the fabric manager, whose command line is ``lab.fm.cli``) and ``matrix`` above it;
+  ``devices`` (device models served to QEMU over vfio-user: ``vfio_user``, ``gpu``, ``smc``)
+  below the lab; ``guest`` (the library that runs inside the VM: VFIO, CXL/devdax, the GPU,
+  SMC and NVMe drivers, storage, the record channel and its cache maintenance, ``cacheline``).
 * shared by both sides: ``vfio_abi`` (the kernel's VFIO ABI), the register maps
-  ``devices.gpu.regs`` and ``devices.smc.regs``, ``errors``
-  (``LabError``) and ``paths``.
+  ``devices.gpu.regs`` and ``devices.smc.regs``, ``errors`` (``LabError``) and ``paths``.
 
 The guest library and the guest's commands import only the standard library, cffi, pyudev,
 pyroute2, themselves and the shared modules above, so the guest can run this package straight

@@ -194,7 +194,6 @@ ROOMS = {
     "vfio_cxl.bench.": "benches",
     "vfio_cxl.demos.": "demos",
     "vfio_cxl.pytest_plugin": "pytest plugin",
-    "vfio_cxl.fm_cli": "FM CLI",        # moves into vfio_cxl.lab.fm (issue 34, item 2): then drop this line
     "vfio_cxl.cli": "CLI entry", "vfio_cxl.__main__": "CLI entry",
 }
 
@@ -209,13 +208,11 @@ MAY_IMPORT = {
     "benches": HOST_LIBRARIES,
     "demos": HOST_LIBRARIES,                            # guest commands run by name over SSH, not imported
     "pytest plugin": HOST_LIBRARIES,
-    "FM CLI": HOST_LIBRARIES,
-    "CLI entry": HOST_LIBRARIES | {"demos", "FM CLI"},
+    "CLI entry": HOST_LIBRARIES | {"demos"},
 }
 
 ROOT_MODULES = {"vfio_cxl", "vfio_cxl.__main__", "vfio_cxl.cli", "vfio_cxl.paths", "vfio_cxl.errors",
-                "vfio_cxl.vfio_abi", "vfio_cxl.pytest_plugin",
-                "vfio_cxl.fm_cli"}   # moves into vfio_cxl.lab.fm (issue 34, item 2): then drop it here
+                "vfio_cxl.vfio_abi", "vfio_cxl.pytest_plugin"}
 
 
 def room_of(name: str) -> str | None:
