@@ -195,8 +195,10 @@ CASES.update({
     "scripts/bench gpu-server --max-xfer-mib 1": Case(run="scripts/bench gpu-server --max-xfer-mib 1 --size-mib 1 "
                                                           "--runs 1 --latency-runs 1", timeout=300),
     "scripts/bench": Case(run="scripts/bench", exit=2, expect=(r"^usage: python -m vfio_cxl\.bench \{",)),
-    "python -m vfio_cxl.cacheline build": Case(),
-    "python -m vfio_cxl.cacheline bench": Case(timeout=300),
+    "python -m vfio_cxl.guest.cacheline build": Case(),
+    "python -m vfio_cxl.guest.cacheline bench": Case(timeout=300),
+    # README.md's "Figures" still shows the module's old place at the package root (to be updated there).
+    "python -m vfio_cxl.cacheline bench": skip("moved: python -m vfio_cxl.guest.cacheline bench (docs/dma-and-sharing.md)"),
     "python -m vfio_cxl.guest.cmd.stream … --coherence x86":
         skip("a guest program (the channel's producer/consumer over /dev/dax): run in the guests by "
              "demo share and scripts/bench share"),

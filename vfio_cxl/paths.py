@@ -72,6 +72,11 @@ def cache_root() -> Path:
     return root
 
 
+# Shared objects built on the host from C sources in the package (guest/cacheline.c), never
+# committed: the guests have no compiler but import the checkout, so they load the host's build.
+NATIVE_DIR = PACKAGE_DIR / "_native"
+
+
 # A run directory holding this file belongs to a fabric-manager lab: `vfio-cxl vm down`
 # keeps its logs, then removes it; lab.remove_stale_rundirs() leaves it alone.
 MANAGED_MARKER = "fm.json"

@@ -194,7 +194,7 @@ def test_bad_queue_blocks_are_refused_before_anything_moves(gpu_server):
 
 
 def test_message_window_registers_read_back_and_reset():
-    from vfio_cxl.devices.gpu.registers import RegisterFile
+    from vfio_cxl.devices.gpu.register_file import RegisterFile
     r = RegisterFile(1 << 20)
     r.set_msg_window(regs.REG_MSGWIN_BASE_HI, 0x12, 0xFFFFFFFF)
     r.set_msg_window(regs.REG_MSGWIN_SIZE_LO, 0x1000, 0xFFFFFFFF)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
 from . import regs
 from .device import GpuDevice
+from ..serve_loop import serve_until_signalled
 from ..vfio_user.server import VfioUserServer
 
 
@@ -73,23 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server = VfioUserServer(args.socket, device, partial_timeout=args.message_timeout)
     try:
-        try:
-            server.listen()
-        except OSError as exc:
-            print(f"vfio-cxl gpu: cannot listen on {args.socket}: {exc}", file=sys.stderr)
-            return 1
-        previous = {sig: signal.signal(sig, lambda *_: server.stop())
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            print(f"READY {args.socket}", flush=True)
-            server.serve_forever()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        return serve_until_signalled("vfio-cxl gpu", [args.socket], listen=server.listen,
+                                     run=server.serve_forever, stop=server.stop)
     finally:
         server.close()
         device.close()
-    return 0
 
 
 if __name__ == "__main__":
