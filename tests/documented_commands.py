@@ -198,7 +198,6 @@ CASES.update({
     "python -m vfio_cxl.guest.cacheline build": Case(),
     "python -m vfio_cxl.guest.cacheline bench": Case(timeout=300),
     # README.md's "Figures" still shows the module's old place at the package root (to be updated there).
-    "python -m vfio_cxl.cacheline bench": skip("moved: python -m vfio_cxl.guest.cacheline bench (docs/dma-and-sharing.md)"),
     "python -m vfio_cxl.guest.cmd.stream … --coherence x86":
         skip("a guest program (the channel's producer/consumer over /dev/dax): run in the guests by "
              "demo share and scripts/bench share"),

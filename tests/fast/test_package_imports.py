@@ -186,6 +186,8 @@ HOST_LIBRARIES = {"host lab", "matrix", "devices", "guest library", SHARED}
 ROOMS = {
     "vfio_cxl": SHARED, "vfio_cxl.errors": SHARED, "vfio_cxl.paths": SHARED, "vfio_cxl.vfio_abi": SHARED,
     "vfio_cxl.devices.gpu.regs": SHARED, "vfio_cxl.devices.smc.regs": SHARED,
+    # the package's __init__ installs it in every process (a no-op without $VFIO_CXL_PYC)
+    "vfio_cxl.guest.bytecode": SHARED,
     "vfio_cxl.devices.": "devices",
     "vfio_cxl.guest.": "guest library",
     "vfio_cxl.lab.": "host lab",
