@@ -349,8 +349,9 @@ CASES.update({
              "synopsis' case"),
     "scripts/bench fm-fuzz --requests 10000 --seed 23": skip("10,000 requests (~90 s idle): the fast test "
                                                              "runs it with --requests 300, tests/fast/test_fm_hostile.py 600"),
+    # run as typed by tests/vm/test_matrix.py (the two-node test's local run), not again here
     "vfio-cxl matrix run docs/matrix-example.toml --junit junit.xml --kcidb kcidb.json":
-        Case(group="bench", timeout=2400, files=(("docs/matrix-example.toml", MATRIX_EXAMPLE),)),
+        Case(group="matrix", timeout=2400, files=(("docs/matrix-example.toml", MATRIX_EXAMPLE),)),
     "vfio-cxl matrix run FILE [--address auto|HOST:PORT] [--junit F] [--kcidb F] [--json]":
         Case(run="vfio-cxl matrix run docs/matrix-example.toml --dry-run",
              files=(("docs/matrix-example.toml", MATRIX_EXAMPLE),), expect=(r"^uname kernel=debian topology=single",)),
