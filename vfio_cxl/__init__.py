@@ -7,7 +7,7 @@ checks it, and that no import circle exists):
   host; ``guest.cmd`` in the guest.  Host commands run guest commands by name over SSH
   (``python3 -m vfio_cxl.guest.cmd.X``), never by importing them.
 * libraries: ``lab`` (host lab: topology -> QEMU argv -> running VMs; QMP, console, SSH;
-  the fabric manager, whose command line is ``lab.fm.cli``) and ``matrix`` above it;
+  the fabric manager, whose command line is ``lab.fm.commands``) and ``matrix`` above it;
   ``devices`` (device models served to QEMU over vfio-user: ``vfio_user``, ``gpu``, ``smc``)
   below the lab; ``guest`` (the library that runs inside the VM: VFIO, CXL/devdax, the GPU,
   SMC and NVMe drivers, storage, the record channel and its cache maintenance, ``cacheline``).

@@ -24,7 +24,7 @@ import shlex
 import signal
 import sys
 
-from .lab.fm import cli as fm_cli
+from .lab.fm import commands as fm_cli
 from .errors import LabError
 
 
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the results as JSON")
     st.set_defaults(func=_selftest)
 
-    from .matrix.cli import add_parser as add_matrix_parser
+    from .matrix.command import add_parser as add_matrix_parser
     add_matrix_parser(sub)
 
     demo = sub.add_parser("demo", help="run a demo (tour, dma, share, p2p)")
@@ -240,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
 
-    for name, module, text in (("gpu", "vfio_cxl.devices.gpu.cli", "the vfio-user GPU device server"),
-                               ("smc", "vfio_cxl.devices.smc.cli", "the shared-memory controller server"),
+    for name, module, text in (("gpu", "vfio_cxl.devices.gpu.serve", "the vfio-user GPU device server"),
+                               ("smc", "vfio_cxl.devices.smc.serve", "the shared-memory controller server"),
                                ("bench", "vfio_cxl.bench.__main__", "benchmarks")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
