@@ -84,19 +84,12 @@ def test_a_ring_fetch_from_an_unmapped_iova_goes_to_the_client_as_a_read(gpu_ser
     rig = Rig(gpu_server, direct=True)
     try:
         c = rig.client
-        c.reg_write(regs.REG_CONTROL, regs.CONTROL_RESET)
-        c.set_bus_master()
-        c.reg_write(regs.REG_RING_BASE_LO, UNMAPPED)
-        c.reg_write(regs.REG_RING_BASE_HI, 0)
-        c.reg_write(regs.REG_RING_SIZE, 16)
-        c.reg_write(regs.REG_COMPL_BASE_LO, rig.compl_iova & 0xFFFFFFFF)
-        c.reg_write(regs.REG_COMPL_BASE_HI, rig.compl_iova >> 32)
-        c.reg_write(regs.REG_CONTROL, regs.CONTROL_ENABLE)
-        c.reg_write(regs.REG_RING_TAIL, 1)
+        assert c.dma_unmap(RING_IOVA, rig.ring.size).ok  # the ring is no longer mapped
+        rig.submit([pack_descriptor(Op.NOP, 0, 0, 0, IRQ)])
         rig.wait_vector(regs.VEC_ERROR)
         assert c.reg_read(regs.REG_ERR_STATUS) == Status.RING_FETCH
-        assert err_regs(c)[2:] == (UNMAPPED, 0)
-        assert c.stats.refusals == [(wire.DMA_READ, UNMAPPED, REPORT_BYTES)]
+        assert err_regs(c)[2:] == (RING_IOVA, 0)
+        assert c.stats.refusals == [(wire.DMA_READ, RING_IOVA, REPORT_BYTES)]
     finally:
         rig.close()
 
