@@ -13,10 +13,12 @@ vfio-user spec says DMA addresses "must have been previously exported with
 DMA_MAP".  Unless the device keeps such faults local, the faulting access
 (its first ``REPORT_BYTES``) is also sent to the client as one message, rate
 limited (``FaultReports``): QEMU 11.1 serves a DMA message with
-``pci_dma_read``/``pci_dma_write``, so its vIOMMU translates the IOVA, records
-the fault the guest kernel logs, and answers with an error (ENODEV).  DMA_UNMAP takes the table lock, which direct copies hold only per
-bounded chunk, so an unmap waits at most for one chunk and never for a
-socket round trip.
+``pci_dma_read``/``pci_dma_write``, so its vIOMMU translates the IOVA,
+records the fault the guest kernel logs, and answers with an error (ENODEV).
+
+DMA_UNMAP takes the table lock, which direct copies hold only per bounded
+chunk, so an unmap waits at most for one chunk and never for a socket round
+trip.
 """
 
 from __future__ import annotations
@@ -400,7 +402,7 @@ class FaultReports:
         self.rate, self.burst, self.interval, self.clock = rate, burst, interval, clock
         self.sent = 0         # reports sent to the client
         self.suppressed = 0   # faults kept local by the rate limit
-        self.accepted = 0     # reports the client served (its IOMMU maps the IOVA)
+        self.served = 0       # reports the client served (its IOMMU maps the IOVA: MMIO)
         self._lock = threading.Lock()
         self._tokens = float(burst)
         self._stamp = clock()
@@ -421,6 +423,11 @@ class FaultReports:
                 self.suppressed += 1
             self._log(now, iova, write)
             return admitted
+
+    def count_served(self) -> None:
+        """The client served a report: its IOMMU maps an IOVA it never DMA_MAPped (MMIO)."""
+        with self._lock:
+            self.served += 1
 
     def _log(self, now: float, iova: int, write: bool) -> None:
         if self._log_at is None:
@@ -529,27 +536,30 @@ class DmaPort:
         try:
             self.table.check(iova, len(buf), need)
         except DmaFault as fault:
-            self._report_unmapped(fault, buf[fault.addr - iova:], need, stale)
+            self._report_unmapped(fault, iova, buf, need, stale)
             raise
         done = [0]
         try:
             self._move(iova, buf, need, stale, done)
         except DmaFault as fault:
             fault.done = done[0]
-            self._report_unmapped(fault, buf[fault.addr - iova:], need, stale)
+            self._report_unmapped(fault, iova, buf, need, stale)
             raise
 
-    def _report_unmapped(self, fault: DmaFault, rest: memoryview, need: int, stale) -> None:
-        """Send the client the access that faulted UNMAPPED (its first REPORT_BYTES from the
-        fault's IOVA), so its IOMMU sees it, if the rate limit lets it.  The device faults
-        whatever the answer; a client gone mid-report turns the fault into CLOSED."""
+    def _report_unmapped(self, fault: DmaFault, iova: int, buf: memoryview, need: int,
+                         stale) -> None:
+        """Send the client the access of the transfer ``iova``/``buf`` that faulted UNMAPPED
+        (its first REPORT_BYTES from the fault's IOVA), so its IOMMU sees it, if the rate
+        limit lets it.  The device faults whatever the answer; a client gone mid-report
+        turns the fault into CLOSED."""
+        at = fault.addr - iova
+        piece = buf[at:at + REPORT_BYTES] if 0 <= at < len(buf) else buf[:0]
         if (fault.kind is not FaultKind.UNMAPPED or self.fault_reports is None
-                or self.messages is None or fault.addr + REPORT_BYTES > IOVA_LIMIT):
+                or self.messages is None or not piece or fault.addr + len(piece) > IOVA_LIMIT):
             return
         write = need == wire.DMA_MAP_FLAG_WRITE
         if not self.fault_reports.admit(fault.addr, write):
             return
-        piece = rest[:REPORT_BYTES]
         with self.gate:
             if stale():
                 raise DmaAborted()
@@ -563,7 +573,7 @@ class DmaPort:
             if answer.kind is FaultKind.CLOSED:
                 raise
             return  # refused (ENODEV: the vIOMMU has no translation) or unanswered: as expected
-        self.fault_reports.accepted += 1
+        self.fault_reports.count_served()
 
     def _window_transfer(self, iova: int, buf: memoryview, need: int, stale) -> None:
         """A transfer inside the message window: DMA_READ/DMA_WRITE messages, no table."""
