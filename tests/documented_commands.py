@@ -178,9 +178,10 @@ CASES.update({
     "vfio-cxl gpu serve --socket PATH [--irq-mode msix|msi]":
         Case(run="vfio-cxl gpu serve --socket gpu.sock --irq-mode msi", until=READY),
     "vfio-cxl gpu serve --socket PATH [--vram-mib N] [--vendor-id 0x0601] [--device-id 0x1991] [--irq-mode msix|msi] "
-    "[--message-timeout S] [--share-vram PATH] [--peer PATH ...] [-v]":
+    "[--message-timeout S] [--share-vram PATH] [--peer PATH ...] [--local-dma-faults] [-v]":
         Case(run="vfio-cxl gpu serve --socket gpu.sock --vram-mib 16 --vendor-id 0x0601 --device-id 0x1991 "
-                 "--irq-mode msix --message-timeout 5 --share-vram vram.sock -v", until=READY),
+                 "--irq-mode msix --message-timeout 5 --share-vram vram.sock --local-dma-faults -v",
+             until=READY),
     "vfio-cxl gpu serve": same("vfio-cxl gpu serve --socket PATH [--irq-mode msix|msi]"),
     "python -m vfio_cxl.devices.gpu serve ...": Case(run="python -m vfio_cxl.devices.gpu serve --socket gpu.sock", until=READY),
     "python -m vfio_cxl.devices.gpu serve": same("python -m vfio_cxl.devices.gpu serve ..."),

@@ -100,7 +100,7 @@ REG_MSGWIN_WRITES = 0x210  # RO  DMA_WRITE messages sent into the window since c
 REG_MSGWIN_READS = 0x214  # RO  DMA_READ messages sent into the window since connect (wraps)
 
 ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
-DEVICE_VERSION = 0x00010004  # 1.4: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3), 1.1's error values, copy engine and fault seq pinned down (1.4); a 1.0 driver works unchanged
+DEVICE_VERSION = 0x00010005  # 1.5: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3), 1.1's error values, copy engine and fault seq pinned down (1.4), unmapped DMA reported to the client's vIOMMU (1.5); a 1.0 driver works unchanged
 
 # REG_CONTROL bits
 CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE

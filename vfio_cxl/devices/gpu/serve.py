@@ -2,7 +2,7 @@
 
     vfio-cxl gpu serve --socket PATH [--vram-mib N] [--vendor-id 0x0601]
                        [--device-id 0x1991] [--irq-mode msix|msi] [--message-timeout S]
-                       [--share-vram PATH] [--peer PATH ...] [-v]
+                       [--share-vram PATH] [--peer PATH ...] [--local-dma-faults] [-v]
 
 Prints exactly one line, ``READY <socket path>``, on stdout once the socket
 listens (the lab starts QEMU only after it).  SIGTERM or SIGINT stop it
@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peer", action="append", default=[], metavar="PATH",
                        help="a peer GPU's --share-vram socket (repeatable): enables the proven "
                             "P2P fast path into its VRAM (docs/gpu-device.md, P2P)")
+    serve.add_argument("--local-dma-faults", action="store_true",
+                       help="fault a DMA to an IOVA without a DMA_MAP inside the device only; "
+                            "by default it also goes to QEMU (rate limited), whose vIOMMU "
+                            "records the fault the guest logs (docs/gpu-device.md, Faults)")
     serve.add_argument("-v", "--verbose", action="store_true",
                        help="log every vfio-user message (debug level)")
     return parser
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s gpu %(levelname)s %(name)s: %(message)s")
     try:
         device = GpuDevice(args.vram_mib * regs.MIB, args.vendor_id, args.device_id,
-                           irq_mode=args.irq_mode, share_vram=args.share_vram, peers=args.peer)
+                           irq_mode=args.irq_mode, share_vram=args.share_vram, peers=args.peer,
+                           local_dma_faults=args.local_dma_faults)
     except ValueError as exc:
         print(f"vfio-cxl gpu: {exc}", file=sys.stderr)
         return 2
