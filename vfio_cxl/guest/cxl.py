@@ -208,8 +208,11 @@ def destroy_region(region: str) -> None:
     tool("cxl", "destroy-region", "-f", region)
 
 
-def create_region(kind: str, window: int, memdevs: list[str], granularity: int | None = None) -> dict:
-    """``cxl create-region``; memdevs in interleave position order.  Its JSON."""
+def create_region(kind: str, window: int, memdevs: list[str], granularity: int | None = None, *,
+                  existing: list[dict] | None = None) -> dict:
+    """``cxl create-region``; memdevs in interleave position order.  Its JSON.  ``existing``: the
+    regions as ``cxl list -R`` showed them just before (listed here when not given): a region
+    that is not among them after a failure is this call's, and is destroyed."""
     roots = _root_decoders()
     if window >= len(roots):
         raise CxlError(f"no root decoder for window {window} (the guest has {len(roots)})",
@@ -217,7 +220,7 @@ def create_region(kind: str, window: int, memdevs: list[str], granularity: int |
     argv = ["cxl", "create-region", "-t", kind, "-d", roots[window], "-w", str(len(memdevs))]
     if granularity:
         argv += ["-g", str(granularity)]
-    before = {r["region"] for r in _regions_json()}
+    before = {r["region"] for r in (_regions_json() if existing is None else existing)}
     try:
         return tool(*argv, "-m", *memdevs)
     except CxlError:
@@ -237,16 +240,18 @@ def bring_up(plan: dict) -> list[dict]:
         load_pmem_modules()
     by_serial = {m["serial"]: m["memdev"] for m in _as_list(tool("cxl", "list", "-M"))}
     results = []
+    existing = None   # `cxl list -R`: listed for the first region, and again after one was made
     for spec in sorted(plan["regions"], key=lambda r: r["type"] != "ram"):
         missing = [s for s in spec["serials"] if s not in by_serial]
         if missing:
             raise CxlError(f"region {spec['name']}: no memdev with serial {', '.join(map(hex, missing))}",
                            "is cxl_mem loaded and every Type3 device enabled? (cxl list -M)")
         mems = [by_serial[s] for s in spec["serials"]]
-        region = next((r for r in _regions_json() if _members(r) == mems and r["type"] == spec["type"]), None)
+        existing = existing if existing is not None else _regions_json()
+        region = next((r for r in existing if _members(r) == mems and r["type"] == spec["type"]), None)
         created = region is None
         if created:
-            region = create_region(spec["type"], spec["window"], mems, spec.get("granularity"))
+            region = create_region(spec["type"], spec["window"], mems, spec.get("granularity"), existing=existing)
         result = {"name": spec["name"], "region": region["region"], "type": spec["type"], "memdevs": mems,
                   "size": region["size"], "ways": region["interleave_ways"],
                   "granularity": region["interleave_granularity"], "use": spec["use"]}
@@ -262,6 +267,8 @@ def bring_up(plan: dict) -> list[dict]:
             if created:
                 destroy_region(region["region"])
             raise
+        if created:
+            existing = None
         results.append(result)
     return results
 

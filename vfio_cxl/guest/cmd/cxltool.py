@@ -11,17 +11,18 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import dataclasses
 import json
 import sys
 
 from .. import cxl
-from ..dax import open_dax
+
+# `regions` runs at every lab's boot, in every VM: it imports only what it uses (hashlib loads
+# libcrypto, base64 and the dax mapping are for the data commands).
 
 
 def _json(obj) -> str:
+    import dataclasses
+
     def default(o):
         return str(o) if not dataclasses.is_dataclass(o) else dataclasses.asdict(o)
     return json.dumps(obj, default=default)
@@ -50,14 +51,20 @@ def main(argv: list[str]) -> int:
         elif command == "down":
             cxl.destroy_region(args[0])
         elif command == "write":
+            import base64
+            from ..dax import open_dax
             data = base64.b64decode(sys.stdin.read())
             with open_dax(args[0]) as dax:
                 dax.write(int(args[1], 0), data)
             print(len(data))
         elif command == "read":
+            import base64
+            from ..dax import open_dax
             with open_dax(args[0]) as dax:
                 print(base64.b64encode(dax.read(int(args[1], 0), int(args[2], 0))).decode())
         elif command == "digest":
+            import hashlib
+            from ..dax import open_dax
             offset, length = int(args[1], 0), int(args[2], 0)
             with open_dax(args[0]) as dax:
                 data = dax.view[offset:offset + length]
