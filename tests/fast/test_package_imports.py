@@ -172,10 +172,14 @@ def test_importing_every_library_module_loads_no_command():
 
 
 def test_the_image_s_wrapper_runs_the_guest_command():
-    """The guest image's /usr/local/bin/vfio-cxl runs `python3 -m vfio_cxl.guest.cmd.cli`."""
+    """The guest image's /usr/local/bin/vfio-cxl runs `vfio_cxl.guest.cmd.cli` through the warm
+    client (a script of the package's, run by path: it imports nothing of the package)."""
     wrapper = (PACKAGE_DIR.parent / "images/rootfs/usr/local/bin/vfio-cxl").read_text()
-    assert f"exec python3 -m {COMMANDS}.cli " in wrapper, wrapper
+    assert f"exec python3 -S /opt/vfio-cxl/vfio_cxl/guest/cmd/warm_client.py {COMMANDS}.cli " in wrapper, wrapper
+    assert (PACKAGE_DIR / "guest/cmd/warm_client.py").is_file()
     assert f"{COMMANDS}.cli" in MODULES
+    from vfio_cxl.guest.cmd import warm
+    assert warm.PRELOAD == (f"{COMMANDS}.cli",)
 
 
 # -- rooms and floors ----------------------------------------------------------------------------

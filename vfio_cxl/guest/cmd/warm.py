@@ -1,0 +1,270 @@
+"""A warm Python for the guest's ``vfio-cxl`` command: the package imported once, each command
+forked from it.
+
+A guest command's start is mostly imports -- ``vfio-cxl gpu ls`` spends ~0.35 s of its ~0.5 s
+under TCG loading argparse, pathlib, json and a dozen of the package's modules -- so the image's
+``vfio-cxl`` wrapper runs ``warm_client.py``, which hands its command to this server over
+``/run/vfio-cxl/warm.sock`` and waits.  The server has ``vfio_cxl.guest.cmd.cli`` imported;
+for each request it forks a *waiter*, which forks the *runner*: the runner takes the client's
+stdin/stdout/stderr (passed as file descriptors), its environment, working directory, umask and
+argv, and runs the module as ``python3 -m MODULE`` would; the waiter reports the runner's pid,
+then its exit status or the signal that killed it, and kills it when the client goes away.
+The client forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the runner.
+
+Never stale: the server notes the mtime and size of every package file it imported, and
+before each fork checks them again; after an edit (the host's checkout is shared live) it
+answers "stale", removes its socket and exits, and the client runs the command the usual way
+and starts a fresh server.  ``VFIO_CXL_WARM=0`` bypasses it altogether.
+
+    python3 -m vfio_cxl.guest.cmd.warm SOCKET     (the client starts it; it runs until stale)
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+
+PRELOAD = ("vfio_cxl.guest.cmd.cli",)
+REQUEST_MAX = 1 << 20          # bytes of one request (argv and environment as JSON)
+HEADER = struct.Struct("!I")
+CLIENT_GONE_GRACE = 5.0        # s between SIGTERM and SIGKILL to a runner whose client has gone
+
+
+class BadRequest(Exception):
+    pass
+
+
+def package_files() -> dict[str, tuple[int, int]]:
+    """(mtime_ns, size) of every source file of the package this process has imported."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    found = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and path.startswith(root + os.sep):
+            st = os.stat(path)
+            found[path] = (st.st_mtime_ns, st.st_size)
+    return found
+
+
+def changed(snapshot: dict[str, tuple[int, int]]) -> str | None:
+    """The first imported file that is not as it was, or None."""
+    for path, stamp in snapshot.items():
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if (st.st_mtime_ns, st.st_size) != stamp:
+            return path
+    return None
+
+
+def receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One request: a length-prefixed JSON object and the client's three stdio descriptors."""
+    fds = array.array("i")
+    data, ancillary, _, _ = conn.recvmsg(HEADER.size, socket.CMSG_SPACE(3 * fds.itemsize))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    try:
+        if len(data) != HEADER.size or len(fds) != 3:
+            raise BadRequest(f"expected a {HEADER.size}-byte length and 3 descriptors, got {len(data)} bytes "
+                             f"and {len(fds)} descriptors")
+        (length,) = HEADER.unpack(data)
+        if length > REQUEST_MAX:
+            raise BadRequest(f"request of {length} bytes (at most {REQUEST_MAX})")
+        body = b""
+        while len(body) < length:
+            chunk = conn.recv(length - len(body))
+            if not chunk:
+                raise BadRequest("the client closed mid-request")
+            body += chunk
+        request = json.loads(body)
+        if not (isinstance(request, dict) and isinstance(request.get("module"), str)
+                and isinstance(request.get("argv"), list) and isinstance(request.get("env"), dict)
+                and isinstance(request.get("cwd"), str) and isinstance(request.get("umask"), int)):
+            raise BadRequest("a request needs module, argv, env, cwd and umask")
+        if request["module"] not in PRELOAD:
+            raise BadRequest(f"module {request['module']!r} is not one this server runs ({', '.join(PRELOAD)})")
+        return request, list(fds)
+    except (BadRequest, ValueError) as err:
+        for fd in fds:
+            os.close(fd)
+        raise BadRequest(str(err)) from None
+
+
+def reply(conn: socket.socket, message: dict) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def run(request: dict, fds: list[int]) -> None:
+    """The runner: become the client's command, as ``python3 -m MODULE ARGV`` would run it, and
+    end as it ends (never returns: an interrupt during the set-up ends it the same way)."""
+    import traceback
+
+    code = 1
+    try:
+        code = _become(request, fds)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:   # noqa: BLE001 -- as the interpreter does: the traceback, exit 1
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        if code < 0:   # died of SIGINT, as python3 does after a KeyboardInterrupt
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+
+
+def _become(request: dict, fds: list[int]) -> int:
+    import io
+    import runpy
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    # new stdio objects: line-buffered on a terminal, as at a normal start
+    sys.stdin = sys.__stdin__ = io.open(0, "r", closefd=False)
+    sys.stdout = sys.__stdout__ = io.open(1, "w", closefd=False)
+    sys.stderr = sys.__stderr__ = io.open(2, "w", closefd=False, buffering=1)
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = [request["module"], *request["argv"]]
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        if exit_.code is None:
+            return 0
+        if isinstance(exit_.code, int):
+            return exit_.code & 0xff
+        print(exit_.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def wait(conn: socket.socket, request: dict, fds: list[int]) -> int:
+    """The waiter: fork the runner, report its pid and how it ended; kill it if the client goes."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        run(request, fds)
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    reply(conn, {"pid": pid})
+    watch, deadline = [conn, pidfd], None
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - _now())
+        ready, _, _ = select.select(watch, [], [], timeout)
+        if pidfd in ready:
+            break
+        if conn in ready and conn.recv(64) == b"":
+            os.kill(pid, signal.SIGTERM)             # the client is gone: its command goes too
+            watch, deadline = [pidfd], _now() + CLIENT_GONE_GRACE
+        elif deadline is not None and _now() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+            deadline = None
+    _, status = os.waitpid(pid, 0)
+    try:
+        if os.WIFSIGNALED(status):
+            reply(conn, {"signal": os.WTERMSIG(status)})
+        else:
+            reply(conn, {"exit": os.WEXITSTATUS(status)})
+    except OSError:
+        pass   # the client has gone
+    return 0
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def listen(path: str) -> socket.socket:
+    """The server's socket at ``path`` (its directory 0700); a socket file nobody listens on
+    (a server that died) is replaced.  OSError(EADDRINUSE) when another server has it."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+            raise                                   # a live server has it
+        except ConnectionRefusedError:
+            os.unlink(path)
+            sock.bind(path)
+        finally:
+            probe.close()
+    sock.listen(16)
+    return sock
+
+
+def serve(path: str) -> int:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    snapshot = package_files()
+    try:
+        sock = listen(path)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            return 0        # another client's server won the race: it serves
+        raise
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # waiters are reaped by the kernel
+    while True:
+        conn, _ = sock.accept()
+        with conn:
+            try:
+                request, fds = receive(conn)
+            except (BadRequest, OSError) as err:
+                try:
+                    reply(conn, {"error": str(err)})
+                except OSError:
+                    pass
+                continue
+            stale = changed(snapshot)
+            if stale:
+                for fd in fds:
+                    os.close(fd)
+                reply(conn, {"stale": stale})
+                os.unlink(path)
+                return 0
+            if os.fork() == 0:
+                sock.close()
+                os._exit(wait(conn, request, fds))
+            for fd in fds:
+                os.close(fd)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return serve(argv[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
