@@ -5,6 +5,7 @@ finds no GPU here and says so; ``gpu bind --wait`` waits for one (a command to i
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import shutil
@@ -148,12 +149,29 @@ def test_an_edited_file_makes_the_server_step_down_and_the_command_still_runs_as
 def test_a_bad_request_is_refused_and_the_server_serves_on(guest):
     client(guest, "gpu", "ls")
     wait_for("server socket", guest["sock"].exists)
-    for payload in (struct.pack("!I", 1 << 30), struct.pack("!I", 5) + b"[1,2]", b"xy"):
+    for payload in (struct.pack("!I", 1 << 30), struct.pack("!I", 5) + b"[1,2]", b"xy"):   # no descriptors
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.connect(str(guest["sock"]))
             s.sendall(payload)
             s.shutdown(socket.SHUT_WR)
-            assert "error" in json.loads(s.makefile().readline())
+            assert s.makefile().readline().startswith("error expected a 4-byte length and 3 descriptors")
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        cli = "vfio_cxl.guest.cmd.cli"
+        for fields, why in ((["v2", "x"], "not a v1 request"), (["v1", "os", "/", "022", "0"], "module 'os' is not one"),
+                            (["v1", cli, "/", "x", "0"], "umask 'x'"), (["v1", cli, "/", "022", "9", "a"], "the argument count"),
+                            (["v1", cli, "/", "022", "0", "NOEQUALS"], "NAME=VALUE"), (None, "request of 2097152 bytes")):
+            body = None if fields is None else "\0".join(fields).encode()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(guest["sock"]))
+                head = struct.pack("!I", 1 << 21 if body is None else len(body))
+                s.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [null] * 3))])
+                s.sendall(body or b"")
+                s.shutdown(socket.SHUT_WR)
+                line = s.makefile().readline()
+                assert line.startswith("error") and why in line, (line, why)
+    finally:
+        os.close(null)
     assert client(guest, "gpu", "ls").stdout == "no GPU in this VM\n"
 
 
