@@ -95,11 +95,12 @@ def test_the_runner_takes_the_clients_stdio_cwd_environment_umask_and_argv(tmp_p
     """warm.run, the runner's half, on a module of the test's own: what it sees and how it exits."""
     (tmp_path / "probe.py").write_text(
         "import os, sys\n"
-        "print(os.getcwd(), os.environ['PROBE'], oct(os.umask(0)), sys.argv[1:], sys.stdin.read().strip())\n"
-        "print('to stderr', file=sys.stderr)\n"
-        "sys.exit(7)\n")
+        "def main(argv):\n"
+        "    print(os.getcwd(), os.environ['PROBE'], oct(os.umask(0)), argv, sys.stdin.read().strip())\n"
+        "    print('to stderr', file=sys.stderr)\n"
+        "    sys.exit(7)\n")
     (tmp_path / "sub").mkdir()
-    code = ("import os, sys; from vfio_cxl.guest.cmd import warm; "
+    code = ("import os, sys, probe; from vfio_cxl.guest.cmd import warm; "
             "fds = [os.open(p, f) for p, f in ((sys.argv[1], os.O_RDONLY), (sys.argv[2], os.O_WRONLY | os.O_CREAT), "
             "(sys.argv[3], os.O_WRONLY | os.O_CREAT))]; "
             "warm.run({'module': 'probe', 'argv': ['a', 'b c'], 'env': {'PROBE': 'yes', 'PYTHONPATH': sys.argv[4]}, "
@@ -129,7 +130,7 @@ def test_a_command_killed_by_ctrl_c_dies_of_sigint_and_leaves_no_runner(guest):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGINT, err
     assert "KeyboardInterrupt" in err
-    wait_for("the runner and its waiter to end", lambda: len(server_pids(guest["sock"])) == 1)
+    wait_for("the runner to end", lambda: len(server_pids(guest["sock"])) == 1)
 
 
 def test_an_edited_file_makes_the_server_step_down_and_the_command_still_runs_as_edited(guest):
@@ -179,3 +180,40 @@ def test_with_warm_off_nothing_is_started(guest):
     guest["env"]["VFIO_CXL_WARM"] = "0"
     assert client(guest, "gpu", "ls").stdout == "no GPU in this VM\n"
     assert not guest["sock"].exists() and not server_pids(guest["sock"])
+
+
+def start_waiting(guest) -> tuple[subprocess.Popen, int]:
+    """`gpu bind --wait 60` through the client (it waits for a GPU that never comes), once its
+    runner has the client's stderr; the client and the runner's pid."""
+    script = guest["root"] / "vfio_cxl/guest/cmd/warm_client.py"
+    proc = subprocess.Popen([sys.executable, "-S", str(script), MODULE, "gpu", "bind", "--wait", "60"],
+                            env=guest["env"], cwd=guest["cwd"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    stderr = os.readlink(f"/proc/{proc.pid}/fd/2")
+    found: list[int] = []
+    wait_for("the command's runner", lambda: found.extend(
+        p for p in server_pids(guest["sock"]) if fd_target(p, 2) == stderr) or found)
+    return proc, found[0]
+
+
+def test_a_command_whose_client_is_killed_is_terminated(guest):
+    client(guest, "gpu", "ls")
+    wait_for("server socket", guest["sock"].exists)
+    proc, runner = start_waiting(guest)
+    proc.kill()                                   # SIGKILL: the client cannot forward anything
+    proc.communicate(timeout=30)
+    wait_for("the runner to end", lambda: not Path(f"/proc/{runner}").exists() or
+             Path(f"/proc/{runner}/stat").read_text().split()[2] == "Z")
+    assert client(guest, "gpu", "ls").stdout == "no GPU in this VM\n"   # and the server serves on
+
+
+def test_a_stale_server_lets_its_running_command_finish(guest):
+    client(guest, "gpu", "ls")
+    wait_for("server socket", guest["sock"].exists)
+    proc, runner = start_waiting(guest)
+    cli = guest["root"] / "vfio_cxl/guest/cmd/cli.py"
+    cli.write_text(cli.read_text() + "\n# edited\n")
+    assert client(guest, "gpu", "ls").stdout == "no GPU in this VM\n"   # the stale server stepped down
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in err   # its status still came

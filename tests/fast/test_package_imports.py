@@ -175,7 +175,8 @@ def test_the_image_s_wrapper_runs_the_guest_command():
     """The guest image's /usr/local/bin/vfio-cxl runs `vfio_cxl.guest.cmd.cli` through the warm
     client (a script of the package's, run by path: it imports nothing of the package)."""
     wrapper = (PACKAGE_DIR.parent / "images/rootfs/usr/local/bin/vfio-cxl").read_text()
-    assert f"exec python3 -S /opt/vfio-cxl/vfio_cxl/guest/cmd/warm_client.py {COMMANDS}.cli " in wrapper, wrapper
+    assert 'sys.path[0] = "/opt/vfio-cxl/vfio_cxl/guest/cmd"; import warm_client; warm_client.main()' in wrapper
+    assert f"    {COMMANDS}.cli \"$@\"" in wrapper, wrapper
     assert (PACKAGE_DIR / "guest/cmd/warm_client.py").is_file()
     assert f"{COMMANDS}.cli" in MODULES
     from vfio_cxl.guest.cmd import warm

@@ -74,7 +74,9 @@ def measure(lab: str, vm: str, runs: int, log=print) -> list[dict]:
     _ssh(lab, vm, f"echo {shlex.quote(plan)} > /run/vfio-cxl-plan.json")
     rows = []
     cases = [*COMMANDS,
-             ("vfio-cxl gpu ls, empty cache", "VFIO_CXL_PYC=$(mktemp -d) vfio-cxl gpu ls", None, None)]
+             # the same command started the plain way (no warm server), then also with no bytecode
+             ("vfio-cxl gpu ls, not warm", "VFIO_CXL_WARM=0 vfio-cxl gpu ls", None, None),
+             ("vfio-cxl gpu ls, empty cache", "VFIO_CXL_WARM=0 VFIO_CXL_PYC=$(mktemp -d) vfio-cxl gpu ls", None, None)]
     for label, command, ref_guest, ref_ssh in cases:
         in_guest(lab, vm, command)   # warm-up: the shared bytecode cache holds what it imports
         guest = [in_guest(lab, vm, command) for _ in range(runs)]

@@ -5,16 +5,18 @@ A guest command's start is mostly imports -- ``vfio-cxl gpu ls`` spends ~0.35 s 
 under TCG loading argparse, pathlib, json and a dozen of the package's modules -- so the image's
 ``vfio-cxl`` wrapper runs ``warm_client.py``, which hands its command to this server over
 ``/run/vfio-cxl/warm.sock`` and waits.  The server has ``vfio_cxl.guest.cmd.cli`` imported;
-for each request it forks a *waiter*, which forks the *runner*: the runner takes the client's
-stdin/stdout/stderr (passed as file descriptors), its environment, working directory, umask and
-argv, and runs the module as ``python3 -m MODULE`` would; the waiter reports the runner's pid,
-then its exit status or the signal that killed it, and kills it when the client goes away.
-The client forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the runner.
+for each request it forks a *runner*, which takes the client's stdin/stdout/stderr (passed as
+file descriptors), its environment, working directory, umask and argv, and calls the module's
+``main(argv)`` as ``python3 -m MODULE`` does (a module that has ``warm()`` had it called once in
+the server: the CLI builds its parser there).  The server reports the runner's pid, then its
+exit status or the signal that killed it (it waits on each runner's pidfd), and terminates a
+runner whose client has gone away.  The client forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to
+the runner.
 
 Never stale: the server notes the mtime and size of every package file it imported, and
 before each fork checks them again; after an edit (the host's checkout is shared live) it
-answers "stale", removes its socket and exits, and the client runs the command the usual way
-and starts a fresh server.  ``VFIO_CXL_WARM=0`` bypasses it altogether.
+answers "stale", removes its socket, and exits once the commands it runs have ended; the client
+runs the command the usual way and starts a fresh server.  ``VFIO_CXL_WARM=0`` bypasses it altogether.
 
     python3 -m vfio_cxl.guest.cmd.warm SOCKET     (the client starts it; it runs until stale)
 """
@@ -144,7 +146,6 @@ def run(request: dict, fds: list[int]) -> None:
 
 def _become(request: dict, fds: list[int]) -> int:
     import io
-    import runpy
 
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -160,53 +161,45 @@ def _become(request: dict, fds: list[int]) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.argv = [request["module"], *request["argv"]]
-    # run as __main__ from its file again (its imports are warm); runpy warns of the preloaded copy
-    sys.modules.pop(request["module"], None)
+    module = sys.modules[request["module"]]
+    sys.argv = [module.__file__, *request["argv"]]
     try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = module.main(request["argv"])      # what `python3 -m MODULE` runs: sys.exit(main())
     except SystemExit as exit_:
-        if exit_.code is None:
-            return 0
-        if isinstance(exit_.code, int):
-            return exit_.code & 0xff
-        print(exit_.code, file=sys.stderr)
-        return 1
-    return 0
+        code = exit_.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xff
+    print(code, file=sys.stderr)
+    return 1
 
 
-def wait(conn: socket.socket, request: dict, fds: list[int]) -> int:
-    """The waiter: fork the runner, report its pid and how it ended; kill it if the client goes."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    pid = os.fork()
-    if pid == 0:
-        conn.close()
-        run(request, fds)
-    for fd in fds:
-        os.close(fd)
-    pidfd = os.pidfd_open(pid)
-    reply(conn, "pid", pid)
-    watch, deadline = [conn, pidfd], None
-    while True:
-        timeout = None if deadline is None else max(0.0, deadline - _now())
-        ready, _, _ = select.select(watch, [], [], timeout)
-        if pidfd in ready:
-            break
-        if conn in ready and conn.recv(64) == b"":
-            os.kill(pid, signal.SIGTERM)             # the client is gone: its command goes too
-            watch, deadline = [pidfd], _now() + CLIENT_GONE_GRACE
-        elif deadline is not None and _now() >= deadline:
-            os.kill(pid, signal.SIGKILL)
-            deadline = None
-    _, status = os.waitpid(pid, 0)
-    try:
-        if os.WIFSIGNALED(status):
-            reply(conn, "signal", os.WTERMSIG(status))
-        else:
-            reply(conn, "exit", os.WEXITSTATUS(status))
-    except OSError:
-        pass   # the client has gone
-    return 0
+class Command:
+    """A runner the server forked: its client's connection, its pidfd, and when it gets SIGKILL
+    (a client that went away: SIGTERM first, SIGKILL after CLIENT_GONE_GRACE)."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self.conn, self.pid = conn, pid
+        self.pidfd = os.pidfd_open(pid)
+        self.kill_at: float | None = None
+
+    def client_gone(self) -> None:
+        os.kill(self.pid, signal.SIGTERM)
+        self.kill_at = _now() + CLIENT_GONE_GRACE
+
+    def finish(self) -> None:
+        """Reap it; tell the client how it ended (if the client is still there)."""
+        _, status = os.waitpid(self.pid, 0)
+        try:
+            if os.WIFSIGNALED(status):
+                reply(self.conn, "signal", os.WTERMSIG(status))
+            else:
+                reply(self.conn, "exit", os.WEXITSTATUS(status))
+        except OSError:
+            pass   # the client has gone
+        self.conn.close()
+        os.close(self.pidfd)
 
 
 def _now() -> float:
@@ -239,39 +232,74 @@ def listen(path: str) -> socket.socket:
 
 
 def serve(path: str) -> int:
-    for name in PRELOAD:
-        importlib.import_module(name)
+    for name in PRELOAD:   # each has main(argv) -> exit status, and may have warm()
+        module = importlib.import_module(name)
+        getattr(module, "warm", lambda: None)()
     snapshot = package_files()
+    # What is imported stays as it is: the collector never walks it again, in the server or in a
+    # fork (a walk writes to every object's header: a page copied per page of them, after a fork)
+    import gc
+
+    gc.collect()
+    gc.freeze()
     try:
         sock = listen(path)
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
             return 0        # another client's server won the race: it serves
         raise
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # waiters are reaped by the kernel
-    while True:
+    commands: list[Command] = []
+    while sock is not None or commands:   # stale: no new commands, the running ones end first
+        waits = [c.kill_at for c in commands if c.kill_at is not None]
+        timeout = max(0.0, min(waits) - _now()) if waits else None
+        watch = [*([sock] if sock else []), *(c.pidfd for c in commands),
+                 *(c.conn for c in commands if c.kill_at is None)]
+        ready, _, _ = select.select(watch, [], [], timeout)
+        for command in list(commands):
+            if command.pidfd in ready:
+                command.finish()
+                commands.remove(command)
+            elif command.conn in ready and command.conn.recv(64) == b"":
+                command.client_gone()            # the client is gone: its command goes too
+            elif command.kill_at is not None and _now() >= command.kill_at:
+                os.kill(command.pid, signal.SIGKILL)
+                command.kill_at = None
+        if sock is None or sock not in ready:
+            continue
         conn, _ = sock.accept()
-        with conn:
+        try:
+            request, fds = receive(conn)
+        except (BadRequest, OSError) as err:
             try:
-                request, fds = receive(conn)
-            except (BadRequest, OSError) as err:
-                try:
-                    reply(conn, "error", err)
-                except OSError:
-                    pass
-                continue
-            stale = changed(snapshot)
-            if stale:
-                for fd in fds:
-                    os.close(fd)
-                reply(conn, "stale", stale)
-                os.unlink(path)
-                return 0
-            if os.fork() == 0:
-                sock.close()
-                os._exit(wait(conn, request, fds))
+                reply(conn, "error", err)
+            except OSError:
+                pass
+            conn.close()
+            continue
+        stale = changed(snapshot)
+        if stale:
             for fd in fds:
                 os.close(fd)
+            reply(conn, "stale", stale)
+            conn.close()
+            os.unlink(path)
+            sock.close()
+            sock = None
+            continue
+        pid = os.fork()
+        if pid == 0:       # the runner holds nothing of the server's: no socket, no other command
+            sock.close()
+            conn.close()
+            for command in commands:
+                command.conn.close()
+                os.close(command.pidfd)
+            run(request, fds)
+        for fd in fds:
+            os.close(fd)
+        command = Command(conn, pid)
+        reply(conn, "pid", pid)
+        commands.append(command)
+    return 0
 
 
 def main(argv: list[str]) -> int:
