@@ -170,10 +170,9 @@ def layout(kernel: str, working_set: int) -> Layout:
         m = _pow2_below(ws // 16)
         n = max(1, (ws - 8 * m) // 4)
         lay = Layout(k, n, a=0, idx=_align(8 * m), aux=m)
-    elif k is Kernel.GEMV:  # W (n x n), x, y; n a multiple of 8: a row is whole lines
-        n = max(8, math.isqrt(ws // 8) // 8 * 8)
-        lay = Layout(k, n, a=0, idx=_align(8 * n * n), arg=GEMV_TOKENS)
-        lay.b = _align(lay.idx + 8 * n)
+    elif k is Kernel.GEMV:  # W (n x n), x, y back to back; n a multiple of 8: whole lines each
+        n = max(8, (math.isqrt(ws // 8 + 1) - 1) // 8 * 8)   # 8 (n + 1)**2 >= 8 n**2 + 16 n
+        lay = Layout(k, n, a=0, idx=8 * n * n, b=8 * n * n + 8 * n, arg=GEMV_TOKENS)
     else:  # BFS: degree 8, 44 bytes per vertex
         n = _pow2_below(ws // 44)
         lay = Layout(k, n, a=0, aux=8 * n, arg=0)
