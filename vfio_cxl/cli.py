@@ -24,7 +24,7 @@ import shlex
 import signal
 import sys
 
-from . import fm_cli
+from .lab.fm import commands as fm_cli
 from .errors import LabError
 
 
@@ -75,16 +75,16 @@ def _vm_up(args) -> int:
     from .lab import topology
     from .lab.lab import Lab
 
-    if args.detach and not args.dry_run:
-        if args.run:
-            raise LabError("--run and --detach do not go together",
-                           "use --detach, then vfio-cxl vm ssh VM -- CMD")
-        from .fm_cli import vm_up_detached
-        return vm_up_detached(args)
+    detach = args.detach and not args.dry_run
+    if detach and args.run:
+        raise LabError("--run and --detach do not go together",
+                       "use --detach, then vfio-cxl vm ssh VM -- CMD")
+    topo = topology.load(args.topology)   # once: the lab here, or the detached lab's manager, gets it
+    if detach:
+        return fm_cli.vm_up_detached(args, topo)
 
     from .lab.kernel import resolve
 
-    topo = topology.load(args.topology)
     # Checked before anything starts: a missing file or option fails here.
     kernel = resolve(args.kernel, args.modules, args.append or "", provision=not args.dry_run)
     lab = Lab(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu, kernel=kernel)
@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the results as JSON")
     st.set_defaults(func=_selftest)
 
-    from .matrix.cli import add_parser as add_matrix_parser
+    from .matrix.command import add_parser as add_matrix_parser
     add_matrix_parser(sub)
 
     demo = sub.add_parser("demo", help="run a demo (tour, dma, share, p2p)")
@@ -240,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     demo.set_defaults(func=_demo)
 
-    for name, module, text in (("gpu", "vfio_cxl.devices.gpu.cli", "the vfio-user GPU device server"),
-                               ("smc", "vfio_cxl.devices.smc.cli", "the shared-memory controller server"),
+    for name, module, text in (("gpu", "vfio_cxl.devices.gpu.serve", "the vfio-user GPU device server"),
+                               ("smc", "vfio_cxl.devices.smc.serve", "the shared-memory controller server"),
                                ("bench", "vfio_cxl.bench.__main__", "benchmarks")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -48,8 +48,9 @@ def guest_source(rundir: Path) -> Path:
 
 
 def guest_bytecode_dir() -> Path:
-    """Where the guests' Python keeps the bytecode of the shared source (and of whatever else
-    it imports), shared writable into every VM as /var/cache/vfio-cxl/pyc: ``PYTHONPYCACHEPREFIX``.
+    """Where the guests' Python keeps the bytecode of the shared source, shared writable into
+    every VM as /var/cache/vfio-cxl/pyc: ``VFIO_CXL_PYC`` (see ``vfio_cxl.guest.bytecode``; the
+    standard library keeps its own ``__pycache__`` on the guest's disk).
 
     The source reaches the guests over a read-only 9p share, where Python cannot write a
     ``__pycache__``: without this every guest command compiles the package again (about
@@ -69,6 +70,11 @@ def cache_root() -> Path:
     root = Path(env) if env else Path.home() / ".cache" / "vfio-cxl"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+# Shared objects built on the host from C sources in the package (guest/cacheline.c), never
+# committed: the guests have no compiler but import the checkout, so they load the host's build.
+NATIVE_DIR = PACKAGE_DIR / "_native"
 
 
 # A run directory holding this file belongs to a fabric-manager lab: `vfio-cxl vm down`

@@ -1,7 +1,9 @@
 """Fixtures of the vfio-user conformance suite.
 
 The GPU server runs as a child process started through its CLI
-(``vfio-cxl gpu serve --socket PATH``), one per test module; each test talks
+(``vfio-cxl gpu serve --socket PATH --local-dma-faults``: the spec's rule that
+DMA names only exported addresses, without the device's fault reports, which
+test_fault_report.py checks as the departure they are), one per test module; each test talks
 to it over a real UNIX socket with the independent client of
 ``vfio_cxl.bench.vfio_user_spec``.  After every test the server must still be
 alive (a client must never be able to kill the device); if it died, that test
@@ -30,10 +32,10 @@ PCI_COMMAND_MASTER = 1 << 2
 class Server:
     """The server process shared by one module's tests."""
 
-    def __init__(self):
+    def __init__(self, extra=("--local-dma-faults",)):
         self.dir = tempfile.mkdtemp(prefix="vfio-cxl-conf-")
         self.path = os.path.join(self.dir, "gpu.sock")
-        self.proc = vu.ServerProcess(self.path, vram_mib=16)
+        self.proc = vu.ServerProcess(self.path, vram_mib=16, extra=extra)
         self.proc.start()
 
     def ensure(self) -> None:

@@ -34,7 +34,9 @@ from vfio_cxl.lab.fm.guestscripts import (BIND_OUTPUT_MAX, BIND_SCRIPT, HOLDERS_
                                           parse_holders, parse_kills, show)
 from vfio_cxl.lab.logs import archive_logs  # noqa: E402
 from vfio_cxl.lab.ssh import ShellSession  # noqa: E402
-from vfio_cxl.lab.fm.manager import Child, FabricManager  # noqa: E402
+from vfio_cxl.lab import topology  # noqa: E402
+from vfio_cxl.lab.fm.manager import FabricManager  # noqa: E402
+from vfio_cxl.lab.fm.state import Child  # noqa: E402
 from vfio_cxl.lab.fm.procs import ProcessId  # noqa: E402
 from vfio_cxl.lab.fm.registry import RUNDIR_MARKER, LabRecord  # noqa: E402
 from vfio_cxl.lab.vm import die_with_parent  # noqa: E402
@@ -48,6 +50,7 @@ class FakeLab:
     VMS = ("a", "b")
     GPUS = {"gpu0": "a"}
     SMCS = {"smc0": ("a", "b")}
+    topology = None   # no topology for a Redfish service to model
 
     def __init__(self, rundir: Path, logdir: Path, orphan: bool = False):
         self.rundir = rundir
@@ -192,8 +195,11 @@ class FakeFabricLab(FakeLab):
     (its pid in ``<rundir>/holder.pid``)."""
 
     GPUS = {"gpu0": "a", "gpu1": "b"}
-    topology_arg = "fabric"   # what the Redfish service models (the real fabric topology: VMs a, b)
     auto_release = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.topology = topology.load("fabric")   # what the Redfish service models (VMs a, b)
 
     def start(self, log) -> None:
         super().start(log)

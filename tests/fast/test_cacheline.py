@@ -1,4 +1,4 @@
-"""The real x86 cache operations (vfio_cxl.cacheline): built, loaded through cffi, run under the channel."""
+"""The real x86 cache operations (vfio_cxl.guest.cacheline): built, loaded through cffi, run under the channel."""
 
 import mmap
 import platform
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vfio_cxl import cacheline
-from vfio_cxl.cacheline import CachelineError
+from vfio_cxl.guest import cacheline
+from vfio_cxl.guest.cacheline import CachelineError
 from vfio_cxl.guest.channel import Consumer, Producer
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 instructions")
@@ -80,7 +80,7 @@ def test_missing_helper_without_a_compiler_says_what_to_do(tmp_path, monkeypatch
     with pytest.raises(CachelineError, match="no built cache-line helper at .*cannot be built here.*no-such-cc "
                                              "not found") as e:
         cacheline.load()
-    assert "python -m vfio_cxl.cacheline build" in e.value.fix
+    assert "python -m vfio_cxl.guest.cacheline build" in e.value.fix
     with pytest.raises(CachelineError, match="no built cache-line helper") as e:
         cacheline.load(build_if_missing=False)
     assert not list(tmp_path.glob("native/*.so")) and not list(tmp_path.glob("native/tmp*"))   # nothing half-built

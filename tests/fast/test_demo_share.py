@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 from ssh_loopback import FakeRunning
 
-from vfio_cxl.demos import share
+from vfio_cxl.demos import dma, share
 from vfio_cxl.errors import LabError
+from vfio_cxl.lab import record_stream
 
 PRODUCED = {"count": 2, "done_at": [1.0, 2.0], "elapsed": 1.0, "full_waits": 0, "clock": {"offset": 0.5}}
 CONSUMED = {"delivered": [0, 1], "rejected": [], "bad_bytes": [], "seen_at": [1.6, 2.6], "bytes": 10,
@@ -44,7 +45,7 @@ def lab(producer, consumer):
 
 def test_a_producer_that_dies_and_a_consumer_that_times_out_are_both_named():
     with pytest.raises(LabError) as failed:
-        share.stream(lab(answer(1, stderr=TRACEBACK), answer(3, json.dumps(TIMED_OUT))), 2)
+        record_stream.stream(lab(answer(1, stderr=TRACEBACK), answer(3, json.dumps(TIMED_OUT))), 2)
     said = str(failed.value)
     assert "producer in a: exited 1:" in said and "Connection refused" in said
     assert "consumer in b: ChannelTimeout: no record within 30 s" in said
@@ -52,7 +53,7 @@ def test_a_producer_that_dies_and_a_consumer_that_times_out_are_both_named():
 
 def test_a_consumer_with_no_report_is_named_beside_a_producer_that_reported():
     with pytest.raises(LabError, match=r"producer in a: no error; consumer in b: exited 1: .*Killed"):
-        share.stream(lab(answer(0, json.dumps(PRODUCED)), answer(1, stderr="Killed")), 2)
+        record_stream.stream(lab(answer(0, json.dumps(PRODUCED)), answer(1, stderr="Killed")), 2)
 
 
 def test_the_demo_prints_the_consumer_s_error_and_fails(monkeypatch, capsys):
@@ -68,8 +69,8 @@ def test_the_demo_prints_the_consumer_s_error_and_fails(monkeypatch, capsys):
         def __exit__(self, *exc):
             pass
 
-    monkeypatch.setattr(share, "Lab", FakeLab)
-    monkeypatch.setattr(share, "resolve", lambda *args: None)
+    monkeypatch.setattr(dma, "Lab", FakeLab)
+    monkeypatch.setattr(dma, "resolve", lambda *args: None)
     monkeypatch.setattr(share, "seed_flow", lambda *args: {
         "a": {"message": "DMA", "dma_ms": 1.0}, "b": {"head": "DMA", "sha256": "0" * 64},
         "a_match": True, "b_match": True, "host_match": True})
@@ -99,7 +100,7 @@ BufferError: cannot close exported pointers exist
 
 
 def test_a_traceback_is_summed_up_by_its_exception_lines():
-    said = share.what_failed(NO_PRODUCER)
+    said = record_stream.what_failed(NO_PRODUCER)
     assert said == ("vfio_cxl.guest.channel.NoChannel: no valid channel after waiting 5.0s: no channel header at offset 0 "
                     "(all zero) | BufferError: cannot close exported pointers exist")
-    assert share.what_failed("Killed") == "Killed" and share.what_failed("") == "(no output)"
+    assert record_stream.what_failed("Killed") == "Killed" and record_stream.what_failed("") == "(no output)"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from vfio_cxl.lab.fm import protocol
-from vfio_cxl.lab.fm.manager import EVENT_HISTORY
+from vfio_cxl.lab.fm.events import EVENT_HISTORY
 from vfio_cxl.lab.fm.reallab import RealLab
 from vfio_cxl.paths import REPO_ROOT
 

@@ -8,6 +8,8 @@ from vfio_user_client import (DATA_IOVA, RING_IOVA, Rig, ServerThread, gpu_serve
                               eventfd_count, no_leaks)
 
 from vfio_cxl.devices.gpu import regs
+from vfio_cxl.devices.vfio_user import wire
+from vfio_cxl.devices.vfio_user.dma import REPORT_BYTES, FaultReports
 from vfio_cxl.devices.gpu.regs import DESC_FLAG_INTERRUPT as IRQ, Op, Status, pack_descriptor
 
 UNMAPPED = 0x7000_0000
@@ -46,21 +48,77 @@ def assert_halted_after(rig, status, addr, err=0):
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "message"])
-def test_dma_to_an_iova_never_mapped_faults_locally(gpu_server, direct):
+def test_dma_to_an_iova_never_mapped_goes_to_the_client_then_halts(gpu_server, direct):
     # vfio-user: DMA_READ/WRITE addresses "must have been previously exported with
-    # DMA_MAP".  The device checks its own table, like an IOMMU: no message is sent.
+    # DMA_MAP".  The device checks its own table, like an IOMMU, and sends the client the
+    # faulting access (its first REPORT_BYTES) so QEMU's vIOMMU records the fault; QEMU
+    # refuses it (ENODEV) and the device halts DMA_UNMAPPED at that IOVA all the same.
     rig = Rig(gpu_server, direct=direct)
     try:
         run_faulting(rig, pack_descriptor(Op.VRAM_TO_HOST, 0, UNMAPPED, 4096, IRQ, cookie=2))
         assert_halted_after(rig, Status.DMA_UNMAPPED, UNMAPPED)
+        assert rig.client.stats.refusals == [(wire.DMA_WRITE, UNMAPPED, REPORT_BYTES)]
         # message ring: two completion records (the good one, the failed one), no data
-        assert rig.client.stats.refused == 0 and rig.client.stats.writes == (0 if direct else 2)
+        assert rig.client.stats.writes == (0 if direct else 2)
+        assert gpu_server.device.fault_reports.sent == 1
     finally:
         rig.close()
 
 
-def test_iovas_the_server_never_saw_are_not_reached_even_if_the_client_could(gpu_server):
-    # e.g. a peer device's BAR that QEMU could reach: without a DMA_MAP it is out of bounds
+def test_local_dma_faults_send_nothing(tmp_path):
+    with no_leaks():
+        srv = ServerThread(tmp_path, local_dma_faults=True)
+        try:
+            rig = Rig(srv, direct=True)
+            try:
+                run_faulting(rig, pack_descriptor(Op.VRAM_TO_HOST, 0, UNMAPPED, 4096, IRQ, cookie=2))
+                assert_halted_after(rig, Status.DMA_UNMAPPED, UNMAPPED)
+                assert rig.client.stats.refused == 0 and rig.client.stats.writes == 0
+            finally:
+                rig.close()
+        finally:
+            srv.stop()
+
+
+def test_a_ring_fetch_from_an_unmapped_iova_goes_to_the_client_as_a_read(gpu_server):
+    rig = Rig(gpu_server, direct=True)
+    try:
+        c = rig.client
+        assert c.dma_unmap(RING_IOVA, rig.ring.size).ok  # the ring is no longer mapped
+        rig.submit([pack_descriptor(Op.NOP, 0, 0, 0, IRQ)])
+        rig.wait_vector(regs.VEC_ERROR)
+        assert c.reg_read(regs.REG_ERR_STATUS) == Status.RING_FETCH
+        assert err_regs(c)[2:] == (RING_IOVA, 0)
+        assert c.stats.refusals == [(wire.DMA_READ, RING_IOVA, REPORT_BYTES)]
+    finally:
+        rig.close()
+
+
+def test_a_spray_of_unmapped_dmas_is_rate_limited_and_counted(gpu_server, caplog):
+    """Each bad descriptor halts the ring; the driver resets and submits the next.  With a
+    burst of 3 and a rate too slow to refill during the test, 3 reach the client, the rest
+    stay local, and the disconnect's log line counts both."""
+    gpu_server.device.fault_reports = FaultReports(rate=1e-6, burst=3)
+    rig = Rig(gpu_server, direct=True)
+    try:
+        for n in range(20):
+            rig.program()
+            bad = UNMAPPED + n * 0x1000
+            rig.submit([pack_descriptor(Op.VRAM_TO_HOST, 0, bad, 64, IRQ)])
+            rig.wait_vector(regs.VEC_ERROR)
+            assert err_regs(rig.client)[::2] == (Status.DMA_UNMAPPED, bad)
+        assert [r[1] for r in rig.client.stats.refusals] == [UNMAPPED, UNMAPPED + 0x1000,
+                                                              UNMAPPED + 0x2000]
+    finally:
+        rig.close()
+    gpu_server.wait_idle()
+    assert "3 reported to the client, 17 suppressed by the rate limit" in caplog.text
+
+
+def test_iovas_the_server_never_saw_get_at_most_the_faults_report(gpu_server):
+    # e.g. a peer device's BAR that QEMU could reach: without a DMA_MAP it is out of bounds;
+    # the client's IOMMU does translate it, so the report (4 bytes of the transfer's own data)
+    # lands there, and nothing more
     rig = Rig(gpu_server, direct=True)
     try:
         peer = rig.memory.add(UNMAPPED, 1 << 20, shared=False)
@@ -70,7 +128,10 @@ def test_iovas_the_server_never_saw_are_not_reached_even_if_the_client_could(gpu
                     pack_descriptor(Op.VRAM_TO_HOST, 0, UNMAPPED, 100_000, IRQ)])
         rig.wait_vector(regs.VEC_ERROR)
         assert err_regs(rig.client)[:3] == (Status.DMA_UNMAPPED, 1, UNMAPPED)
-        assert bytes(peer.view[:4096]) == SENTINEL and rig.client.stats.writes == 0
+        assert bytes(peer.view[:REPORT_BYTES]) == bytes(gpu_server.device.vram[:REPORT_BYTES])
+        assert bytes(peer.view[REPORT_BYTES:4096]) == SENTINEL[REPORT_BYTES:]
+        assert rig.client.stats.writes == 1 and rig.client.stats.write_bytes == REPORT_BYTES
+        assert gpu_server.device.fault_reports.served == 1
     finally:
         rig.close()
 
@@ -239,3 +300,23 @@ def test_client_that_never_answers_dma_times_out(tmp_path):
             rig.close()
         finally:
             srv.stop()
+
+
+def test_fault_reports_refill_at_their_rate_and_summarise_once_per_interval(caplog):
+    now = [0.0]
+    reports = FaultReports(rate=10, burst=2, interval=10, clock=lambda: now[0])
+    assert [reports.admit(0x1000, True) for _ in range(4)] == [True, True, False, False]
+    now[0] = 0.1  # one token back
+    assert [reports.admit(0x1000, True) for _ in range(2)] == [True, False]
+    assert (reports.sent, reports.suppressed) == (3, 3)
+    assert len(caplog.records) == 1 and "0x1000" in caplog.text  # only the first fault so far
+    now[0] = 10.0
+    assert reports.admit(0x2000, False)
+    assert len(caplog.records) == 2
+    assert "since the last summary: 3 reported to the client, 3 suppressed" in caplog.records[1].message
+
+
+@pytest.mark.parametrize("rate, burst", [(0, 1), (1, 0), (-1, 5)])
+def test_fault_reports_refuse_a_rate_or_burst_that_is_not_positive(rate, burst):
+    with pytest.raises(ValueError, match="must be positive"):
+        FaultReports(rate=rate, burst=burst)

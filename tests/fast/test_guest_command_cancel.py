@@ -21,10 +21,10 @@ from types import SimpleNamespace
 import pytest
 from ssh_loopback import FakeRunning, LoopbackSsh
 
-from vfio_cxl import cacheline
+from vfio_cxl.guest import cacheline
 from vfio_cxl.bench import share as bench_share
-from vfio_cxl.demos import share as demo_share
 from vfio_cxl.errors import LabError
+from vfio_cxl.lab import record_stream
 from vfio_cxl.lab.ssh import GuestCommandError, join_all
 
 
@@ -258,6 +258,6 @@ def test_the_share_bench_prints_why_it_failed(monkeypatch, capsys):
 def test_the_share_demo_cancels_its_consumer_when_the_producer_raises(failure):
     consumer = FakeRunning()
     with pytest.raises(type(failure)):
-        demo_share.stream(FakeLab(FakeVm(run=failure), FakeVm(started=consumer)), 2)
+        record_stream.stream(FakeLab(FakeVm(run=failure), FakeVm(started=consumer)), 2)
     assert consumer.cancelled and not consumer.joined
 

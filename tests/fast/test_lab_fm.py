@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from vfio_cxl.errors import LabError
-from vfio_cxl.fm_cli import lab_summary
+from vfio_cxl.lab.fm.commands import lab_summary
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.fm import protocol, registry
 from vfio_cxl.lab.fm.cleanup import down, remove_leftovers

@@ -121,6 +121,12 @@ CASES = [
     ("one region per pass-through host bridge",
      [M2, ('persistent = "p0"', 'persistent = "p0"\nvolatile = "m2"'),
       ('use = "fsdax"', 'use = "fsdax"\n[[vm.region]]\nname = "r1"\nwindow = 1\nmemdevs = ["pm"]')]),
+    ("memdevs of one size", [('[backends.m1]\nsize = "256M"', '[backends.m1]\nsize = "512M"')]),
+    ("at most 16 windows", [('[[vm.region]]\nname = "r0"', '[[vm.window]]\ntargets = ["hb0"]\nsize = "256M"\n' * 15
+                                                        + '[[vm.region]]\nname = "r0"')]),
+    ("enough PCI bus numbers", [('[[vm.host_bridge]]\nname = "hb1"',
+                                 '[[vm.host_bridge]]\nname = "hbx"\nroot_ports = [' + ", ".join(f'"x{n}"' for n in range(240))
+                                 + ']\n[[vm.host_bridge]]\nname = "hb1"')]),
     ("fsdax is for pmem", [('memdevs = ["mem0", "mem1"]', 'memdevs = ["mem0", "mem1"]\nuse = "fsdax"')]),
     ("region type", [('type = "pmem"', 'type = "cxl"')]),
     ("one owner per GPU", [('owner = "h"\n[gpus.gpu1]', 'owner = ["h", "g"]\n[gpus.gpu1]')]),

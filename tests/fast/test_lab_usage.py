@@ -14,7 +14,7 @@ def test_boots_commands_python_starts_and_reboots_are_counted(tmp_path, monkeypa
     usage.record("boot", "single (debian kernel)")
     usage.record("guest", "vfio-cxl gpu ls")
     usage.record("guest", "sh -c 'true'")
-    usage.record("guest", "PYTHONPYCACHEPREFIX=$(mktemp -d) python3 -c pass")
+    usage.record("guest", "VFIO_CXL_PYC=$(mktemp -d) python3 -c pass")
     usage.record("reboot", "single: VM host0: no /dev/dax0.0")
     # a child process counts into the same file
     subprocess.run([sys.executable, "-c", "from vfio_cxl.lab import usage; usage.record('boot', 'shared (lab kernel)')"],

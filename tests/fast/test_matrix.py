@@ -22,7 +22,7 @@ from vfio_cxl import cli
 from vfio_cxl.errors import LabError
 from vfio_cxl.lab import selftests
 from vfio_cxl.matrix import engine, job, report, spec
-from vfio_cxl.matrix.cli import jobs_of
+from vfio_cxl.matrix.command import jobs_of
 
 TWO_BY_TWO = """
 [axes]

@@ -7,6 +7,12 @@
   imports the commands built on it, not even lazily inside a function; and
   importing every library module for real leaves ``vfio_cxl.guest.cmd`` out of
   ``sys.modules``.
+* Every module is in one room (``ROOMS``) and imports, even lazily, only from its own
+  room and the rooms below it (``MAY_IMPORT``): commands (the CLI entry, benches, demos,
+  the guest's commands, the pytest plugin) above the libraries; the host lab above the
+  devices; the devices and the guest library above what both sides share (the kernel's
+  VFIO ABI, the register maps, ``errors``, ``paths``).  The package root holds only the
+  CLI entry, ``paths``, ``errors``, the shared ABI and the pytest plugin.
 """
 
 import ast
@@ -170,3 +176,108 @@ def test_the_image_s_wrapper_runs_the_guest_command():
     wrapper = (PACKAGE_DIR.parent / "images/rootfs/usr/local/bin/vfio-cxl").read_text()
     assert f"exec python3 -m {COMMANDS}.cli " in wrapper, wrapper
     assert f"{COMMANDS}.cli" in MODULES
+
+
+# -- rooms and floors ----------------------------------------------------------------------------
+SHARED = "shared"               # what both sides import: the kernel's VFIO ABI, the register maps, errors, paths
+HOST_LIBRARIES = {"host lab", "matrix", "devices", "guest library", SHARED}
+
+# Module (exact name) or package (every module below it; the longest match wins) -> its room.
+ROOMS = {
+    "vfio_cxl": SHARED, "vfio_cxl.errors": SHARED, "vfio_cxl.paths": SHARED, "vfio_cxl.vfio_abi": SHARED,
+    "vfio_cxl.devices.gpu.regs": SHARED, "vfio_cxl.devices.smc.regs": SHARED,
+    # the package's __init__ installs it in every process (a no-op without $VFIO_CXL_PYC)
+    "vfio_cxl.guest.bytecode": SHARED,
+    "vfio_cxl.devices.": "devices",
+    "vfio_cxl.guest.": "guest library",
+    "vfio_cxl.lab.": "host lab",
+    "vfio_cxl.matrix.": "matrix",
+    "vfio_cxl.guest.cmd.": "guest commands",
+    "vfio_cxl.bench.": "benches",
+    "vfio_cxl.demos.": "demos",
+    "vfio_cxl.pytest_plugin": "pytest plugin",
+    "vfio_cxl.cli": "CLI entry", "vfio_cxl.__main__": "CLI entry",
+}
+
+# Room -> the rooms its modules may import besides their own.
+MAY_IMPORT = {
+    SHARED: set(),
+    "devices": {SHARED},
+    "guest library": {SHARED},
+    "host lab": {"devices", SHARED},
+    "matrix": {"host lab", "devices", SHARED},
+    "guest commands": {"guest library", SHARED},       # they run in the guest: no host code
+    "benches": HOST_LIBRARIES,
+    "demos": HOST_LIBRARIES,                            # guest commands run by name over SSH, not imported
+    "pytest plugin": HOST_LIBRARIES,
+    "CLI entry": HOST_LIBRARIES | {"demos"},
+}
+
+ROOT_MODULES = {"vfio_cxl", "vfio_cxl.__main__", "vfio_cxl.cli", "vfio_cxl.paths", "vfio_cxl.errors",
+                "vfio_cxl.vfio_abi", "vfio_cxl.pytest_plugin"}
+
+
+def room_of(name: str) -> str | None:
+    """The room of module ``name``, or None if ``ROOMS`` places it nowhere."""
+    if name in ROOMS:
+        return ROOMS[name]
+    packages = [p for p in ROOMS if p.endswith(".") and (name + ".").startswith(p)]
+    return ROOMS[max(packages, key=len)] if packages else None
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every (importer, imported) pair of ``graph`` that imports a room its room may not (a module
+    in no room may import nothing outside it)."""
+    return sorted((name, target) for name, targets in graph.items() for target in targets
+                  if room_of(target) != room_of(name)
+                  and room_of(target) not in MAY_IMPORT.get(room_of(name), set()))
+
+
+def full_graph() -> dict[str, set[str]]:
+    return {name: imports(name, top_level_only=False) for name in MODULES}
+
+
+def test_every_module_is_in_a_room_and_every_room_has_its_floor():
+    unplaced = sorted(name for name in MODULES if room_of(name) is None)
+    assert not unplaced, f"modules in no room (add them to ROOMS): {unplaced}"
+    assert set(ROOMS.values()) == set(MAY_IMPORT), "every room says what it may import"
+    assert room_of("vfio_cxl.guest.cmd.cli") == "guest commands" and room_of("vfio_cxl.guest.cacheline") == "guest library"
+    assert room_of("vfio_cxl.devices.gpu.regs") == SHARED and room_of("vfio_cxl.devices.gpu.engine") == "devices"
+    assert room_of("vfio_cxl.some_new_module") is None
+
+
+def test_the_package_root_holds_only_the_cli_entry_paths_errors_the_abi_and_the_plugin():
+    at_root = {name for name in MODULES if name.count(".") == 1 and not is_package(name)} | {"vfio_cxl"}
+    assert at_root <= ROOT_MODULES, f"modules at the package root that belong in a room: {sorted(at_root - ROOT_MODULES)}"
+
+
+def test_no_import_goes_to_a_room_above_or_beside_its_own():
+    violations = room_violations(full_graph())
+    assert not violations, "imports across the floors:\n" + "\n".join(
+        f"  {a} ({room_of(a)}) -> {b} ({room_of(b)})" for a, b in violations)
+
+
+def test_the_room_check_catches_planted_violations():
+    planted = {("vfio_cxl.guest.drivers.gpu", "vfio_cxl.lab.ssh"),            # guest library -> host lab
+               ("vfio_cxl.devices.gpu.engine", "vfio_cxl.guest.channel"),     # devices -> guest library
+               ("vfio_cxl.devices.gpu.regs", "vfio_cxl.devices.gpu.engine"),  # a register map -> the model
+               ("vfio_cxl.lab.lab", "vfio_cxl.demos.dma"),                    # library -> command
+               ("vfio_cxl.bench.share", "vfio_cxl.demos.share"),              # bench -> demo
+               ("vfio_cxl.demos.dma", "vfio_cxl.guest.cmd.demo_dma"),         # host demo -> guest command
+               ("vfio_cxl.guest.cmd.stream", "vfio_cxl.lab.ssh")}             # guest command -> host lab
+    graph = full_graph()
+    for importer, imported in planted:
+        graph[importer] = graph[importer] | {imported}
+    assert set(room_violations(graph)) == planted
+    allowed = {("vfio_cxl.bench.channel", "vfio_cxl.guest.channel"), ("vfio_cxl.cli", "vfio_cxl.demos"),
+               ("vfio_cxl.guest.drivers.smc", "vfio_cxl.devices.smc.regs")}
+    for importer, imported in allowed:
+        graph[importer] = graph[importer] | {imported}
+    assert set(room_violations(graph)) == planted
+
+
+def test_the_walk_sees_the_imports_the_room_check_relies_on():
+    graph = full_graph()
+    assert "vfio_cxl.guest.cacheline" in graph["vfio_cxl.bench.channel"]   # lazy, inside a function
+    assert "vfio_cxl.devices.gpu.regs" in graph["vfio_cxl.devices.smc.regs"]
+    assert "vfio_cxl.lab.record_stream" in graph["vfio_cxl.bench.share"]

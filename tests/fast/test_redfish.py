@@ -313,7 +313,7 @@ def test_a_port_in_use_is_refused_at_once(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(LabError, match=f"cannot listen on 127.0.0.1:{port}"):
-            RedfishService.start(fm_socket=tmp_path / "fm.sock", lab="x", topology="fabric", port=port,
+            RedfishService.start(fm_socket=tmp_path / "fm.sock", lab="x", topology=topology.load("fabric"), port=port,
                                  log=tmp_path / "redfish.log")
 
 

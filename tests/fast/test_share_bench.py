@@ -4,7 +4,7 @@ import pytest
 
 from vfio_cxl.bench.share import TRANSPORTS, goal, phases
 from vfio_cxl.guest.cxl import CxlError
-from vfio_cxl.guest.cmd.share_bench import DEFAULT_PLAN, parse_plan
+from vfio_cxl.guest.record_plan import DEFAULT_PLAN, parse_plan
 from vfio_cxl.guest.cmd.share_bench import TRANSPORTS as GUEST_TRANSPORTS
 
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from vfio_cxl.devices.smc import regs
-from vfio_cxl.devices.smc.cli import main as smc_main
+from vfio_cxl.devices.smc.serve import main as smc_main
 from vfio_cxl.devices.smc.device import SmcController
 from vfio_cxl.devices.smc.regs import Error
 from vfio_cxl.devices.smc.state import Input, SmcState

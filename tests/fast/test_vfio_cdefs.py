@@ -31,7 +31,7 @@ def start(cache):
     probe = ("import sys; from vfio_cxl.guest.vfio import uapi, uapi_iommufd, syscalls; "
              "print(uapi.ffi.sizeof('struct vfio_iommu_type1_dma_map'), 'pycparser' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPYCACHEPREFIX": str(cache), "PYTHONPATH": ROOT})
+                         cwd=ROOT, env={**os.environ, "VFIO_CXL_PYC": str(cache), "PYTHONPATH": ROOT})
     return out.stdout.split()
 
 

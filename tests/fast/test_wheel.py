@@ -61,7 +61,7 @@ def test_the_package_data_the_lab_reads_is_known():
     data = package_data()
     assert "vfio_cxl/_data/topologies/single.toml" in data
     assert "vfio_cxl/_data/images/guest.toml" in data and "vfio_cxl/_data/images/rootfs/sbin/vfio-cxl-init" in data
-    assert "vfio_cxl/_data/kernel-config/lab.config" in data and "vfio_cxl/cacheline.c" in data
+    assert "vfio_cxl/_data/kernel-config/lab.config" in data and "vfio_cxl/guest/cacheline.c" in data
     # a checkout reads them where the repository keeps them
     assert topology.TOPOLOGY_DIR == REPO_ROOT / "qemu/topologies" and image.IMAGES_DIR == REPO_ROOT / "images"
     assert kernel.FRAGMENT == REPO_ROOT / "qemu/kernel/lab.config"

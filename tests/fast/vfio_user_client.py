@@ -60,9 +60,11 @@ class ServerThread:
 
     def __init__(self, directory, *, vram_size: int = TEST_VRAM, partial_timeout: float = 0.3,
                  dma_timeout: float = 2.0, vendor_id: int = regs.PCI_VENDOR_ID,
-                 device_id: int = regs.PCI_DEVICE_ID, irq_mode: str = "msix"):
+                 device_id: int = regs.PCI_DEVICE_ID, irq_mode: str = "msix",
+                 local_dma_faults: bool = False):
         self.path = os.path.join(os.fspath(directory), "gpu.sock")
-        self.device = GpuDevice(vram_size, vendor_id, device_id, irq_mode=irq_mode)
+        self.device = GpuDevice(vram_size, vendor_id, device_id, irq_mode=irq_mode,
+                                local_dma_faults=local_dma_faults)
         self.server = VfioUserServer(self.path, self.device, partial_timeout=partial_timeout,
                                 dma_timeout=dma_timeout)
         self.server.listen()

@@ -5,8 +5,9 @@ run (as is, with its smallest arguments, or why not), comes from tests/documente
 which reads the docs (tests/fast/test_documented_commands.py fails on a documented command
 without an entry there).
 
-The README's two console sessions (a detached `shared` lab; moving GPUs on `fabric`) are
-replayed step by step in the order the README shows them, each on one boot.  Each command's exit
+The docs' two console sessions (a detached `shared` lab in docs/fabric-manager.md; moving GPUs
+on `fabric` in the README) are replayed step by step in the order the docs show them, each on
+one boot.  Each command's exit
 status and time are printed (pytest -s or -rA shows them).
 """
 
@@ -58,7 +59,7 @@ def quiet_host(labs, kept_detached):
 
 
 def session(first: str) -> list[docs.Shown]:
-    """The commands of the README console block that starts with ``first``, in order."""
+    """The commands of the console block (README.md or docs/*.md) that starts with ``first``, in order."""
     start = next(s for s in SHOWN if s.command == first and s.block)
     return [s for s in SHOWN if s.block == start.block]
 
@@ -103,10 +104,11 @@ def test_boot_scripts_run_until_ctrl_c(quiet_host, tmp_path, command):
     assert any(re.match(r"^\w+: ssh -p \d+ ", line) for line in ran.lines), ran.describe()
 
 
-def test_detached_shared_session_as_the_readme_shows_it(quiet_host, tmp_path):
-    """README "Fabric manager: labs that stay up": `vm up shared --detach`, `vm ls`, `fm status`,
-    `vm ssh a -- ...demo_dma`, a shell in b, then -- as the README's comment says -- kill -9 of
-    the GPU server and of b's QEMU, `fm events --follow`, `vm ls` (degraded), `vm down`."""
+def test_detached_shared_session_as_documented(quiet_host, tmp_path):
+    """docs/fabric-manager.md "A detached lab, as a user types it": `vm up shared --detach`,
+    `vm ls`, `fm status`, `vm ssh a -- ...demo_dma`, a shell in b, then -- as the page's comment
+    says -- kill -9 of the GPU server and of b's QEMU, `fm events --follow`, `vm ls` (degraded),
+    `vm down`."""
     for step in session("vfio-cxl vm up shared --detach"):
         stdin = None
         if step.command == "vfio-cxl vm ssh b":
@@ -121,9 +123,9 @@ def test_detached_shared_session_as_the_readme_shows_it(quiet_host, tmp_path):
 
 
 def test_fabric_session_as_the_readme_shows_it(quiet_host, tmp_path):
-    """README "Moving GPUs between hosts": `vm up fabric --detach`, `gpu ls` and `gpu dma` in a,
-    `fm assign gpu0 b`, `gpu ls` in b, back with --keep-vram, `fm release`, `fm status`,
-    `fm restart`, `vm down`; plus `vfio-cxl gpu holders --gpu BDF` in a (docs/fabric-manager.md)."""
+    """README "Fabric manager: labs that stay up, and GPUs that move": `vm up fabric --detach`,
+    `gpu ls` and `gpu dma` in a, `fm assign gpu0 b`, `gpu ls` in b, back with --keep-vram,
+    `fm release`, `fm status`, `fm restart`, `vm down`; plus `vfio-cxl gpu holders --gpu BDF` in a (docs/fabric-manager.md)."""
     for step in session("vfio-cxl vm up fabric --detach"):
         ran = run_checked(step.command, tmp_path, shown=step.output)
         if step.command == "vfio-cxl vm ssh a -- vfio-cxl gpu ls":

@@ -2,8 +2,8 @@
 
 The head and the worker are started with `ray start` in sessions of their own, one
 ``tcg_vm`` slot each; the worker is killed (every process of its session, SIGKILL) while it runs
-a job, and that job must come back as an infrastructure retry on the head.  The same matrix
-run locally gives the same results.  Ctrl-C stops every job and leaves no VM.  Small labs
+a job, and that job must come back as an infrastructure retry on the head.  The documented
+example (the same 2 x 2) runs locally as typed.  Ctrl-C stops every job and leaves no VM.  Small labs
 (`single`, `hb2`: one VM each); every Ray process started here is killed by its session.
 """
 
@@ -24,6 +24,8 @@ from pathlib import Path
 
 import kcidb_io
 import pytest
+
+import documented_commands
 from junitparser import JUnitXml
 
 from vfio_cxl.lab.fm.procs import cmdline, comm, descendants
@@ -239,12 +241,25 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
     assert xml.tests == len(data["jobs"]) and xml.failures == 0 and xml.errors == 0
     kcidb_io.schema.LATEST.validate(json.loads((tmp_path / "kcidb.json").read_text()))
 
-    # The same matrix on a local Ray (no --address): the same results, and nothing left behind.
+
+def test_the_documented_example_runs_on_a_local_ray_as_typed(tmp_path):
+    """`vfio-cxl matrix run docs/matrix-example.toml --junit junit.xml --kcidb kcidb.json`, typed in
+    a directory that holds the example (its documented-commands case points here: one run for
+    both): the 2 x 2 of the cluster test above (kernel x single|hb2, uname -r) on a local Ray, with
+    no --address; every cell passes, each kernel reports its own release, and nothing is left."""
     before = set(runtime_root().iterdir())
-    local = Command([str(matrix), "--json", "--out", str(tmp_path / "local")], ray_env)
-    code, out = local.finish()
-    assert code == 0, local.stderr()[-4000:]
-    assert results(json.loads(out)) == results(data)
+    line = "vfio-cxl matrix run docs/matrix-example.toml --junit junit.xml --kcidb kcidb.json"
+    case = documented_commands.CASES[line]
+    ran = documented_commands.run(line, case, tmp_path)
+    documented_commands.check(ran, case)
+    junit = JUnitXml.fromfile(str(tmp_path / "junit.xml"))
+    cells = sorted(s.name for s in junit)
+    assert len(cells) == 4 and junit.failures == 0 and junit.errors == 0, ran.describe()
+    releases = {dict((p.name, p.value) for p in suite.properties())["kernel"]: case.system_out.strip()
+                for suite in junit for case in suite}
+    assert sorted(releases) == ["debian", "lab"] and len(set(releases.values())) == 2, releases
+    kcidb = json.loads((tmp_path / "kcidb.json").read_text())
+    kcidb_io.schema.LATEST.validate(kcidb)
     assert not left_behind(before)                            # the local Ray's temp dir went with it
 
 

@@ -5,7 +5,7 @@ The real selftests (built from the lab kernel's source, with the GPU's selftests
 in) run in the ``selftest`` topology: on the image's Debian kernel (no IOMMUFD: type1 cases
 pass, iommufd cases say "needs IOMMUFD"), and on the lab kernel (every mode).  One boot per
 kernel; the Debian run shares its boot with the topology agreement test.  Filters keep the runs
-to the cases that matter for the issue (a full run is the CLI's job: see the README).
+to the cases that matter for the issue (a full run is the CLI's job: see docs/selftests.md).
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ import json
 import re
 import time
 
-from vfio_cxl import cacheline
+from vfio_cxl.guest import cacheline
 from vfio_cxl.bench.share import phases, transport_run
-from vfio_cxl.demos.share import B_LINK_ADDRESS, STREAM, seed_flow, stream
-from vfio_cxl.guest.cmd.share_bench import parse_plan
+from vfio_cxl.demos.share import seed_flow
+from vfio_cxl.guest.record_plan import parse_plan
+from vfio_cxl.lab.record_stream import B_LINK_ADDRESS, STREAM, stream
 from vfio_cxl.guest.cmd.stream import CHANNEL_BASE
 
 
@@ -55,7 +56,7 @@ def test_notification_over_the_link_delivers_too(shared_lab):
 
 def test_stream_with_the_real_x86_cache_operations_in_both_guests(shared_lab):
     cacheline.build()                  # on the host: the guests have no compiler and load this build
-    info = json.loads(shared_lab["b"].run("python3 -m vfio_cxl.cacheline info --json").stdout)
+    info = json.loads(shared_lab["b"].run("python3 -m vfio_cxl.guest.cacheline info --json").stdout)
     assert info["built"] and info["coherence"].startswith("x86: flush ")
     result = stream(shared_lab, 200, max_size=16 << 10, coherence="x86")
     b = result["b"]

@@ -213,6 +213,14 @@ def test_the_documented_gpu_initiated_program_runs_as_typed(storage_lab):
     assert result.stdout.strip() == shown, (result.stdout, shown)
 
 
+def test_the_documented_step_by_step_bring_up_runs_as_typed(storage_lab):
+    """docs/storage.md's nvme_steps.py: the bring-up verbs one at a time on nvme0, then a round trip."""
+    program, shown = docs.program_and_output("docs/storage.md", '"""nvme_steps.py')
+    result = storage_lab["host0"].run(f"python3 -c {shlex.quote(program)}", timeout=300, check=False)
+    assert result.exited == 0, result.stderr
+    assert result.stdout.strip() == shown, (result.stdout, shown)
+
+
 def test_iommufd_p2p_and_gpu_initiated(storage_lab_kernel_lab):
     """The same paths with both devices in one iommufd IOAS: the GPU's BAR2 and the NVMe's BAR0
     and BAR2 (its CMB) go in as VFIO dma-bufs (IOMMU_IOAS_MAP_FILE)."""

@@ -95,7 +95,7 @@ def _two_processes(size: int, records: int, coherence_name: str) -> float:
     with _mapping() as m:
         coherence = COHERENT
         if coherence_name == "x86":
-            from ..cacheline import x86
+            from ..guest.cacheline import x86
             coherence = x86()
         p = Producer.create(m, coherence=coherence, ring_entries=64)
         pid = os.fork()

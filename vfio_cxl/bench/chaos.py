@@ -3,7 +3,8 @@
     python -m vfio_cxl.bench chaos [--seconds 60] [--seed S] [--json]
 
 Starts the server the way the lab does (``vfio-cxl gpu serve --socket PATH``,
-a child process) and plays a client that does everything a buggy, hostile or
+a child process, with ``--local-dma-faults``: the harness holds it to the
+spec's rule that DMA names only live DMA_MAP windows) and plays a client that does everything a buggy, hostile or
 crashing QEMU could: random valid and invalid message sequences, messages
 sent in random pieces (short writes) and replies read a few bytes at a time
 (short reads), disconnects in the middle of a message or of a DMA transfer,
@@ -486,7 +487,9 @@ class Harness:
         self.seconds = seconds
         self.rng = random.Random(seed)
         self.stats = Stats()
-        self.server = vu.ServerProcess(os.path.join(workdir, "gpu.sock"), vram_mib=VRAM_MIB)
+        # spec-strict: no DMA message outside a live DMA_MAP, so no unmapped-DMA fault reports
+        self.server = vu.ServerProcess(os.path.join(workdir, "gpu.sock"), vram_mib=VRAM_MIB,
+                                       extra=("--local-dma-faults",))
         self.orphans: list[tuple[vu.Window, bytes]] = []  # the last client's windows, frozen
         self.carry: list[vu.Window] = []  # windows of the session that just ended
 

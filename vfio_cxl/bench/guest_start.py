@@ -6,7 +6,7 @@
 Boots ``single`` detached (or borrows the running lab ``--lab NAME``) and runs each command
 ``--runs`` times after one warm-up; prints the median of each with its reference: ``true`` and
 ``python3 -c pass`` are the floor every other row stands on.  The last rows run the same
-``vfio-cxl gpu ls`` with an empty bytecode cache (``PYTHONPYCACHEPREFIX`` pointed at a fresh
+``vfio-cxl gpu ls`` with an empty bytecode cache (``VFIO_CXL_PYC`` pointed at a fresh
 directory): what every guest command cost before the lab shared the guests' bytecode.
 """
 
@@ -74,7 +74,7 @@ def measure(lab: str, vm: str, runs: int, log=print) -> list[dict]:
     _ssh(lab, vm, f"echo {shlex.quote(plan)} > /run/vfio-cxl-plan.json")
     rows = []
     cases = [*COMMANDS,
-             ("vfio-cxl gpu ls, empty cache", "PYTHONPYCACHEPREFIX=$(mktemp -d) vfio-cxl gpu ls", None, None)]
+             ("vfio-cxl gpu ls, empty cache", "VFIO_CXL_PYC=$(mktemp -d) vfio-cxl gpu ls", None, None)]
     for label, command, ref_guest, ref_ssh in cases:
         in_guest(lab, vm, command)   # warm-up: the shared bytecode cache holds what it imports
         guest = [in_guest(lab, vm, command) for _ in range(runs)]

@@ -15,7 +15,7 @@ one PCIe switch, gpu2 on a root port of its own).
   one interrupt at the end -- bandwidth as GPU benchmarks measure it (CUDA's
   p2pBandwidthLatencyTest queues its copies and synchronises once).
 * host memcpy of the same size, this process, between memfd mappings: **cold** (bytes in
-  no cache, STREAM's sizing rule: see bench/reference.py), the reference the targets use,
+  no cache, STREAM's sizing rule: see lab/memcpy_reference.py), the reference the targets use,
   as a device's DMA never finds its bytes in the CPU's cache; and **hot** (the same two
   buffers every run: it runs out of the last-level cache).
 
@@ -31,7 +31,7 @@ import os
 
 from ..lab import topology
 from ..lab.lab import Lab
-from .reference import host_memcpy
+from ..lab.memcpy_reference import host_memcpy
 from .options import add_kernel_option, guest_kernel
 
 

@@ -13,7 +13,7 @@
    onto a's over the link, NTP style), and the round trip to b's ack on a's
    clock alone.  Throughput: records back to back, at b.  Beside them, the
    guest's own zlib.crc32 rate and b's CPU seconds per transport.  Then the
-   cost of the x86 cache operations (``vfio_cxl.cacheline bench``) in VM b.
+   cost of the x86 cache operations (``vfio_cxl.guest.cacheline bench``) in VM b.
 2. Boots ``shared`` (``--records`` > 0): GPU-placed records
    (``vfio_cxl.guest.cmd.stream``): GPU completion (MSI-X) in a -> record visible
    in b, polling and "record N ready" over the link, 1..16 KiB.
@@ -38,12 +38,12 @@ import statistics
 import sys
 import traceback
 
-from .. import cacheline
-from ..demos.share import B_LINK_ADDRESS, STREAM, latencies_ms, stream, what_failed
 from ..errors import LabError
-from ..guest.cmd.share_bench import DEFAULT_PLAN, parse_plan
+from ..guest import cacheline
+from ..guest.record_plan import DEFAULT_PLAN, parse_plan
 from ..lab import topology
 from ..lab.lab import Lab
+from ..lab.record_stream import B_LINK_ADDRESS, STREAM, latencies_ms, stream, what_failed
 
 SHARE_BENCH = "python3 -m vfio_cxl.guest.cmd.share_bench"
 BOOT_TIMEOUT = 600          # s per VM to SSH: a loaded 2-core host took over 180 s
@@ -153,7 +153,7 @@ def bench(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()
     with Lab(topology.load("smc"), log=lambda *_: None).start(timeout=BOOT_TIMEOUT) as lab:
         if isinstance(guest_cache_ops, dict):
-            guest_cache_ops = json.loads(lab["b"].run("python3 -m vfio_cxl.cacheline bench --json",
+            guest_cache_ops = json.loads(lab["b"].run("python3 -m vfio_cxl.guest.cacheline bench --json",
                                                       timeout=300).stdout)
         runs = {col: transport_run(lab, t, args.plan) for col, t in TRANSPORTS.items()}
     load_after = os.getloadavg()

@@ -13,7 +13,7 @@ import hashlib
 import json
 
 from ..errors import LabError
-from ..guest.cmd.demo_dma import MESSAGE, expected_payload
+from ..guest.payload import MESSAGE, expected_payload
 from ..lab import topology
 from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
@@ -57,18 +57,28 @@ def run_in_lab(lab: Lab, size: int, offset: int, vfio_backend: str | None = None
     return result
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="vfio-cxl demo dma", description=__doc__)
+def add_payload_options(parser: argparse.ArgumentParser) -> None:
+    """--size and --offset of the payload, and the guest kernel's options (demo dma, demo share)."""
     parser.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20, help="bytes (default 1 MiB)")
     parser.add_argument("--offset", type=lambda s: int(s, 0), default=0, help="offset in devdax (4 KiB-aligned)")
+    add_kernel_options(parser)
+
+
+def payload_lab(topology_name: str, vm: str, args: argparse.Namespace) -> Lab:
+    """The lab a payload demo boots (not started yet), once the payload of ``args`` is known to
+    fit the GPU and the devdax region of ``vm``: checked before anything boots."""
+    topo = topology.load(topology_name)
+    check_request(topo, vm, args.size, args.offset)
+    return Lab(topo, kernel=resolve(args.kernel, args.modules, args.append or ""))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vfio-cxl demo dma", description=__doc__)
+    add_payload_options(parser)
     parser.add_argument("--vfio-backend", choices=["auto", "type1", "iommufd"],
                         help="the guest's VFIO backend (default auto: iommufd if the kernel has it)")
-    add_kernel_options(parser)
     args = parser.parse_args(argv)
-    topo = topology.load("single")
-    check_request(topo, "host0", args.size, args.offset)
-    kernel = resolve(args.kernel, args.modules, args.append or "")
-    with Lab(topo, kernel=kernel) as lab:
+    with payload_lab("single", "host0", args) as lab:
         r = run_in_lab(lab, args.size, args.offset, args.vfio_backend)
     print(f"GPU → CXL: {r['message']!r} + {r['size'] - len(r['message'])} bytes, "
           f"{r['bytes']} bytes into {r['dax']} ({r['region']}) at offset {r['offset']:#x}")

@@ -15,17 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..bench.p2p import host_memcpy, parse_size
-from ..bench.reference import Memcpy
 from ..lab import topology
 from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
+from ..lab.memcpy_reference import Memcpy, host_memcpy
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vfio-cxl demo p2p", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=parse_size, default=16 << 20)
+    parser.add_argument("--size", type=lambda text: topology.parse_size(text, "--size"), default=16 << 20,
+                        help="bytes: 16M, 4M, 65536 ... (default 16M)")
     add_kernel_options(parser)
     args = parser.parse_args(argv)
     kernel = resolve(args.kernel, args.modules, args.append or "")

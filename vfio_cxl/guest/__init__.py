@@ -6,9 +6,11 @@ Modules: ``vfio`` (userspace VFIO: one IOMMU-context interface, a type1 containe
 and an iommufd backend behind it; device, regions, interrupts), ``cxl`` (CXL
 discovery and regions over cxl-cli/daxctl/ndctl), ``dax`` (devdax mappings),
 ``drivers`` (``gpu``, ``smc``, ``nvme``), ``storage`` (the cuFile-shaped API),
-``channel`` (the cross-host record channel) and ``smc_channel`` (its SMC
-wake-ups and fences), ``p2p`` (GPUs in one IOMMU context), ``gpumem`` (GPU memory
-over CXL).  What users run in the guest -- ``vfio-cxl gpu|nvme ...``, the demos',
+``channel`` (the cross-host record channel), ``smc_channel`` (its SMC
+wake-ups and fences) and ``cacheline`` (its cache operations as x86 instructions),
+``p2p`` (GPUs in one IOMMU context), ``gpumem`` (GPU memory over CXL); and what the
+lab's host and guest commands agree on: ``payload`` (the demos' checkable payload)
+and ``record_plan`` (the channel benchmarks' plans).  What users run in the guest -- ``vfio-cxl gpu|nvme ...``, the demos',
 checks' and benchmarks' guest halves -- is ``vfio_cxl.guest.cmd``, built on this
 library; the library never imports it.
 

@@ -14,7 +14,7 @@ records in a ring; the consumer checks them and reads them in place, with no cop
 
 ``C`` says how each host keeps its caches honest (see "Coherence"): the lab's
 memory is coherent, so it passes ``COHERENT`` (explicitly no cache
-maintenance); real CXL 2.0 shared memory needs ``vfio_cxl.cacheline.x86()``.
+maintenance); real CXL 2.0 shared memory needs ``vfio_cxl.guest.cacheline.x86()``.
 
 Offsets are relative to the start of the buffer handed to ``create``/``open``
 (the devdax offset when the whole device is the channel).
@@ -98,7 +98,7 @@ up to this host's next fence.
 * ``COHERENT``: no-ops.  Right for one host and for the lab, where both
   guests map one host file through QEMU and host memory is coherent (x86 TSO),
   so program order is enough.
-* ``vfio_cxl.cacheline.x86()``: CLWB (else CLFLUSHOPT) / CLFLUSHOPT (else
+* ``vfio_cxl.guest.cacheline.x86()``: CLWB (else CLFLUSHOPT) / CLFLUSHOPT (else
   CLFLUSH) over the lines, and MFENCE, through cffi -- what CXL 2.0 memory
   shared between hosts needs, since it is **not** coherent between hosts: each
   host may keep lines the other has changed, and may write its own modified
@@ -236,7 +236,7 @@ class Coherence:
 
     This class itself is the choice for *coherent* memory -- one host, or
     QEMU's shared file in the lab -- where all three do nothing: use
-    ``COHERENT``.  ``vfio_cxl.cacheline`` has the x86 instructions for real
+    ``COHERENT``.  ``vfio_cxl.guest.cacheline`` has the x86 instructions for real
     CXL shared memory; the fast tests have a model of non-coherent memory.
     """
 
@@ -480,7 +480,7 @@ def _check_coherence(coherence) -> Coherence:
     if not all(callable(getattr(coherence, op, None)) for op in ("flush", "invalidate", "fence")):
         raise ChannelError(f"coherence={coherence!r} has no flush/invalidate/fence",
                            "pass channel.COHERENT for coherent memory (the lab), or a Coherence such as "
-                           "vfio_cxl.cacheline.x86() for real non-coherent shared memory")
+                           "vfio_cxl.guest.cacheline.x86() for real non-coherent shared memory")
     return coherence
 
 

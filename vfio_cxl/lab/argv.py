@@ -258,7 +258,7 @@ def _control_network(res: VmResources) -> list[str]:
 
 def _bytecode(res: VmResources) -> list[str]:
     """The guests' bytecode cache (paths.guest_bytecode_dir), shared writable: the guest's
-    init mounts it and points ``PYTHONPYCACHEPREFIX`` at it.  After the control NIC, last:
+    init mounts it and points ``VFIO_CXL_PYC`` at it.  After the control NIC, last:
     an endpoint on pcie.0 after every other moves no device's PCI address."""
     if res.bytecode is None:
         return []

@@ -23,13 +23,15 @@ documented with examples in ``docs/topologies.md``.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tomllib
 import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
+                      field_validator,
                       model_validator)
 
 from ..errors import LabError
@@ -503,6 +505,10 @@ class Topology(_Table):
     smcs: dict[Name, Smc] = Field({}, alias="smc")
     nics: dict[Name, Nic] = {}
     source: str = Field("", exclude=True)
+    # The file it was loaded from (absolute) and its bytes' SHA-256, for handing it to a child
+    # process (handoff); unset for a topology parsed from text.
+    _file: Path | None = PrivateAttr(None)
+    _sha256: str = PrivateAttr("")
 
     @model_validator(mode="before")
     @classmethod
@@ -625,15 +631,17 @@ def _fail(path: str, what: str, fix: str):
     raise _Problem(path, what, fix)
 
 
-# ---------------------------------------------------------------- cross-table rules
+# ---------------------------------------------------------------- cross-table rules of one VM
+#
+# One rule per function, each ``rule(topo, vm, where)`` with ``where`` = "vm[i]"; _check_vm runs
+# them in VM_RULES order.  A rule may rely on the rules before it (a region's window exists
+# before its memdevs are placed under it).
 
-def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
-    where = f"vm[{i}]"
-    # One namespace per VM: every component name becomes a QEMU id.
+
+def _names_are_unique(topo: Topology, vm: Vm, where: str) -> None:
+    """Every component name becomes a QEMU id: one namespace per VM, and no reserved name."""
     seen: dict[str, str] = {}
-    gpus_here = topo.gpus_of(vm.name)
-
-    def claim(name: str, path: str) -> None:
+    for name, path in _named_components(topo, vm, where):
         if name in RESERVED_NAMES:
             _fail(path, f"name {name!r} is reserved by the lab", f"choose another name (reserved: "
                   f"{', '.join(sorted(RESERVED_NAMES))})")
@@ -642,195 +650,321 @@ def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
                   "give every host bridge, port, switch, Type3 device and region of a VM its own name")
         seen[name] = path
 
+
+def _named_components(topo: Topology, vm: Vm, where: str) -> typing.Iterator[tuple[str, str]]:
+    """(name, TOML path) of everything in ``vm`` that QEMU or the lab names."""
     for h, hb in enumerate(vm.host_bridges):
-        claim(hb.name, f"{where}.host_bridge[{h}].name")
+        yield hb.name, f"{where}.host_bridge[{h}].name"
         for r, rp in enumerate(hb.root_ports):
-            claim(rp, f"{where}.host_bridge[{h}].root_ports[{r}]")
-    for s, sw in enumerate(vm.switches):
-        claim(sw.name, f"{where}.switch[{s}].name")
-        for d, ds in enumerate(sw.downstream_ports):
-            claim(ds, f"{where}.switch[{s}].downstream_ports[{d}]")
-    for s, ps in enumerate(vm.pcie_switches):
-        claim(ps.name, f"{where}.pcie_switch[{s}].name")
-        for d, ds in enumerate(ps.downstream_ports):
-            claim(ds, f"{where}.pcie_switch[{s}].downstream_ports[{d}]")
+            yield rp, f"{where}.host_bridge[{h}].root_ports[{r}]"
+    for table, switches in (("switch", vm.switches), ("pcie_switch", vm.pcie_switches)):
+        for s, sw in enumerate(switches):
+            yield sw.name, f"{where}.{table}[{s}].name"
+            for d, ds in enumerate(sw.downstream_ports):
+                yield ds, f"{where}.{table}[{s}].downstream_ports[{d}]"
     for t, t3 in enumerate(vm.type3):
-        claim(t3.name, f"{where}.type3[{t}].name")
+        yield t3.name, f"{where}.type3[{t}].name"
     for r, region in enumerate(vm.regions):
-        claim(region.name, f"{where}.region[{r}].name")
+        yield region.name, f"{where}.region[{r}].name"
     for hp in vm.hotplug_port_ids():
-        claim(hp, f"{where}.hotplug_ports")
-    for gpu in gpus_here:
-        claim(gpu.name, f"gpus.{gpu.name}")
+        yield hp, f"{where}.hotplug_ports"
+    for gpu in topo.gpus_of(vm.name):
+        yield gpu.name, f"gpus.{gpu.name}"
         if gpu.at is None:
-            claim(gpu.root_port, f"gpus.{gpu.name}")
+            yield gpu.root_port, f"gpus.{gpu.name}"
     for nic in topo.nics_of(vm.name):
-        claim(nic.name, f"nics.{nic.name}")
-        claim(nic.root_port, f"nics.{nic.name}")
+        yield nic.name, f"nics.{nic.name}"
+        yield nic.root_port, f"nics.{nic.name}"
     for n, nvme in enumerate(vm.nvmes):
-        claim(nvme.name, f"{where}.nvme[{n}].name")
+        yield nvme.name, f"{where}.nvme[{n}].name"
         if nvme.at is None:
-            claim(nvme.root_port, f"{where}.nvme[{n}].name")
+            yield nvme.root_port, f"{where}.nvme[{n}].name"
 
-    root_ports = [rp for hb in vm.host_bridges for rp in hb.root_ports]
-    cxl_ds = [ds for sw in vm.switches for ds in sw.downstream_ports]
-    pcie_ds = [ds for ps in vm.pcie_switches for ds in ps.downstream_ports]
+
+def _root_ports(vm: Vm) -> list[str]:
+    return [rp for hb in vm.host_bridges for rp in hb.root_ports]
+
+
+def _cxl_downstream_ports(vm: Vm) -> list[str]:
+    return [ds for sw in vm.switches for ds in sw.downstream_ports]
+
+
+def _pcie_downstream_ports(vm: Vm) -> list[str]:
+    return [ds for ps in vm.pcie_switches for ds in ps.downstream_ports]
+
+
+def _switches_sit_on_root_ports(topo: Topology, vm: Vm, where: str) -> None:
+    root_ports = _root_ports(vm)
+    for s, sw in enumerate(vm.switches):
+        if sw.at not in root_ports:
+            _fail(f"{where}.switch[{s}].at", f"{sw.at!r} is not a CXL root port of VM {vm.name!r}",
+                  "a CXL switch's upstream port sits on a root port: one of "
+                  f"{', '.join(root_ports) or '(none: add a [[vm.host_bridge]])'}")
+
+
+def _type3_sit_on_cxl_ports(topo: Topology, vm: Vm, where: str) -> None:
+    ports = _root_ports(vm) + _cxl_downstream_ports(vm)
+    for t, t3 in enumerate(vm.type3):
+        if t3.at not in ports:
+            _fail(f"{where}.type3[{t}].at",
+                  f"{t3.at!r} is not a CXL root port or switch downstream port of VM {vm.name!r}",
+                  f"use one of: {', '.join(ports) or '(none: add a [[vm.host_bridge]])'}")
+
+
+def _placed_pcie_devices(topo: Topology, vm: Vm, where: str) -> list[tuple[str, str, str]]:
+    """(port, TOML path of 'at', "GPU name" / "NVMe name") of the GPUs and NVMe controllers
+    placed with 'at' (the others get a root port of their own)."""
+    placed = [(gpu.at, f"gpus.{gpu.name}.at", f"GPU {gpu.name}") for gpu in topo.gpus_of(vm.name)]
+    placed += [(nvme.at, f"{where}.nvme[{n}].at", f"NVMe {nvme.name}") for n, nvme in enumerate(vm.nvmes)]
+    return [p for p in placed if p[0] is not None]
+
+
+def _pcie_devices_sit_on_pcie_switch_ports(topo: Topology, vm: Vm, where: str) -> None:
+    ports = _pcie_downstream_ports(vm)
+    for port, path, _ in _placed_pcie_devices(topo, vm, where):
+        if port not in ports:
+            _fail(path, f"{port!r} is not a PCIe switch downstream port of VM {vm.name!r}",
+                  f"use one of: {', '.join(ports) or '(none: add a [[vm.pcie_switch]])'}, "
+                  "or leave 'at' out for a root port of its own")
+
+
+def _ports_carry_one_device(topo: Topology, vm: Vm, where: str) -> None:
+    placed = [(sw.at, f"{where}.switch[{s}].at", f"switch {sw.name}") for s, sw in enumerate(vm.switches)]
+    placed += [(t3.at, f"{where}.type3[{t}].at", f"Type3 {t3.name}") for t, t3 in enumerate(vm.type3)]
+    placed += _placed_pcie_devices(topo, vm, where)
     used: dict[str, str] = {}
-
-    def occupy(port: str, path: str, what: str) -> None:
+    for port, path, what in placed:
         if port in used:
             _fail(path, f"port {port!r} is over-subscribed: {used[port]} already sits on it",
                   "a port carries one device: add a root port or a switch downstream port")
         used[port] = what
 
-    for s, sw in enumerate(vm.switches):
-        if sw.at not in root_ports:
-            _fail(f"{where}.switch[{s}].at", f"{sw.at!r} is not a CXL root port of VM {vm.name!r}",
-                  f"a CXL switch's upstream port sits on a root port: one of {', '.join(root_ports) or '(none: add a [[vm.host_bridge]])'}")
-        occupy(sw.at, f"{where}.switch[{s}].at", f"switch {sw.name}")
 
-    in_vm: dict[str, str] = {}
+def _type3_have_memory(topo: Topology, vm: Vm, where: str) -> None:
     for t, t3 in enumerate(vm.type3):
-        path = f"{where}.type3[{t}]"
-        if t3.at not in root_ports + cxl_ds:
-            _fail(f"{path}.at", f"{t3.at!r} is not a CXL root port or switch downstream port of VM {vm.name!r}",
-                  f"use one of: {', '.join(root_ports + cxl_ds) or '(none: add a [[vm.host_bridge]])'}")
-        occupy(t3.at, f"{path}.at", f"Type3 {t3.name}")
         if t3.volatile is None and t3.persistent is None:
-            _fail(path, f"Type3 {t3.name!r} has no memory",
+            _fail(f"{where}.type3[{t}]", f"Type3 {t3.name!r} has no memory",
                   "give it volatile = \"BACKEND\", persistent = \"BACKEND\" or both")
         if t3.lsa is not None and t3.persistent is None:
-            _fail(f"{path}.lsa", "a label storage area is for persistent memory only",
+            _fail(f"{where}.type3[{t}].lsa", "a label storage area is for persistent memory only",
                   "drop lsa, or add persistent = \"BACKEND\"")
+
+
+def _type3_backends_are_declared_and_mapped_once(topo: Topology, vm: Vm, where: str) -> None:
+    in_vm: dict[str, str] = {}
+    for t, t3 in enumerate(vm.type3):
         for kind in ("volatile", "persistent"):
             backend = getattr(t3, kind)
             if backend is None:
                 continue
+            path = f"{where}.type3[{t}].{kind}"
             if backend not in topo.backends:
-                _fail(f"{path}.{kind}", f"unknown backend {backend!r}",
-                      f"declare it as [backends.{backend}] with a size; known: {', '.join(topo.backends) or 'none'}")
+                _fail(path, f"unknown backend {backend!r}",
+                      f"declare it as [backends.{backend}] with a size; "
+                      f"known: {', '.join(topo.backends) or 'none'}")
             if backend in in_vm:
-                _fail(f"{path}.{kind}", f"backend {backend!r} is mapped twice in VM {vm.name!r} "
-                      f"(also by {in_vm[backend]})", "a VM maps a backend through one Type3 device; "
-                      "share it with other VMs, or declare a second backend")
+                _fail(path, f"backend {backend!r} is mapped twice in VM {vm.name!r} (also by {in_vm[backend]})",
+                      "a VM maps a backend through one Type3 device; share it with other VMs, "
+                      "or declare a second backend")
             in_vm[backend] = t3.name
 
-    for g, gpu in enumerate(gpus_here):
-        if gpu.at is not None:
-            if gpu.at not in pcie_ds:
-                _fail(f"gpus.{gpu.name}.at", f"{gpu.at!r} is not a PCIe switch downstream port of VM {vm.name!r}",
-                      f"use one of: {', '.join(pcie_ds) or '(none: add a [[vm.pcie_switch]])'}, "
-                      "or leave 'at' out for a root port of its own")
-            occupy(gpu.at, f"gpus.{gpu.name}.at", f"GPU {gpu.name}")
-    for n, nvme in enumerate(vm.nvmes):
-        if nvme.at is not None:
-            if nvme.at not in pcie_ds:
-                _fail(f"{where}.nvme[{n}].at", f"{nvme.at!r} is not a PCIe switch downstream port of VM {vm.name!r}",
-                      f"use one of: {', '.join(pcie_ds) or '(none: add a [[vm.pcie_switch]])'}, "
-                      "or leave 'at' out for a root port of its own")
-            occupy(nvme.at, f"{where}.nvme[{n}].at", f"NVMe {nvme.name}")
 
+def _windows_target_host_bridges(topo: Topology, vm: Vm, where: str) -> None:
     hb_names = [hb.name for hb in vm.host_bridges]
     for w, window in enumerate(vm.windows):
-        path = f"{where}.window[{w}]"
         for t, target in enumerate(window.targets):
             if target not in hb_names:
-                _fail(f"{path}.targets[{t}]", f"{target!r} is not a host bridge of VM {vm.name!r}",
+                _fail(f"{where}.window[{w}].targets[{t}]", f"{target!r} is not a host bridge of VM {vm.name!r}",
                       f"a window interleaves over host bridges: {', '.join(hb_names) or '(none)'}")
         if len(set(window.targets)) != len(window.targets):
-            _fail(f"{path}.targets", f"targets {window.targets} repeat a host bridge",
+            _fail(f"{where}.window[{w}].targets", f"targets {window.targets} repeat a host bridge",
                   "list each host bridge once")
+
+
+def _window_sizes_are_whole_units_per_way(topo: Topology, vm: Vm, where: str) -> None:
+    for w, window in enumerate(vm.windows):
         unit = CXL_SIZE_UNIT * window.ways
         if window.size % unit:
-            _fail(f"{path}.size", f"a {window.ways}-way window's size must be a multiple of "
+            _fail(f"{where}.window[{w}].size", f"a {window.ways}-way window's size must be a multiple of "
                   f"{format_size(unit)} (256M per way), not {format_size(window.size)}",
                   f"use e.g. {format_size(unit * 16)}")
-    if len(vm.windows) > 16:
-        _fail(f"{where}.window", "more than 16 windows", "use at most 16")
 
+
+def _at_most_16_windows(topo: Topology, vm: Vm, where: str) -> None:
+    if len(vm.windows) > 16:
+        _fail(f"{where}.window", f"more than 16 windows ({len(vm.windows)})", "use at most 16")
+
+
+def _bus_numbers_suffice(topo: Topology, vm: Vm, where: str) -> None:
     numbers = vm.bus_numbers()
     if numbers and max(numbers.values()) > 250:
         _fail(f"{where}.host_bridge", "the host bridges need more PCI bus numbers than there are (255)",
               "use fewer host bridges, root ports or switch ports")
 
-    in_region: dict[tuple[str, str], str] = {}
-    per_bridge: dict[str, list[str]] = {hb.name: [] for hb in vm.host_bridges}
-    window_use = [0] * len(vm.windows)
+
+def _regions_use_existing_windows(topo: Topology, vm: Vm, where: str) -> None:
+    for r, region in enumerate(vm.regions):
+        if region.window >= len(vm.windows):
+            _fail(f"{where}.region[{r}].window", f"window {region.window} does not exist in VM {vm.name!r}",
+                  f"use 0..{len(vm.windows) - 1}" if vm.windows else "declare a [[vm.window]] first")
+
+
+def _region_memdevs_are_type3_listed_once(topo: Topology, vm: Vm, where: str) -> None:
     t3_names = [t.name for t in vm.type3]
     for r, region in enumerate(vm.regions):
         path = f"{where}.region[{r}]"
-        if region.window >= len(vm.windows):
-            _fail(f"{path}.window", f"window {region.window} does not exist in VM {vm.name!r}",
-                  f"use 0..{len(vm.windows) - 1}" if vm.windows else "declare a [[vm.window]] first")
-        window = vm.windows[region.window]
         if len(set(region.memdevs)) != len(region.memdevs):
             _fail(f"{path}.memdevs", f"memdevs {region.memdevs} list a memdev twice", "list each memdev once")
         for m, name in enumerate(region.memdevs):
             if name not in t3_names:
                 _fail(f"{path}.memdevs[{m}]", f"{name!r} is not a Type3 device of VM {vm.name!r}",
                       f"use one of: {', '.join(t3_names) or '(none)'}")
+
+
+def _region_memdevs_have_the_capacity(topo: Topology, vm: Vm, where: str) -> None:
+    """A ram region needs volatile memory of each memdev, a pmem region persistent, and takes
+    all of it: a memdev's capacity of one kind is in one region."""
+    in_region: dict[tuple[str, str], str] = {}
+    for r, region in enumerate(vm.regions):
+        for m, name in enumerate(region.memdevs):
+            path = f"{where}.region[{r}].memdevs[{m}]"
             t3 = vm.type3_named(name)
             if (region.type == "ram" and t3.volatile is None) or (region.type == "pmem" and t3.persistent is None):
                 kind = "volatile" if region.type == "ram" else "persistent"
-                _fail(f"{path}.memdevs[{m}]", f"Type3 {name!r} has no {kind} memory for a {region.type} region",
+                _fail(path, f"Type3 {name!r} has no {kind} memory for a {region.type} region",
                       f"give it {kind} = \"BACKEND\", or make the region type = "
                       f"\"{'pmem' if region.type == 'ram' else 'ram'}\"")
             if (name, region.type) in in_region:
-                _fail(f"{path}.memdevs[{m}]", f"Type3 {name!r}'s {region.type} capacity is already in region "
+                _fail(path, f"Type3 {name!r}'s {region.type} capacity is already in region "
                       f"{in_region[name, region.type]!r}", "a region takes a memdev's whole capacity: use another memdev")
             in_region[name, region.type] = region.name
-            hb = vm._place(t3)[0].name
+
+
+def _region_memdevs_sit_under_the_window(topo: Topology, vm: Vm, where: str) -> None:
+    for r, region in enumerate(vm.regions):
+        window = vm.windows[region.window]
+        for m, name in enumerate(region.memdevs):
+            hb = vm._place(vm.type3_named(name))[0].name
             if hb not in window.targets:
-                _fail(f"{path}.memdevs[{m}]", f"Type3 {name!r} sits under host bridge {hb!r}, which window "
-                      f"{region.window} does not interleave over ({', '.join(window.targets)})",
+                _fail(f"{where}.region[{r}].memdevs[{m}]", f"Type3 {name!r} sits under host bridge {hb!r}, which "
+                      f"window {region.window} does not interleave over ({', '.join(window.targets)})",
                       "a region's memdevs must be reachable under its window's host bridges")
+
+
+def _region_interleave_is_even(topo: Topology, vm: Vm, where: str) -> None:
+    """The region's ways divide evenly: the same number of memdevs under each of the window's
+    host bridges, spread evenly over 1, 2, 4, ... root ports under each."""
+    for r, region in enumerate(vm.regions):
+        path = f"{where}.region[{r}].memdevs"
+        window = vm.windows[region.window]
         if region.ways % window.ways:
-            _fail(f"{path}.memdevs", f"a {region.ways}-way region cannot span a {window.ways}-way window",
+            _fail(path, f"a {region.ways}-way region cannot span a {window.ways}-way window",
                   f"use a multiple of {window.ways} memdevs, the same number under each host bridge")
         per_hb = region.ways // window.ways
         for hb_name in window.targets:
             mine = [m for m in region.memdevs if vm._place(vm.type3_named(m))[0].name == hb_name]
             if len(mine) != per_hb:
-                _fail(f"{path}.memdevs", f"host bridge {hb_name!r} has {len(mine)} of the region's memdevs, "
-                      f"not {per_hb}", "a region puts the same number of memdevs under each of its window's "
-                      "host bridges")
-            rps = {vm._place(vm.type3_named(m))[1] for m in mine}
-            if len(rps) not in INTERLEAVE_WAYS or per_hb % len(rps):
-                _fail(f"{path}.memdevs", f"under host bridge {hb_name!r} the memdevs use {len(rps)} root ports "
-                      f"unevenly", "spread them evenly over 1, 2, 4, ... root ports")
-            for rp in rps:
-                under = [m for m in mine if vm._place(vm.type3_named(m))[1] == rp]
-                if len(under) != per_hb // len(rps):
-                    _fail(f"{path}.memdevs", f"root port {rp!r} has {len(under)} of the region's memdevs, "
-                          f"not {per_hb // len(rps)}", "spread the memdevs evenly over the root ports")
-                if len(under) not in INTERLEAVE_WAYS:
-                    _fail(f"{path}.memdevs", _ways_rule(len(under), f"memdevs under root port {rp!r}"),
-                          "spread the memdevs over more root ports")
+                _fail(path, f"host bridge {hb_name!r} has {len(mine)} of the region's memdevs, not {per_hb}",
+                      "a region puts the same number of memdevs under each of its window's host bridges")
+            _root_ports_share_evenly(vm, path, hb_name, mine)
+
+
+def _root_ports_share_evenly(vm: Vm, path: str, hb_name: str, memdevs: list[str]) -> None:
+    """``memdevs`` (a region's, under host bridge ``hb_name``) spread evenly over its root ports."""
+    rps = {vm._place(vm.type3_named(m))[1] for m in memdevs}
+    if len(rps) not in INTERLEAVE_WAYS or len(memdevs) % len(rps):
+        _fail(path, f"under host bridge {hb_name!r} the memdevs use {len(rps)} root ports unevenly",
+              "spread them evenly over 1, 2, 4, ... root ports")
+    for rp in rps:
+        under = [m for m in memdevs if vm._place(vm.type3_named(m))[1] == rp]
+        if len(under) != len(memdevs) // len(rps):
+            _fail(path, f"root port {rp!r} has {len(under)} of the region's memdevs, "
+                  f"not {len(memdevs) // len(rps)}", "spread the memdevs evenly over the root ports")
+        if len(under) not in INTERLEAVE_WAYS:
+            _fail(path, _ways_rule(len(under), f"memdevs under root port {rp!r}"),
+                  "spread the memdevs over more root ports")
+
+
+def _region_granularity_matches_a_multi_way_window(topo: Topology, vm: Vm, where: str) -> None:
+    for r, region in enumerate(vm.regions):
+        window = vm.windows[region.window]
         granularity = region.granularity or window.granularity
         if window.ways > 1 and granularity != window.granularity:
-            _fail(f"{path}.granularity", f"a region in a {window.ways}-way window must use the window's "
-                  f"granularity {format_size(window.granularity)}, not {format_size(granularity)}",
+            _fail(f"{where}.region[{r}].granularity", f"a region in a {window.ways}-way window must use the "
+                  f"window's granularity {format_size(window.granularity)}, not {format_size(granularity)}",
                   f"drop granularity or write granularity = \"{format_size(window.granularity)}\"")
+
+
+def _region_memdevs_are_one_size(topo: Topology, vm: Vm, where: str) -> None:
+    for r, region in enumerate(vm.regions):
         sizes = {vm.capacity(m, region.type, topo.backends) for m in region.memdevs}
         if len(sizes) > 1:
-            _fail(f"{path}.memdevs", f"the memdevs' {region.type} capacities differ "
+            _fail(f"{where}.region[{r}].memdevs", f"the memdevs' {region.type} capacities differ "
                   f"({', '.join(map(format_size, sorted(sizes)))})", "interleave memdevs of one size")
-        size = vm.region_size(region, topo.backends)
-        window_use[region.window] += size
+
+
+def _windows_hold_their_regions(topo: Topology, vm: Vm, where: str) -> None:
+    window_use = [0] * len(vm.windows)
+    for r, region in enumerate(vm.regions):
+        window = vm.windows[region.window]
+        window_use[region.window] += vm.region_size(region, topo.backends)
         if window_use[region.window] > window.size:
-            _fail(f"{path}", f"the regions in window {region.window} need {format_size(window_use[region.window])}, "
-                  f"more than its {format_size(window.size)}", f"make window[{region.window}].size larger")
-        for hb_name in window.targets:
+            _fail(f"{where}.region[{r}]", f"the regions in window {region.window} need "
+                  f"{format_size(window_use[region.window])}, more than its {format_size(window.size)}",
+                  f"make window[{region.window}].size larger")
+
+
+def _pass_through_bridges_serve_one_region(topo: Topology, vm: Vm, where: str) -> None:
+    """A host bridge with one root port has a pass-through decoder: the guest kernel (6.12)
+    gives it to one region only."""
+    per_bridge: dict[str, list[str]] = {hb.name: [] for hb in vm.host_bridges}
+    for r, region in enumerate(vm.regions):
+        for hb_name in vm.windows[region.window].targets:
             hb = next(h for h in vm.host_bridges if h.name == hb_name)
             per_bridge[hb_name].append(region.name)
             if len(hb.root_ports) == 1 and len(per_bridge[hb_name]) > 1:
-                _fail(f"{path}", f"host bridge {hb_name!r} has one root port, so its decoder is a pass-through "
-                      f"that the guest kernel (6.12) gives to one region only (here {per_bridge[hb_name][0]!r}); "
-                      f"region {region.name!r} would fail with 'no decoder available'",
+                _fail(f"{where}.region[{r}]", f"host bridge {hb_name!r} has one root port, so its decoder is a "
+                      f"pass-through that the guest kernel (6.12) gives to one region only (here "
+                      f"{per_bridge[hb_name][0]!r}); region {region.name!r} would fail with 'no decoder available'",
                       f"give {hb_name} a second root port (root_ports = [\"{hb.root_ports[0]}\", \"...\"])")
+
+
+def _fsdax_is_for_pmem_regions(topo: Topology, vm: Vm, where: str) -> None:
+    for r, region in enumerate(vm.regions):
         if region.type == "ram" and region.use == "fsdax":
-            _fail(f"{path}.use", "fsdax is a pmem namespace mode; a ram region gives devdax",
+            _fail(f"{where}.region[{r}].use", "fsdax is a pmem namespace mode; a ram region gives devdax",
                   "use \"devdax\" or \"none\" for a ram region")
+
+
+VM_RULES = (
+    _names_are_unique,
+    _switches_sit_on_root_ports,
+    _type3_sit_on_cxl_ports,
+    _pcie_devices_sit_on_pcie_switch_ports,
+    _ports_carry_one_device,
+    _type3_have_memory,
+    _type3_backends_are_declared_and_mapped_once,
+    _windows_target_host_bridges,
+    _window_sizes_are_whole_units_per_way,
+    _at_most_16_windows,
+    _bus_numbers_suffice,
+    _regions_use_existing_windows,
+    _region_memdevs_are_type3_listed_once,
+    _region_memdevs_have_the_capacity,
+    _region_memdevs_sit_under_the_window,
+    _region_interleave_is_even,
+    _region_granularity_matches_a_multi_way_window,
+    _region_memdevs_are_one_size,
+    _windows_hold_their_regions,
+    _pass_through_bridges_serve_one_region,
+    _fsdax_is_for_pmem_regions,
+)
+
+
+def _check_vm(topo: Topology, i: int, vm: Vm) -> None:
+    """The rules within VM ``i``, in VM_RULES order; the first broken one raises."""
+    for rule in VM_RULES:
+        rule(topo, vm, f"vm[{i}]")
 
 
 def check(topo: Topology) -> None:
@@ -921,4 +1055,49 @@ def resolve(name_or_path: str) -> Path:
 def load(name_or_path: str) -> Topology:
     """A topology by name (``single``) or by path to a ``.toml`` file, validated."""
     path = resolve(name_or_path)
-    return parse(path.read_text(), path.stem, str(path) if path.parent != TOPOLOGY_DIR else path.name)
+    return _load_file(path, path.read_bytes())
+
+
+def _load_file(path: Path, data: bytes) -> Topology:
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as err:
+        raise LabError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})",
+                       "a topology is a TOML file, in UTF-8") from None
+    topo = parse(text, path.stem, str(path) if path.parent != TOPOLOGY_DIR else path.name)
+    topo._file, topo._sha256 = path.resolve(), hashlib.sha256(data).hexdigest()
+    return topo
+
+
+# -- handing a loaded topology to a child process ------------------------------------------------
+# A process loads its topology once and passes the object on.  Across a process boundary
+# (the detached fabric manager, the Redfish service) it passes the file's path and SHA-256;
+# the child loads that file and refuses it if it is not the one the parent loaded.
+
+def handoff(topo: Topology) -> list[str]:
+    """The options that hand ``topo`` to a child: ``--topology PATH --topology-sha256 HEX``
+    (the child parses them with :func:`add_handoff_options` and loads with :func:`load_handed`)."""
+    if topo._file is None:
+        raise LabError(f"topology {topo.name} was not loaded from a file", "load it with topology.load")
+    return ["--topology", str(topo._file), "--topology-sha256", topo._sha256]
+
+
+def add_handoff_options(parser) -> None:
+    """``--topology PATH --topology-sha256 HEX`` on an argparse parser (see :func:`handoff`)."""
+    parser.add_argument("--topology", required=True, type=Path, help="the topology file the parent loaded")
+    parser.add_argument("--topology-sha256", required=True, help="its SHA-256 (hex), checked before use")
+
+
+def load_handed(path: Path, sha256: str) -> Topology:
+    """The topology file a parent process loaded, refused if it is not the same any more."""
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise LabError(f"topology file {path}: {err.strerror}", "the file the lab was started from must stay "
+                       "in place while the lab runs") from None
+    found = hashlib.sha256(data).hexdigest()
+    if found != sha256:
+        raise LabError(f"topology file {path} changed after it was loaded (SHA-256 {found[:12]}..., "
+                       f"expected {sha256[:12]}...)", "put the file back as it was, or stop the lab "
+                       "(vfio-cxl vm down) and start it again from the file as it is now")
+    return _load_file(path, data)

@@ -15,11 +15,12 @@ lock while waiting for our reply, and its DMA service needs that lock).
 from __future__ import annotations
 
 import gc
+import logging
 import mmap
 import os
 
 from ..vfio_user import wire
-from ..vfio_user.dma import DmaPort
+from ..vfio_user.dma import DmaPort, FaultReports
 from ..vfio_user.peer import MemoryShare, PeerSet
 from ..vfio_user.irq import IrqTable, irq_types
 from ..vfio_user.pci_config import BAR_MEM_64, BAR_PREFETCH, Bar, MsixLayout, PciConfig, PciIdentity
@@ -28,6 +29,8 @@ from . import regs
 from .engine import Engine, Input, State
 from ..vfio_user.bar import MsixBar, read_bytes, split_write
 
+
+log = logging.getLogger(__name__)
 
 IRQ_MODES = ("msix", "msi")
 
@@ -49,12 +52,16 @@ class GpuDevice:
     def __init__(self, vram_size: int = regs.DEFAULT_VRAM_SIZE,
                  vendor_id: int = regs.PCI_VENDOR_ID, device_id: int = regs.PCI_DEVICE_ID,
                  irq_mode: str = "msix", share_vram: str | None = None,
-                 peers: list[str] = ()):
+                 peers: list[str] = (), local_dma_faults: bool = False):
         """``share_vram``: a UNIX socket path on which peer GPU servers get our VRAM
-        fd; ``peers``: their share paths (the P2P fast path, docs/gpu-device.md)."""
+        fd; ``peers``: their share paths (the P2P fast path, docs/gpu-device.md).
+        ``local_dma_faults``: a DMA to an IOVA without a DMA_MAP faults inside the device
+        only; by default it is also sent to the client, rate limited, so its vIOMMU
+        records the fault (docs/gpu-device.md, "Faults")."""
         if irq_mode not in IRQ_MODES:
             raise ValueError(f"interrupt mode {irq_mode!r} is not one of {', '.join(IRQ_MODES)}")
         self.irq_mode = irq_mode
+        self.fault_reports = None if local_dma_faults else FaultReports()
         if vram_size & (vram_size - 1) or not regs.MIN_VRAM_SIZE <= vram_size <= regs.MAX_VRAM_SIZE:
             raise ValueError(f"VRAM size {vram_size} must be a power of two in "
                              f"[{regs.MIN_VRAM_SIZE}, {regs.MAX_VRAM_SIZE}]")
@@ -117,9 +124,12 @@ class GpuDevice:
     def connect(self, conn) -> None:
         """A client connected: its DMA table and message path become the bus-master port."""
         self.engine.input(Input.CONNECT, DmaPort(conn.table, conn, self.engine.gate, self.peers,
-                                                 self.engine.peer_fast_enabled, self.engine.message_window))
+                                                 self.engine.peer_fast_enabled, self.engine.message_window,
+                                                 self.fault_reports))
 
     def disconnect(self) -> None:
+        if self.fault_reports is not None and self.fault_reports.sent:
+            log.warning(self.fault_reports.summary())
         self.engine.input(Input.DISCONNECT)
 
     def dma_map(self, iova: int, size: int, flags: int, fd: int | None, offset: int):

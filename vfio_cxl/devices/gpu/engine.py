@@ -34,7 +34,7 @@ from ..vfio_user.dma import DmaAborted, DmaFault, DmaPort, FaultKind
 from . import regs
 from . import nvme_io
 from .farmem import FarMemory
-from .registers import MSG_WINDOW, RING_CONFIG, RegisterFile
+from .register_file import MSG_WINDOW, RING_CONFIG, RegisterFile
 from .regs import Op, Status
 from .faults import FAULT_STATUS
 

@@ -3,7 +3,7 @@
 docs/smc-device.md is the contract; this module writes its numbers down.
 The device model (``vfio_cxl.devices.smc``) and the guest driver
 (``vfio_cxl.guest.drivers.smc``) both import it, so it uses the standard
-library only (the guest has Python 3.13).
+library (and the GPU's map, for the MSI-X BAR layout) only (the guest has Python 3.13).
 
 One SMC is shared by up to MAX_HOSTS hosts; each host sees its own PCI
 function (one vfio-user connection per host).  Registers marked "per host"
@@ -14,6 +14,11 @@ All registers are 32 bits, little-endian.
 from __future__ import annotations
 
 from enum import IntEnum
+
+# The lab's devices share one MSI-X BAR layout, written down in the GPU's map (a file that
+# loads on its own, standard library only).
+from ..gpu.regs import (BAR_MSIX, MSIX_BAR_SIZE, MSIX_ENTRY_SIZE,  # noqa: F401 (part of this map)
+                        MSIX_PBA_OFFSET, MSIX_TABLE_OFFSET)
 
 # --------------------------------------------------------------------------
 # PCI identity
@@ -29,12 +34,8 @@ PCI_CLASS_CODE = 0x058000  # base 0x05 memory controller, sub 0x80 "other", prog
 # BARs
 # --------------------------------------------------------------------------
 BAR_REGS = 0  # 4 KiB, 32-bit, non-prefetchable, trapped (reads have side effects)
-BAR_MSIX = 4  # 4 KiB, 32-bit: MSI-X table and PBA
+# BAR4: 4 KiB, 32-bit, MSI-X table and PBA (BAR_MSIX, MSIX_*: the GPU's, imported above)
 REGS_SIZE = 0x1000
-MSIX_BAR_SIZE = 0x1000
-MSIX_TABLE_OFFSET = 0x000
-MSIX_PBA_OFFSET = 0x800
-MSIX_ENTRY_SIZE = 16
 
 # --------------------------------------------------------------------------
 # Limits

@@ -132,6 +132,7 @@ class DmaStats:
     max_read: int = 0
     max_write: int = 0
     refused: int = 0
+    refusals: list = field(default_factory=list)  # (command, address, count) of each refused
 
 
 class VfioUserClient:
@@ -230,7 +231,7 @@ class VfioUserClient:
                     if body == 16 + count else None)
             if view is None:
                 self.transport.discard(body - 16, [])
-                return self._answer_error(header, errno.ENODEV)
+                return self._answer_error(header, errno.ENODEV, addr, count)
             self.transport.recv_into(view, [])
             self.stats.writes += 1
             self.stats.write_bytes += count
@@ -240,7 +241,7 @@ class VfioUserClient:
             self.transport.discard(body - 16, [])
             view = self.memory.view(addr, count, mapped_only=True)
             if view is None:
-                return self._answer_error(header, errno.ENODEV)
+                return self._answer_error(header, errno.ENODEV, addr, count)
             self.stats.reads += 1
             self.stats.read_bytes += count
             self.stats.max_read = max(self.stats.max_read, count)
@@ -248,8 +249,9 @@ class VfioUserClient:
         if not header.no_reply:
             self.transport.send(reply)
 
-    def _answer_error(self, header: wire.Header, err: int) -> None:
+    def _answer_error(self, header: wire.Header, err: int, addr: int = 0, count: int = 0) -> None:
         self.stats.refused += 1
+        self.stats.refusals.append((header.command, addr, count))
         if not header.no_reply:
             self.transport.send([wire.error_header(header, err)])
 

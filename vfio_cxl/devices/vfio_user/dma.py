@@ -10,9 +10,15 @@
 A transfer whose range is not fully mapped (with the access it needs)
 faults before a single byte moves, like a device behind an IOMMU: the
 vfio-user spec says DMA addresses "must have been previously exported with
-DMA_MAP".  DMA_UNMAP takes the table lock, which direct copies hold only per
-bounded chunk, so an unmap waits at most for one chunk and never for a
-socket round trip.
+DMA_MAP".  Unless the device keeps such faults local, the faulting access
+(its first ``REPORT_BYTES``) is also sent to the client as one message, rate
+limited (``FaultReports``): QEMU 11.1 serves a DMA message with
+``pci_dma_read``/``pci_dma_write``, so its vIOMMU translates the IOVA,
+records the fault the guest kernel logs, and answers with an error (ENODEV).
+
+DMA_UNMAP takes the table lock, which direct copies hold only per bounded
+chunk, so an unmap waits at most for one chunk and never for a socket round
+trip.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import mmap
 import os
 import stat
 import threading
+import time
 from typing import Callable, Protocol
 
 from . import wire
@@ -368,6 +375,82 @@ class DmaTable:
                 pos = m.end
 
 
+# The fault report: the first bytes of the faulting access, in its direction.  Four bytes, the
+# smallest access every MMIO region takes: an IOVA the guest's IOMMU does map but QEMU never
+# DMA_MAPped (MMIO outside a message window) receives at most these (docs/gpu-device.md).
+REPORT_BYTES = 4
+REPORT_RATE = 10.0        # fault reports per second, sustained
+REPORT_BURST = 10         # reports sent back to back before the rate applies
+SUMMARY_INTERVAL = 10.0   # seconds between two log lines about fault reports
+
+
+class FaultReports:
+    """Which unmapped-DMA faults go to the client, and the log lines about them.
+
+    A token bucket: ``REPORT_BURST`` reports at once, then ``REPORT_RATE`` per
+    second; a fault beyond that stays local (the device halts all the same)
+    and is counted as suppressed.  The log gets one line for the first fault
+    and then at most one summary per ``SUMMARY_INTERVAL``: a guest that
+    sprays bad IOVAs floods neither QEMU (its vIOMMU, the guest's fault log)
+    nor the device's log.  Thread-safe; one per device, kept across clients.
+    """
+
+    def __init__(self, rate: float = REPORT_RATE, burst: int = REPORT_BURST,
+                 interval: float = SUMMARY_INTERVAL, clock: Callable[[], float] = time.monotonic):
+        if rate <= 0 or burst < 1:
+            raise ValueError(f"fault report rate {rate}/s, burst {burst}: both must be positive")
+        self.rate, self.burst, self.interval, self.clock = rate, burst, interval, clock
+        self.sent = 0         # reports sent to the client
+        self.suppressed = 0   # faults kept local by the rate limit
+        self.served = 0       # reports the client served (its IOMMU maps the IOVA: MMIO)
+        self._lock = threading.Lock()
+        self._tokens = float(burst)
+        self._stamp = clock()
+        self._logged = (0, 0)  # (sent, suppressed) at the last log line
+        self._log_at = None    # when the next summary is due (None: before the first fault)
+
+    def admit(self, iova: int, write: bool) -> bool:
+        """Whether the fault at ``iova`` goes to the client; counts it either way."""
+        with self._lock:
+            now = self.clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            admitted = self._tokens >= 1
+            if admitted:
+                self._tokens -= 1
+                self.sent += 1
+            else:
+                self.suppressed += 1
+            self._log(now, iova, write)
+            return admitted
+
+    def count_served(self) -> None:
+        """The client served a report: its IOMMU maps an IOVA it never DMA_MAPped (MMIO)."""
+        with self._lock:
+            self.served += 1
+
+    def _log(self, now: float, iova: int, write: bool) -> None:
+        if self._log_at is None:
+            log.warning("DMA %s to unmapped IOVA %#x: reported to the client (its IOMMU logs the "
+                        "fault); further reports at most %g/s, summarised every %g s",
+                        "write" if write else "read", iova, self.rate, self.interval)
+        elif now >= self._log_at:
+            log.warning(self.summary(since_last=True))
+        else:
+            return
+        self._logged = (self.sent, self.suppressed)
+        self._log_at = now + self.interval
+
+    def summary(self, since_last: bool = False) -> str:
+        """One line: reports sent and faults suppressed (in total, or since the last line)."""
+        sent, suppressed = self.sent, self.suppressed
+        if since_last:
+            sent, suppressed = sent - self._logged[0], suppressed - self._logged[1]
+        span = "since the last summary" if since_last else "in total"
+        return (f"unmapped DMA faults {span}: {sent} reported to the client, {suppressed} "
+                f"suppressed by the rate limit ({self.rate:g}/s, burst {self.burst})")
+
+
 class MessagePath(Protocol):
     """What the connection offers for IOVAs without an fd: it splits the range
     into DMA_WRITE / DMA_READ messages itself and raises DmaFault (with
@@ -401,8 +484,12 @@ class DmaPort:
     def __init__(self, table: DmaTable, messages: MessagePath | None,
                  gate: threading.Lock | None = None, peers=None,
                  peer_enabled: Callable[[], bool] = lambda: True,
-                 message_window: Callable[[], tuple[int, int]] = lambda: (0, 0)):
+                 message_window: Callable[[], tuple[int, int]] = lambda: (0, 0),
+                 fault_reports: FaultReports | None = None):
+        """``fault_reports``: send unmapped-DMA faults to the client, rate limited
+        (None: keep them local, nothing is sent)."""
         self.table = table
+        self.fault_reports = fault_reports
         self.messages = messages
         self.gate = gate if gate is not None else threading.Lock()
         self.peers = peers  # peer.PeerSet or None: peer memories we may prove mappings into
@@ -445,14 +532,48 @@ class DmaPort:
             self._window_transfer(iova, buf, need, stale)
             return
         # like an IOMMU: a range not fully mapped with the access needed faults
-        # before a byte moves, and nothing is sent to the client
-        self.table.check(iova, len(buf), need)
+        # before a byte moves; the client hears of it only as the fault's report
+        try:
+            self.table.check(iova, len(buf), need)
+        except DmaFault as fault:
+            self._report_unmapped(fault, iova, buf, need, stale)
+            raise
         done = [0]
         try:
             self._move(iova, buf, need, stale, done)
         except DmaFault as fault:
             fault.done = done[0]
+            self._report_unmapped(fault, iova, buf, need, stale)
             raise
+
+    def _report_unmapped(self, fault: DmaFault, iova: int, buf: memoryview, need: int,
+                         stale) -> None:
+        """Send the client the access of the transfer ``iova``/``buf`` that faulted UNMAPPED
+        (its first REPORT_BYTES from the fault's IOVA), so its IOMMU sees it, if the rate
+        limit lets it.  The device faults whatever the answer; a client gone mid-report
+        turns the fault into CLOSED."""
+        at = fault.addr - iova
+        piece = buf[at:at + REPORT_BYTES] if 0 <= at < len(buf) else buf[:0]
+        if (fault.kind is not FaultKind.UNMAPPED or self.fault_reports is None
+                or self.messages is None or not piece or fault.addr + len(piece) > IOVA_LIMIT):
+            return
+        write = need == wire.DMA_MAP_FLAG_WRITE
+        if not self.fault_reports.admit(fault.addr, write):
+            return
+        with self.gate:
+            if stale():
+                raise DmaAborted()
+        try:
+            if write:
+                self.messages.dma_write(fault.addr, piece, stale, unchecked=True)
+            else:  # what comes back is thrown away: the device never takes it
+                self.messages.dma_read(fault.addr, memoryview(bytearray(len(piece))), stale,
+                                       unchecked=True)
+        except DmaFault as answer:
+            if answer.kind is FaultKind.CLOSED:
+                raise
+            return  # refused (ENODEV: the vIOMMU has no translation) or unanswered: as expected
+        self.fault_reports.count_served()
 
     def _window_transfer(self, iova: int, buf: memoryview, need: int, stale) -> None:
         """A transfer inside the message window: DMA_READ/DMA_WRITE messages, no table."""

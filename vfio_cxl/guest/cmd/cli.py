@@ -198,9 +198,24 @@ def parse_size(text: str) -> int:
     return value
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse sizes its help to the terminal through shutil, whose imports (bz2, lzma, fnmatch)
+    cost ~30 ms of every start under TCG, help or not: the same width from os.  Subcommands'
+    parsers are of this class too (argparse makes them of the parent's)."""
+
+    def _get_formatter(self):
+        try:
+            columns = int(os.environ["COLUMNS"])
+        except (KeyError, ValueError):
+            try:
+                columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
+            except (AttributeError, ValueError, OSError):
+                columns = 80
+        return self.formatter_class(prog=self.prog, width=columns - 2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vfio-cxl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="vfio-cxl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="room", required=True)
     gpu = sub.add_parser("gpu", help="the GPUs of this VM").add_subparsers(dest="command", required=True)
     p = gpu.add_parser("ls", help="GPUs, BDF, IOMMU group, bound driver, VFIO backend")

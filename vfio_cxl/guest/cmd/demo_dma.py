@@ -14,19 +14,11 @@ import json
 import sys
 import time
 
-from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
 from .. import cxl
 from ..dax import DaxMapping
 from ..drivers.gpu import GpuDriver, Transfer
-
-MESSAGE = b"DMA FROM GPU TO CXL MEMORY"
-SEED = 0x5EED_C0DE
-
-
-def expected_payload(size: int) -> bytes:
-    return (MESSAGE + regs.prng_bytes(SEED, size - len(MESSAGE)))[:size]
-
+from ..payload import MESSAGE, SEED, expected_payload
 
 def run(size: int, offset: int, bdf: str | None = None) -> dict:
     dax_device = cxl.ensure_ram_devdax()

@@ -2,12 +2,17 @@
 
     python3 -m vfio_cxl.guest.cmd.gpu_checks isolation
     python3 -m vfio_cxl.guest.cmd.gpu_checks random [--count 100] [--seed 1]
+    python3 -m vfio_cxl.guest.cmd.gpu_checks unmapped [--count 1]
 
 ``isolation``: a descriptor whose destination IOVA is not mapped must fail
 with the device's fault status on the error vector, and leave devdax and
 every other mapped buffer unchanged.  ``random``: transfers of random sizes
 and offsets into devdax, each verified by checksum; afterwards no DMA
-mapping and no file descriptor remains.
+mapping and no file descriptor remains.  ``unmapped``: ``--count`` descriptors,
+one after the other, each writing 64 bytes to a never-mapped page (page i of
+0x70000000, modulo 256); each must halt the ring with the device's fault
+status at that IOVA, and the ring must work afterwards (the guest's IOMMU
+logs the faults the device reports to QEMU: docs/gpu-device.md, "Faults").
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import mmap
 import os
 import random
 import sys
+import time
+from collections import Counter
 
 from ...devices.gpu import regs
 from ...devices.gpu.regs import Op, Status
@@ -87,13 +94,46 @@ def random_transfers(count: int, seed: int) -> dict:
             "mappings_after_unmap": mappings_left, "fds_leaked": sorted(_fds() - fds_before)}
 
 
+def unmapped_faults(count: int) -> dict:
+    statuses, wrong, first = Counter(), 0, None
+    with GpuDriver.open() as gpu:
+        bounce = mmap.mmap(-1, 4096)
+        with gpu.map(bounce, GpuDriver.BOUNCE_IOVA):
+            start = time.monotonic()
+            for i in range(count):
+                iova = UNMAPPED_IOVA + (i % 256) * 4096
+                try:
+                    gpu.run([Transfer(Op.VRAM_TO_HOST, src=0, dst=iova, length=64, cookie=0xBAD)])
+                    fault = None
+                except GpuDmaError as err:
+                    fault = {"status": Status(err.status).name, "address": err.address,
+                             "errno": err.errno, "cookie": err.cookie}
+                statuses[fault["status"] if fault else "OK"] += 1
+                wrong += fault is None or fault["address"] != iova
+                first = first or fault
+            seconds = time.monotonic() - start
+            gpu.run([Transfer(Op.FILL_PATTERN, src=7, dst=0, length=4096),
+                     Transfer(Op.VRAM_TO_HOST, src=0, dst=GpuDriver.BOUNCE_IOVA, length=4096)])
+            recovered = bounce[:] == regs.pattern_bytes(7, 4096)
+        bounce.close()
+        bdf, backend = gpu.device.bdf, gpu.device.backend
+    return {"count": count, "statuses": dict(statuses), "wrong_address": wrong, "first": first,
+            "seconds": round(seconds, 3), "recovered": recovered, "bdf": bdf, "vfio_backend": backend}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.gpu_checks", description=__doc__)
-    parser.add_argument("check", choices=["isolation", "random"])
-    parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("check", choices=["isolation", "random", "unmapped"])
+    parser.add_argument("--count", type=int, default=None,
+                        help="transfers (random: default 100) or faults (unmapped: default 1)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    result = isolation() if args.check == "isolation" else random_transfers(args.count, args.seed)
+    if args.check == "isolation":
+        result = isolation()
+    elif args.check == "random":
+        result = random_transfers(100 if args.count is None else args.count, args.seed)
+    else:
+        result = unmapped_faults(1 if args.count is None else args.count)
     print(json.dumps(result))
     return 0
 

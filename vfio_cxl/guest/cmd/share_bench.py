@@ -47,6 +47,7 @@ from .. import cxl
 from ..dax import DaxMapping
 from ..smc_channel import SmcWakeup
 from ..drivers.smc import SmcDriver, SmcError
+from ..record_plan import DEFAULT_PLAN, parse_plan
 from .stream import (CLOCK_PORT, channel_view, coherence, connect_with_retry, measure_clock_offset, prefault,
                      serve_clock)
 
@@ -56,22 +57,6 @@ SEQ = struct.Struct("<Q")
 CHANNELS = ("channel", "doorbell", "link")
 TRANSPORTS = CHANNELS + ("tcp",)
 HEADER = struct.Struct("<II")        # TCP framing: payload length, CRC32
-DEFAULT_PLAN = ("64:100:paced,64:2000:stream,4096:100:paced,4096:1000:stream,"
-                "65536:50:paced,65536:200:stream,1048576:20:paced,1048576:40:stream")
-
-
-def parse_plan(text: str) -> list[tuple[int, int, str]]:
-    plan = []
-    for item in text.split(","):
-        try:
-            size, count, mode = item.split(":")
-            size, count = int(size), int(count)
-        except ValueError:
-            raise cxl.CxlError(f"bad plan item {item!r}", "write SIZE:COUNT:paced|stream, comma-separated") from None
-        if mode not in ("paced", "stream") or size < 1 or count < 2:
-            raise cxl.CxlError(f"bad plan item {item!r}", "mode paced or stream, size >= 1, count >= 2")
-        plan.append((size, count, mode))
-    return plan
 
 
 def _payloads(plan) -> dict[int, tuple[bytes, int]]:

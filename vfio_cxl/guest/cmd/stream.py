@@ -27,7 +27,7 @@ import threading
 import time
 import zlib
 
-from ... import cacheline
+from .. import cacheline
 from ..channel import (COHERENT, BadHeader, ChannelFull, ChannelTimeout, Coherence, Consumer, CorruptRecord,
                        NoChannel, Producer)
 from ...devices.gpu import regs

@@ -7,7 +7,7 @@ turns that parse into a small generated Python module that builds the same FFI f
 type tables with ``_cffi_backend`` alone: no compiler, no pycparser.
 
 ``ffi_for(NAME, CDEF, ...)`` keeps one such module per set of declarations beside the guest's
-bytecode (``$PYTHONPYCACHEPREFIX/vfio-cxl-cffi/``), named by the hash of the declarations and
+bytecode (``$VFIO_CXL_PYC/vfio-cxl-cffi/``), named by the hash of the declarations and
 of cffi's version, so another cffi or an edited declaration never loads a stale one: it writes
 the module the first time (to a temporary name, then renamed) and loads it after.  Without a
 bytecode cache directory (a host, the tests), or when it cannot be written or read, it parses
@@ -60,7 +60,7 @@ def _load(path: str):
 
 def ffi_for(name: str, *cdefs: str, cache: str | None = None):
     """An FFI with these declarations: from the cached out-of-line module, else parsed."""
-    cache = cache if cache is not None else os.environ.get("PYTHONPYCACHEPREFIX")
+    cache = cache if cache is not None else os.environ.get("VFIO_CXL_PYC")
     if not cache:
         return _parsed(cdefs)
     try:

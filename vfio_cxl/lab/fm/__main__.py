@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run one lab's fabric manager (vfio-cxl vm up --detach does)")
     serve.add_argument("--name", required=True)
     serve.add_argument("--logdir", required=True, type=Path)
-    serve.add_argument("--topology", required=True)
+    topology.add_handoff_options(serve)
     serve.add_argument("--accel", default="tcg")
     serve.add_argument("--ssh-port", type=int)
     serve.add_argument("--no-gpu", action="store_true")
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        topo = topology.load(args.topology)
+        topo = topology.load_handed(args.topology, args.topology_sha256)
         kernel = resolve(args.kernel, args.modules, args.append, provision=False)
     except LabError as err:
         print(f"error: {json.dumps({'what': err.what, 'fix': err.fix})}", flush=True)

@@ -30,19 +30,21 @@ def _cleanup_after(name: str) -> None:
             remove_leftovers(record)
 
 
-def launch(topology_arg: str, *, accel: str = "tcg", ssh_port: int | None = None, gpu: bool = True,
+def launch(topo: topology.Topology | str, *, accel: str = "tcg", ssh_port: int | None = None, gpu: bool = True,
            timeout: float = 300, echo=print, kernel: str | None = None, modules: str | None = None,
            append: str = "") -> dict:
     """Start a detached lab; returns ``{"name", "socket"}`` once every VM answers SSH.
-    ``kernel``/``modules``/``append``: as ``vm up --kernel/--modules/--append``."""
-    topo = topology.load(topology_arg)   # a bad topology fails here, before anything starts
+    ``topo``: the loaded topology (or its name or path, loaded here); the manager gets its file
+    and hash (topology.handoff).  ``kernel``/``modules``/``append``: as ``vm up --kernel/--modules/--append``."""
+    if isinstance(topo, str):
+        topo = topology.load(topo)   # a bad topology fails here, before anything starts
     # so does a kernel the lab cannot boot (checked again by the manager, which boots it)
     resolve(kernel, modules, append, provision=False)
     if os.environ.get(QEMU_ENV):         # so does a --qemu PATH that the lab could not use
         user_runtime(os.environ[QEMU_ENV])
     name, logdir = registry.reserve_name(topo.name)
     cmd = [sys.executable, "-m", "vfio_cxl.lab.fm", "serve", "--name", name, "--logdir", str(logdir),
-           "--topology", topology_arg, "--accel", accel, "--timeout", str(timeout)]
+           *topology.handoff(topo), "--accel", accel, "--timeout", str(timeout)]
     if ssh_port is not None:
         cmd += ["--ssh-port", str(ssh_port)]
     if not gpu:

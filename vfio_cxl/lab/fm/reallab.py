@@ -18,7 +18,7 @@ from ..ssh import ShellSession, join_all
 from ..logs import archive_logs
 from .guestscripts import (BIND_OUTPUT_MAX, BIND_SCRIPT, HOLDERS_OUTPUT_MAX, HOLDERS_SCRIPT, KILL_OUTPUT_MAX,
                            KILL_SCRIPT, PREPARE_SCRIPT, parse_bind, parse_holders, parse_kills, show)
-from .manager import Child
+from .state import Child
 
 
 def gpu_names(lab: Lab) -> dict[str, str]:
@@ -55,10 +55,9 @@ class RealLab:
                 self._session(vm.name).run("true", [], 60)
 
     @property
-    def topology_arg(self) -> str:
-        """How ``topology.load`` finds this lab's topology again: its name, or its file's path."""
-        source = self.lab.topology.source
-        return source if "/" in source else self.lab.topology.name
+    def topology(self):
+        """The lab's topology, as loaded (once) by this process."""
+        return self.lab.topology
 
     @property
     def known_hosts(self) -> Path:

@@ -6,12 +6,15 @@
         nvme.write(1, 0, buf.iova, 1 << 20)                      # bytes; whole blocks
         nvme.read(1, 0, buf.iova, 1 << 20)
 
-Bring-up, in one place (``_enable``; ``reset`` runs it again): disable (CC.EN = 0, wait for
-CSTS.RDY = 0 within CAP.TO), admin queues (AQA, ASQ, ACQ), enable with 4 KiB pages and 64/16-byte
-entries, wait for CSTS.RDY = 1; then Identify Controller, the active namespace list and each
-namespace, Set Features Number of Queues, and the I/O completion and submission queues (CQ
-first).  Completions are polled (CQ IEN = 0) or signalled by MSI-X (vector q for queue q, 0 for
-the admin queue) on eventfds.
+Bring-up is one verb per step, which ``bring_up`` (run by ``open``, and by ``reset`` again) calls
+in order: ``disable`` (CC.EN = 0, wait for CSTS.RDY = 0 within CAP.TO), ``configure_admin_queue``
+(AQA, ASQ, ACQ), ``enable`` (CC.EN = 1 with 4 KiB pages and 64/16-byte entries), ``wait_ready``
+(CSTS.RDY = 1), ``identify_controller``, ``identify_namespaces`` (the active namespace list and
+each namespace), ``set_queue_count`` (Set Features Number of Queues), ``create_io_queues`` (each
+I/O completion queue, then its submission queue), and ``enable_cmb`` again after a reset.  Open
+with ``bring_up=False`` to run the steps one at a time.  Completions are polled (CQ IEN = 0) or
+signalled by MSI-X (vector q for queue q, 0 for the admin queue) on eventfds; what a command
+becomes on a queue (data pointer, entry, completion) is ``rq.py``'s.
 
 Every wait has a deadline and looks at CSTS on the way: Controller Fatal Status, or a controller
 that reads all ones (gone), fails every outstanding request with ``NvmeFatalError`` at once; so
@@ -33,15 +36,16 @@ from ...vfio import DmaMapping, VfioPciDevice, uapi
 from ...vfio.errors import InterruptTimeout
 from ...vfio.interrupts import wait_readable
 from . import prp as dptr
-from .errors import NvmeCommandError, NvmeError, NvmeFatalError, NvmeRemovedError, NvmeTimeout
+from . import rq
+from .errors import NvmeError, NvmeFatalError, NvmeRemovedError, NvmeTimeout
 from .iova import IovaWindow
 from .queue import QueuePair
 from .spec import (CMBMSC_CMSE, CMBMSC_CRE, CMBSTS_CBAI, REG_CMBLOC, REG_CMBMSC, REG_CMBSTS, REG_CMBSZ,
                    CmbInfo)
 from .spec import (CC_CSS_NVM, CC_EN, CC_IOCQES_SHIFT, CC_IOSQES_SHIFT, CC_MPS_SHIFT, CSTS_CFS, CSTS_RDY,
-                   CQE_SIZE, FEAT_NUMBER_OF_QUEUES, PAGE, PSDT_PRP, PSDT_SGL, REG_ACQ, REG_AQA, REG_ASQ, REG_CAP,
+                   CQE_SIZE, FEAT_NUMBER_OF_QUEUES, PAGE, REG_ACQ, REG_AQA, REG_ASQ, REG_CAP,
                    REG_CC, REG_CSTS, REG_VS, SQE_SIZE, SQES_LOG2, CQES_LOG2, AdminOp, Cap, Cns, ControllerInfo,
-                   IoOp, NamespaceInfo, pack_sqe, status_name)
+                   IoOp, NamespaceInfo, pack_sqe)
 from .tracker import Request, RequestTracker
 
 PCI_COMMAND = 0x04
@@ -83,7 +87,10 @@ class DmaBuffer:
 class NvmeController:
     def __init__(self, device: VfioPciDevice, *, io_queues: int = 1, queue_entries: int = 128,
                  interrupts: bool = False, control_iova: int = CONTROL_IOVA, data_iova: int = DATA_IOVA,
-                 data_window: int = DATA_WINDOW, spare_queues: int = 0):
+                 data_window: int = DATA_WINDOW, spare_queues: int = 0, bring_up: bool = True):
+        """Take ``device`` (an NVMe function): memory decoding and bus mastering on, CAP read and
+        checked, the control mapping made, MSI-X vectors and the release request registered;
+        then ``bring_up()``, unless ``bring_up`` is False (the caller runs the steps)."""
         self.device = device
         self.bdf = device.bdf
         self.failed: str | None = None          # why the controller is unusable until reset()
@@ -91,11 +98,14 @@ class NvmeController:
         self.vectors = None
         self.request = None                 # the kernel's release request, on an eventfd
         self._buffers: list[DmaBuffer] = []
-        self._io_queue_count = io_queues
         self.io_queues = io_queues          # the driver's own I/O queues: qid 1..io_queues
         self.spare_queues = spare_queues    # granted by Set Features, created by their owner (create_io_queue)
         self.cmb: CmbInfo | None = None     # the Controller Memory Buffer, once enable_cmb() turned it on
         self.cmb_base: int | None = None    # the controller address (CMBMSC.CBA) data pointers use for it
+        self.admin: QueuePair | None = None        # configure_admin_queue()
+        self.info: ControllerInfo | None = None    # identify_controller()
+        self.max_transfer = 0                      # bytes per command, from MDTS: identify_controller()
+        self.namespaces: dict[int, NamespaceInfo] = {}   # identify_namespaces()
         command = device.config.read16(PCI_COMMAND)
         device.config.write16(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)
         self.bar0 = device.bar(0)
@@ -130,7 +140,8 @@ class NvmeController:
                                     f"use at most {max(count - 1, 0)} I/O queues, or polled completions")
                 self.vectors = device.msix(1 + io_queues)
             self.request = device.release_request()
-            self._enable()
+            if bring_up:
+                self.bring_up()
         except BaseException:   # nothing left behind in a caller-owned IOMMU context either
             if self.request is not None:
                 self.request.close()
@@ -163,7 +174,7 @@ class NvmeController:
                     if qid:
                         self._admin(AdminOp.DELETE_SQ, cdw10=qid, what=f"delete SQ {qid}")
                         self._admin(AdminOp.DELETE_CQ, cdw10=qid, what=f"delete CQ {qid}")
-                self._disable()
+                self.disable()
                 if self.cmb_base is not None:      # the CMB off, as at power-on
                     self.bar0.write32(REG_CMBMSC, 0)
             except NvmeError:
@@ -194,7 +205,93 @@ class NvmeController:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- bring-up ------------------------------------------------------------------
+    # -- bring-up, one verb per step -----------------------------------------------------------
+    #
+    # ``bring_up`` runs them in order; a caller may instead run them one at a time, in the same
+    # order, after opening with bring_up=False (libvfn: nvme_configure_adminq, nvme_enable,
+    # nvme_wait_rdy; SPDK's nvme_ctrlr states from DISABLE to READY, then IDENTIFY ... SET_NUM_QUEUES).
+
+    def bring_up(self) -> None:
+        """Every bring-up step, in order: what ``open`` runs, and ``reset`` again."""
+        self.disable()
+        self.configure_admin_queue()
+        self.enable()
+        self.wait_ready()
+        self.identify_controller()
+        self.identify_namespaces()
+        self.set_queue_count()
+        self.create_io_queues()
+        if self.cmb_base is not None:          # a reset: the CMB comes back at the same address
+            self.enable_cmb(self.cmb_base)
+
+    def disable(self) -> None:
+        """CC.EN = 0, then wait for CSTS.RDY = 0 within CAP.TO (nothing to do if already so).
+        The controller deletes every queue: what was outstanding is the caller's to fail."""
+        cc = self.bar0.read32(REG_CC)
+        if cc & CC_EN or self._csts() & CSTS_RDY:
+            self.bar0.write32(REG_CC, cc & ~CC_EN)
+            self._wait_ready(False, "CC.EN = 0")
+
+    def configure_admin_queue(self) -> QueuePair:
+        """The admin SQ and CQ (ADMIN_ENTRIES each, empty) in the control mapping, and AQA, ASQ,
+        ACQ pointing at them; the controller must be disabled (``disable``)."""
+        if self.bar0.read32(REG_CC) & CC_EN:
+            raise NvmeError(f"{self.bdf}: the admin queue registers are set while the controller is enabled "
+                            "(CC.EN = 1)", "disable() it first")
+        lay = self._layout
+        self.admin = self._queue(0, ADMIN_ENTRIES, lay.admin_sq, lay.admin_cq, lay.admin_pages, ADMIN_ENTRIES - 1,
+                                 0 if self.vectors else None)
+        self.queues = {0: self.admin}
+        self.bar0.write32(REG_AQA, (ADMIN_ENTRIES - 1) << 16 | (ADMIN_ENTRIES - 1))
+        for reg, queue_iova in ((REG_ASQ, self.admin.sq_iova), (REG_ACQ, self.admin.cq_iova)):
+            self.bar0.write32(reg, queue_iova & ALL_ONES)
+            self.bar0.write32(reg + 4, queue_iova >> 32)
+        return self.admin
+
+    def enable(self) -> None:
+        """CC.EN = 1 with the NVM command set, 4 KiB pages and 64/16-byte queue entries; the
+        controller becomes ready later (``wait_ready``)."""
+        if self.admin is None:
+            raise NvmeError(f"{self.bdf}: enabling a controller with no admin queue",
+                            "configure_admin_queue() first (after disable())")
+        self.bar0.write32(REG_CC, CC_EN | CC_CSS_NVM | 0 << CC_MPS_SHIFT | SQES_LOG2 << CC_IOSQES_SHIFT
+                          | CQES_LOG2 << CC_IOCQES_SHIFT)
+
+    def wait_ready(self) -> None:
+        """Until CSTS.RDY = 1 within CAP.TO; then the admin queue takes commands."""
+        self._wait_ready(True, "CC.EN = 1")
+        self.failed = None
+
+    def identify_controller(self) -> ControllerInfo:
+        """Identify Controller: ``info``, and ``max_transfer`` (MDTS, at most one PRP list page)."""
+        self.info = ControllerInfo.decode(self.identify(Cns.CONTROLLER), self.cap.mpsmin)
+        self.max_transfer = min(self.info.mdts or dptr.MAX_PRP_BYTES, dptr.MAX_PRP_BYTES)
+        return self.info
+
+    def identify_namespaces(self) -> dict[int, NamespaceInfo]:
+        """The active namespace list, then Identify Namespace of each: ``namespaces``."""
+        nsids = [n for n in _u32s(self.identify(Cns.ACTIVE_NSIDS)) if n]
+        self.namespaces = {n: NamespaceInfo.decode(n, self.identify(Cns.NAMESPACE, nsid=n)) for n in nsids}
+        return self.namespaces
+
+    def set_queue_count(self) -> int:
+        """Set Features Number of Queues for the driver's I/O queues plus ``spare_queues``;
+        how many I/O queue pairs the controller granted (raises if fewer than asked)."""
+        want = self.io_queues + self.spare_queues
+        got = self._admin(AdminOp.SET_FEATURES, cdw10=FEAT_NUMBER_OF_QUEUES, cdw11=(want - 1) << 16 | (want - 1),
+                          what="Set Features Number of Queues").result
+        granted = min((got & 0xFFFF) + 1, (got >> 16) + 1)
+        if granted < want:
+            raise NvmeError(f"{self.bdf}: the controller grants {granted} I/O queue pairs, {want} asked for",
+                            f"open it with io_queues={granted} or fewer")
+        return granted
+
+    def create_io_queues(self) -> None:
+        """The driver's own I/O queue pairs, qid 1..io_queues, each CQ then SQ (``create_io_queue``)."""
+        for qid in range(1, self.io_queues + 1):
+            sq, cq, pages = self._layout.io(qid)
+            self.create_io_queue(qid, self._queue(qid, self.queue_entries, sq, cq, pages, self.queue_entries - 1,
+                                                  qid if self.vectors else None))
 
     def _csts(self) -> int:
         return self.bar0.read32(REG_CSTS)
@@ -214,47 +311,6 @@ class NvmeController:
                                   f"({self.cap.timeout_ms} ms) after {why}",
                                   "the controller is stuck: reset the PCI function (vfio-cxl nvme ... again)")
             time.sleep(0.001)   # the spec's own handshake: CC write, then CSTS.RDY within CAP.TO
-
-    def _disable(self) -> None:
-        cc = self.bar0.read32(REG_CC)
-        if cc & CC_EN or self._csts() & CSTS_RDY:
-            self.bar0.write32(REG_CC, cc & ~CC_EN)
-            self._wait_ready(False, "CC.EN = 0")
-
-    def _enable(self) -> None:
-        """Disable, set up the admin queues, enable, identify, create the I/O queues."""
-        self._disable()
-        lay = self._layout
-        self.admin = self._queue(0, ADMIN_ENTRIES, lay.admin_sq, lay.admin_cq, lay.admin_pages, ADMIN_ENTRIES - 1,
-                                 0 if self.vectors else None)
-        self.queues = {0: self.admin}
-        self.bar0.write32(REG_AQA, (ADMIN_ENTRIES - 1) << 16 | (ADMIN_ENTRIES - 1))
-        for reg, offset in ((REG_ASQ, lay.admin_sq), (REG_ACQ, lay.admin_cq)):
-            iova = self.control_iova + offset
-            self.bar0.write32(reg, iova & ALL_ONES)
-            self.bar0.write32(reg + 4, iova >> 32)
-        self.bar0.write32(REG_CC, CC_EN | CC_CSS_NVM | 0 << CC_MPS_SHIFT | SQES_LOG2 << CC_IOSQES_SHIFT
-                          | CQES_LOG2 << CC_IOCQES_SHIFT)
-        self._wait_ready(True, "CC.EN = 1")
-        self.failed = None
-        self.info = ControllerInfo.decode(self.identify(Cns.CONTROLLER), self.cap.mpsmin)
-        self.max_transfer = self.info.mdts or dptr.MAX_PRP_BYTES
-        self.max_transfer = min(self.max_transfer, dptr.MAX_PRP_BYTES)
-        nsids = [n for n in _u32s(self.identify(Cns.ACTIVE_NSIDS)) if n]
-        self.namespaces = {n: NamespaceInfo.decode(n, self.identify(Cns.NAMESPACE, nsid=n)) for n in nsids}
-        want = self._io_queue_count + self.spare_queues
-        got = self._admin(AdminOp.SET_FEATURES, cdw10=FEAT_NUMBER_OF_QUEUES, cdw11=(want - 1) << 16 | (want - 1),
-                          what="Set Features Number of Queues").result
-        granted = min((got & 0xFFFF) + 1, (got >> 16) + 1)
-        if granted < want:
-            raise NvmeError(f"{self.bdf}: the controller grants {granted} I/O queue pairs, {want} asked for",
-                            f"open it with io_queues={granted} or fewer")
-        for qid in range(1, self._io_queue_count + 1):
-            sq, cq, pages = lay.io(qid)
-            self.create_io_queue(qid, self._queue(qid, self.queue_entries, sq, cq, pages, self.queue_entries - 1,
-                                                  qid if self.vectors else None))
-        if self.cmb_base is not None:          # a reset: the CMB comes back at the same address
-            self.enable_cmb(self.cmb_base)
 
     def enable_cmb(self, base: int) -> CmbInfo:
         """Turn the Controller Memory Buffer on (NVMe 1.4 CMBMSC): CRE makes CMBLOC/CMBSZ
@@ -311,26 +367,35 @@ class NvmeController:
     # -- admin commands --------------------------------------------------------------
 
     def identify(self, cns: int, nsid: int = 0) -> bytes:
-        req = self.admin.tracker.alloc(f"Identify CNS {cns}", AdminOp.IDENTIFY)
+        """The 4 KiB an Identify of ``cns`` returns (into the request's own page)."""
+        req = self._admin_request(f"Identify CNS {cns}", AdminOp.IDENTIFY)
         try:
             req.page[:] = bytes(PAGE)
-            self._submit(self.admin, req, pack_sqe(AdminOp.IDENTIFY, req.cid, nsid, dptr=(req.page_iova, 0),
-                                                   cdw10=cns))
+            rq.submit(self.admin, req, pack_sqe(AdminOp.IDENTIFY, req.cid, nsid, dptr=(req.page_iova, 0),
+                                                cdw10=cns))
         except BaseException:
             self.admin.tracker.cancel(req)
             raise
-        self.admin.ring()
-        self.wait(self.admin, [req], ADMIN_TIMEOUT)
-        self._check(req)
+        self._run_admin(req)
         return bytes(req.page)
 
     def _admin(self, op: AdminOp, *, cdw10: int = 0, cdw11: int = 0, prp1: int = 0, nsid: int = 0, what: str):
-        req = self.admin.tracker.alloc(what, op)
-        self._submit(self.admin, req, pack_sqe(op, req.cid, nsid, dptr=(prp1, 0), cdw10=cdw10, cdw11=cdw11))
+        req = self._admin_request(what, op)
+        rq.submit(self.admin, req, pack_sqe(op, req.cid, nsid, dptr=(prp1, 0), cdw10=cdw10, cdw11=cdw11))
+        self._run_admin(req)
+        return req.completion
+
+    def _admin_request(self, what: str, op: AdminOp) -> Request:
+        if self.admin is None:
+            raise NvmeError(f"{self.bdf}: {what} before the admin queue exists",
+                            "bring the controller up first: bring_up(), or disable(), configure_admin_queue(), "
+                            "enable(), wait_ready()")
+        return self.admin.tracker.alloc(what, op)
+
+    def _run_admin(self, req: Request) -> None:
         self.admin.ring()
         self.wait(self.admin, [req], ADMIN_TIMEOUT)
-        self._check(req)
-        return req.completion
+        rq.check(self.bdf, req)
 
     # -- I/O ------------------------------------------------------------------------------
 
@@ -376,13 +441,8 @@ class NvmeController:
         what = f"{op.name.lower()} nsid {nsid} bytes [{offset:#x}, {offset + length:#x})"
         req = queue.tracker.alloc(what, op, tag)
         try:
-            if sgl:
-                pointer, psdt = dptr.sgl(segments, req.page, req.page_iova), PSDT_SGL
-            else:
-                pointer, psdt = dptr.prp(iova, length, req.page, req.page_iova), PSDT_PRP
-            slba, nlb = offset // ns.block_size, length // ns.block_size
-            self._submit(queue, req, pack_sqe(op, req.cid, nsid, psdt=psdt, dptr=pointer, cdw10=slba & ALL_ONES,
-                                              cdw11=slba >> 32, cdw12=nlb - 1))
+            pointer, psdt = rq.data_pointer(req, segments, sgl)
+            rq.submit(queue, req, rq.rw_command(op, req, nsid, ns.block_size, offset, length, pointer, psdt))
         except BaseException:
             queue.tracker.cancel(req)
             raise
@@ -393,16 +453,12 @@ class NvmeController:
         self._require_alive()
         self.namespace(nsid)
         req = queue.tracker.alloc(f"flush nsid {nsid}", IoOp.FLUSH)
-        self._submit(queue, req, pack_sqe(IoOp.FLUSH, req.cid, nsid))
+        rq.submit(queue, req, pack_sqe(IoOp.FLUSH, req.cid, nsid))
         return req
-
-    def _submit(self, queue: QueuePair, req: Request, sqe: bytes) -> None:
-        queue.push(sqe)
-        req.submitted = time.monotonic()
 
     def reap(self, queue: QueuePair) -> list[Request]:
         """The requests that completed since last asked (their ``completion`` set; errors included)."""
-        return [queue.tracker.complete(cqe) for cqe in queue.reap()]
+        return rq.reap(queue)
 
     def wait(self, queue: QueuePair, reqs: list[Request], timeout: float = IO_TIMEOUT) -> None:
         """Until every request in ``reqs`` has completed (rung before), or one of: the deadline
@@ -467,12 +523,6 @@ class NvmeController:
         # _check_alive reads it, so the next sleep returns at once with the vector quiet
         return self.vectors.pending(vector) > 0
 
-    def _check(self, req: Request) -> None:
-        c = req.completion
-        if not c.ok:
-            raise NvmeCommandError(f"{self.bdf}: {req.what} failed: {status_name(c.status)} "
-                                   f"(SCT {c.sct:#x} SC {c.sc:#04x})", c.status, _status_fix(c.status))
-
     def io(self, op: IoOp, nsid: int, offset: int, iova: int, length: int, *, qid: int = 1, sgl: bool = False,
            depth: int | None = None, timeout: float = IO_TIMEOUT) -> int:
         """Move ``length`` bytes between namespace bytes at ``offset`` and ``iova`` in pieces of at
@@ -481,7 +531,7 @@ class NvmeController:
         self.check_range(nsid, offset, length)
         queue = self.queues[qid]
         depth = min(depth or queue.tracker.depth, queue.tracker.depth)
-        pieces = [(o, min(self.max_transfer, length - o)) for o in range(0, length, self.max_transfer)]
+        pieces = rq.pieces(length, self.max_transfer)
         inflight: list[Request] = []
         error = None
         while pieces or inflight:
@@ -495,7 +545,7 @@ class NvmeController:
                 if not req.completion.ok and error is None:
                     error, pieces = req, []
         if error is not None:
-            self._check(error)
+            rq.check(self.bdf, error)
         return -(-length // self.max_transfer)
 
     def read(self, nsid: int, offset: int, iova: int, length: int, **kw) -> int:
@@ -509,7 +559,7 @@ class NvmeController:
         req = self.submit_flush(queue, nsid)
         queue.ring()
         self.wait(queue, [req], IO_TIMEOUT)
-        self._check(req)
+        rq.check(self.bdf, req)
 
     # -- memory -------------------------------------------------------------------------------
 
@@ -554,7 +604,7 @@ class NvmeController:
                "torn down and every outstanding request failed")
         try:
             if self._csts() != ALL_ONES:
-                self._disable()
+                self.disable()
         except NvmeError:
             pass                                # gone already: nothing left to stop
         self._fatal(why)
@@ -569,7 +619,7 @@ class NvmeController:
         for queue in self.queues.values():
             for req in queue.tracker.drain():
                 req.extra["error"] = "the controller was reset under the request"
-        self._enable()
+        self.bring_up()
 
     def describe(self) -> dict:
         i = self.info
@@ -609,14 +659,3 @@ class _Layout:
 def _u32s(data: bytes) -> list[int]:
     return [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
 
-
-def _status_fix(status: int) -> str:
-    sct, sc = status >> 8, status & 0xFF
-    if (sct, sc) == (0, 0x04):
-        return ("the controller could not DMA the data: is every IOVA of the buffer mapped for it "
-                "(for VRAM: the GPU's BAR2 mapped into the NVMe's IOMMU context)? see dmesg for DMAR faults")
-    if (sct, sc) in ((0, 0x80), (0, 0x81)):
-        return "stay inside the namespace (Identify Namespace NSZE)"
-    if (sct, sc) == (0, 0x0B):
-        return "use an active namespace ID (vfio-cxl nvme identify)"
-    return "see the NVMe base specification's status code tables"

@@ -28,11 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vfio_cxl.lab.fm.redfish")
     parser.add_argument("--socket", required=True, type=Path, help="the FM's control socket")
     parser.add_argument("--lab", required=True)
-    parser.add_argument("--topology", required=True)
+    topology.add_handoff_options(parser)
     parser.add_argument("--fd", required=True, type=int, help="a listening TCP socket on 127.0.0.1")
     args = parser.parse_args(argv)
 
-    topo = topology.load(args.topology)
+    try:
+        topo = topology.load_handed(args.topology, args.topology_sha256)
+    except LabError as err:
+        log(f"error: {err.what} ({err.fix})")
+        return 1
 
     def fm() -> FmClient:
         return FmClient(args.socket, lab=args.lab, timeout=300)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ....errors import LabError
+from ...topology import Topology, handoff
 from ...vm import die_with_parent
 
 STOP_TIMEOUT = 5.0
@@ -28,7 +29,7 @@ class RedfishService:
         return f"http://127.0.0.1:{self.port}/redfish/v1/"
 
     @classmethod
-    def start(cls, *, fm_socket: Path, lab: str, topology: str, port: int, log: Path) -> "RedfishService":
+    def start(cls, *, fm_socket: Path, lab: str, topology: Topology, port: int, log: Path) -> "RedfishService":
         if not 0 <= port <= 65535:
             raise LabError(f"port {port} is out of range", "give a TCP port 1-65535, or 0 for a free one")
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -44,7 +45,7 @@ class RedfishService:
             with open(log, "ab") as out:
                 popen = subprocess.Popen(
                     [sys.executable, "-m", "vfio_cxl.lab.fm.redfish", "--socket", str(fm_socket), "--lab", lab,
-                     "--topology", topology, "--fd", str(listener.fileno())],
+                     *handoff(topology), "--fd", str(listener.fileno())],
                     pass_fds=[listener.fileno()], stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                     preexec_fn=die_with_parent)
         finally:

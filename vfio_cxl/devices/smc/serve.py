@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 from pathlib import Path
 
 from . import regs
 from .device import SmcController
+from ..serve_loop import serve_until_signalled
 
 
 def socket_paths(directory: str, hosts: int) -> list[str]:
@@ -73,27 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s smc %(levelname)s %(name)s: %(message)s")
     controller = SmcController(sockets, partial_timeout=args.message_timeout)
+    stopped = threading.Event()
+
+    def listen() -> None:
+        controller.listen()
+        controller.start()
+
+    def run() -> None:
+        while not stopped.wait(0.5):   # a timeout, so the signal handler runs between waits
+            pass
+
     try:
-        try:
-            controller.listen()
-        except OSError as exc:
-            print(f"vfio-cxl smc: cannot listen: {exc}", file=sys.stderr)
-            return 1
-        stop = threading.Event()
-        previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            controller.start()
-            for path in sockets:
-                print(f"READY {path}", flush=True)
-            while not stop.wait(0.5):
-                pass
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        return serve_until_signalled("vfio-cxl smc", sockets, listen=listen, run=run, stop=stopped.set)
     finally:
         controller.close()
-    return 0
 
 
 if __name__ == "__main__":

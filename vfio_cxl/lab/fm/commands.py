@@ -14,7 +14,7 @@ import shlex
 import sys
 import time
 
-from .errors import LabError
+from ...errors import LabError
 
 
 def _duration(seconds: float) -> str:
@@ -28,10 +28,11 @@ def _stamp(unix: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(unix)) + f".{int(unix * 1000) % 1000:03d}"
 
 
-def vm_up_detached(args) -> int:
-    from .lab.fm.launch import launch
+def vm_up_detached(args, topo) -> int:
+    """``vm up TOPOLOGY --detach``, ``topo`` loaded by ``vm up``: start the lab's manager, print its name."""
+    from .launch import launch
 
-    info = launch(args.topology, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu,
+    info = launch(topo, accel=args.accel, ssh_port=args.ssh_port, gpu=not args.no_gpu,
                   timeout=args.timeout, echo=lambda text: print(text, file=sys.stderr, flush=True),
                   kernel=args.kernel, modules=args.modules, append=args.append or "")
     print(info["name"])
@@ -40,8 +41,8 @@ def vm_up_detached(args) -> int:
 
 def lab_summary(record) -> dict:
     """One lab as `vm ls` shows it: live from its manager, or from its record if the manager is gone."""
-    from .lab.fm.client import FmClient
-    from .lab.fm.registry import uptime
+    from .client import FmClient
+    from .registry import uptime
 
     summary = {"name": record.name, "topology": record.topology, "fm_pid": record.fm["pid"],
                "uptime": uptime(record), "rundir": record.rundir, "logdir": record.logdir,
@@ -68,7 +69,7 @@ def lab_summary(record) -> dict:
 
 
 def vm_ls(args) -> int:
-    from .lab.fm import registry
+    from . import registry
 
     labs = [lab_summary(r) for r in registry.records()]
     if args.json:
@@ -96,7 +97,7 @@ def vm_ls(args) -> int:
 
 
 def vm_ssh(args) -> int:
-    from .lab.fm.client import FmClient
+    from .client import FmClient
 
     with FmClient.for_lab(args.lab) as client:
         info = client.ssh_info(args.vm)
@@ -116,7 +117,7 @@ def vm_ssh(args) -> int:
         # One argument is a shell command line (`vm ssh a -- 'ls | wc -l'`); several are an
         # argv whose words reach the guest unchanged (`vm ssh a -- sh -c 'exit 3'`).
         argv += ["--", command[0] if len(command) == 1 else shlex.join(command)]
-    from .lab import usage
+    from .. import usage
     usage.record("guest", argv[-1] if command else "(interactive shell)")
     sys.stdout.flush()
     try:
@@ -126,8 +127,8 @@ def vm_ssh(args) -> int:
 
 
 def vm_down(args) -> int:
-    from .lab.fm import registry
-    from .lab.fm.cleanup import down
+    from . import registry
+    from .cleanup import down
 
     def log(text):
         print(text, file=sys.stderr)
@@ -146,7 +147,7 @@ def vm_down(args) -> int:
 
 
 def fm_status(args) -> int:
-    from .lab.fm.client import FmClient
+    from .client import FmClient
 
     with FmClient.for_lab(args.lab) as client:
         status = client.status()
@@ -178,7 +179,7 @@ def _print_event(ev: dict, as_json: bool) -> None:
 
 
 def fm_events(args) -> int:
-    from .lab.fm.client import FmClient
+    from .client import FmClient
 
     with FmClient.for_lab(args.lab) as client:
         if args.follow:
@@ -199,7 +200,7 @@ def fm_events(args) -> int:
 
 
 def _say_dropped(count: int) -> None:
-    from .lab.fm.manager import EVENT_HISTORY
+    from .events import EVENT_HISTORY
 
     if count:
         print(f"({count} older events are no longer kept: the fabric manager keeps the newest "
@@ -207,7 +208,7 @@ def _say_dropped(count: int) -> None:
 
 
 def _fabric_call(args, op: str, **fields) -> int:
-    from .lab.fm.client import FmClient
+    from .client import FmClient
 
     with FmClient.for_lab(args.lab) as client:   # waits for a slow op as long as the FM may take
         result = getattr(client, op)(**fields)
@@ -235,7 +236,7 @@ def fm_release(args) -> int:
 
 
 def fm_redfish(args) -> int:
-    from .lab.fm.client import FmClient
+    from .client import FmClient
 
     with FmClient.for_lab(args.lab) as client:
         result = client.redfish(port=args.port, stop=args.stop)

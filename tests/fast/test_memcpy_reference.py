@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vfio_cxl.bench import reference
+from vfio_cxl.lab import memcpy_reference as reference
 
 
 def test_the_last_level_cache_is_read_from_sysfs():

@@ -2,7 +2,7 @@
 
     vfio-cxl gpu serve --socket PATH [--vram-mib N] [--vendor-id 0x0601]
                        [--device-id 0x1991] [--irq-mode msix|msi] [--message-timeout S]
-                       [--share-vram PATH] [--peer PATH ...] [-v]
+                       [--share-vram PATH] [--peer PATH ...] [--local-dma-faults] [-v]
 
 Prints exactly one line, ``READY <socket path>``, on stdout once the socket
 listens (the lab starts QEMU only after it).  SIGTERM or SIGINT stop it
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 
 from . import regs
 from .device import GpuDevice
+from ..serve_loop import serve_until_signalled
 from ..vfio_user.server import VfioUserServer
 
 
@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--peer", action="append", default=[], metavar="PATH",
                        help="a peer GPU's --share-vram socket (repeatable): enables the proven "
                             "P2P fast path into its VRAM (docs/gpu-device.md, P2P)")
+    serve.add_argument("--local-dma-faults", action="store_true",
+                       help="fault a DMA to an IOVA without a DMA_MAP inside the device only; "
+                            "by default it also goes to QEMU (rate limited), whose vIOMMU "
+                            "records the fault the guest logs (docs/gpu-device.md, Faults)")
     serve.add_argument("-v", "--verbose", action="store_true",
                        help="log every vfio-user message (debug level)")
     return parser
@@ -67,29 +71,18 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s gpu %(levelname)s %(name)s: %(message)s")
     try:
         device = GpuDevice(args.vram_mib * regs.MIB, args.vendor_id, args.device_id,
-                           irq_mode=args.irq_mode, share_vram=args.share_vram, peers=args.peer)
+                           irq_mode=args.irq_mode, share_vram=args.share_vram, peers=args.peer,
+                           local_dma_faults=args.local_dma_faults)
     except ValueError as exc:
         print(f"vfio-cxl gpu: {exc}", file=sys.stderr)
         return 2
     server = VfioUserServer(args.socket, device, partial_timeout=args.message_timeout)
     try:
-        try:
-            server.listen()
-        except OSError as exc:
-            print(f"vfio-cxl gpu: cannot listen on {args.socket}: {exc}", file=sys.stderr)
-            return 1
-        previous = {sig: signal.signal(sig, lambda *_: server.stop())
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            print(f"READY {args.socket}", flush=True)
-            server.serve_forever()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        return serve_until_signalled("vfio-cxl gpu", [args.socket], listen=server.listen,
+                                     run=server.serve_forever, stop=server.stop)
     finally:
         server.close()
         device.close()
-    return 0
 
 
 if __name__ == "__main__":

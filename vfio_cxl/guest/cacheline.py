@@ -11,9 +11,9 @@ work.  ``x86()`` returns the ``Coherence`` that does:
 The instructions are a few lines of C (``cacheline.c``, no libc) loaded with
 cffi in ABI mode from a shared object built on the host::
 
-    python -m vfio_cxl.cacheline build        # on the host: needs a C compiler (cc)
-    python -m vfio_cxl.cacheline info         # what the CPU has (CPUID), where the library is
-    python -m vfio_cxl.cacheline bench [--json]   # ns per 64-byte line and per MiB
+    python -m vfio_cxl.guest.cacheline build        # on the host: needs a C compiler (cc)
+    python -m vfio_cxl.guest.cacheline info         # what the CPU has (CPUID), where the library is
+    python -m vfio_cxl.guest.cacheline bench [--json]   # ns per 64-byte line and per MiB
 
 The object goes to ``vfio_cxl/_native/`` in the checkout (not committed); the
 guests have no compiler but see the checkout, so they load the host's build.
@@ -36,10 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from .guest.channel import ChannelError, Coherence
+from ..paths import NATIVE_DIR
+from .channel import ChannelError, Coherence
+
+__all__ = ["x86", "X86Coherence", "CachelineError", "build", "load", "features", "measure", "library_path"]
 
 SOURCE = Path(__file__).with_name("cacheline.c")
-NATIVE_DIR = Path(__file__).with_name("_native")
 LINE = 64
 HAS_CLFLUSH, HAS_CLFLUSHOPT, HAS_CLWB = 1, 2, 4
 
@@ -78,7 +80,7 @@ def build(cc: str | None = None) -> Path:
     if not cc:
         raise CachelineError(f"no C compiler to build the cache-line helper ({wanted or 'cc, gcc'} not found)",
                              "install one (apt-get install gcc) on the host and run: "
-                             "python -m vfio_cxl.cacheline build")
+                             "python -m vfio_cxl.guest.cacheline build")
     NATIVE_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=NATIVE_DIR) as tmp:
         out = Path(tmp) / path.name
@@ -105,13 +107,13 @@ def load(*, build_if_missing: bool = True):
     if not path.exists():
         if not build_if_missing:
             raise CachelineError(f"no built cache-line helper at {path}",
-                                 "run `python -m vfio_cxl.cacheline build` on the host (needs a C compiler); "
+                                 "run `python -m vfio_cxl.guest.cacheline build` on the host (needs a C compiler); "
                                  "guests see the host's build through the shared checkout")
         try:
             build()
         except CachelineError as e:
             raise CachelineError(f"no built cache-line helper at {path}, and it cannot be built here: {e.what}",
-                                 "run `python -m vfio_cxl.cacheline build` on the host; guests see the host's "
+                                 "run `python -m vfio_cxl.guest.cacheline build` on the host; guests see the host's "
                                  "build through the shared checkout") from None
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
@@ -248,7 +250,7 @@ def measure(size: int = 1 << 20, rounds: int = 20) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vfio_cxl.cacheline", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m vfio_cxl.guest.cacheline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["build", "info", "bench"])
     parser.add_argument("--json", action="store_true")
