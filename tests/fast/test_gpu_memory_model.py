@@ -70,11 +70,19 @@ def test_ds_backlog_stays_empty_when_the_endpoint_keeps_up_and_stalls_when_it_do
 
 
 def test_modelled_time_depends_on_counts_only():
-    c = counters(far_lines_read=1000, far_lines_written=500, vram_lines=10, faults=2,
+    c = counters(far_lines_read=1000, far_lines_written=500, vram_lines=10, faults=2, fault_batches=2,
                  bytes_migrated=8192)
     assert m.modelled_ns(c, MODEL) == m.modelled_ns(dict(c), MODEL)
-    more = dict(c, faults=3)
+    more = dict(c, fault_batches=3)
     assert m.modelled_ns(more, MODEL)["total_ns"] - m.modelled_ns(c, MODEL)["total_ns"] == pytest.approx(45_000)
+
+
+def test_uvm_is_charged_per_batch_and_per_byte_not_per_fault():
+    one = counters(faults=1, fault_batches=1, bytes_migrated=64 << 10)
+    batched = counters(faults=32, fault_batches=1, bytes_migrated=2 << 20, prefetched_bytes=1 << 20)
+    t_one, t_batched = (m.modelled_ns(c, MODEL)["uvm_ns"] for c in (one, batched))
+    assert t_one == pytest.approx(45_000 + (64 << 10) / 16)
+    assert t_batched == pytest.approx(45_000 + (2 << 20) / 16)   # prefetched bytes: among those migrated
 
 
 def test_the_profiles_order_as_their_latencies():

@@ -100,7 +100,7 @@ def test_the_documented_pager_goes_through_every_hook(mem, kernel, cache):
     direct-mapped cache; scatter's random updates get a slot per page (and run warm).  Written
     pages go back through write_back (and through evictions): the run checks the far window."""
     rec = Recording(documented_pager())
-    result = mem.run(kernel, mode="uvm", working_set=1 << 20, vram_cache=cache, warm=kernel == "scatter",
+    result = mem.run(kernel, mode="uvm-naive", working_set=1 << 20, vram_cache=cache, warm=kernel == "scatter",
                      pager=rec)
     assert result["verified"], result["check"]
     assert rec.calls[0] == ("init", 16, 0, cache) and len(rec.pagers) == 1
@@ -133,16 +133,16 @@ def test_a_pager_that_cancels_gets_fault_cancelled(mem):
             return 0
 
     with pytest.raises(GpuDmaError, match="FAULT_CANCELLED"):
-        mem.run("stream", mode="uvm", working_set=1 << 20, vram_cache=256 << 10, pager=Cancelling)
+        mem.run("stream", mode="uvm-naive", working_set=1 << 20, vram_cache=256 << 10, pager=Cancelling)
     mem.program()     # the driver reset the GPU: the far window again, then it works
-    assert mem.run("stream", mode="uvm", working_set=1 << 20, vram_cache=256 << 10)["verified"]
+    assert mem.run("stream", mode="uvm-naive", working_set=1 << 20, vram_cache=256 << 10)["verified"]
 
 
 def test_migration_tags_go_on_from_one_pager_to_the_next(mem):
     """The device ignores a GO that repeats the last accepted tag, and keeps reporting the
     previous migration's DONE: a new pager that started its tags again at 1 after one that
     migrated a single page had its first migration ignored, and computed over stale VRAM."""
-    one_page = dict(mode="uvm", working_set=4096, vram_cache=1 << 16)
+    one_page = dict(mode="uvm-naive", working_set=4096, vram_cache=1 << 16)
     first = mem.run("stream", seed=1, **one_page)
     assert first["verified"] and first["counters"]["migrations"] == 1
     second = mem.run("stream", seed=2, **one_page)          # other data, a new UvmPager
@@ -153,7 +153,7 @@ def test_migration_tags_go_on_from_one_pager_to_the_next(mem):
 
 
 def test_the_library_pager_reports_what_it_did(mem):
-    result = mem.run("stream", mode="uvm", working_set=1 << 20, vram_cache=256 << 10, pager=UvmPager)
+    result = mem.run("stream", mode="uvm-naive", working_set=1 << 20, vram_cache=256 << 10, pager=UvmPager)
     assert result["verified"]
     assert result["pager"]["served"] == result["counters"]["faults"] == 16
     assert result["pager"]["trace"] == list(range(16))

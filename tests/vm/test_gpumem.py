@@ -11,13 +11,16 @@ import pytest
 from vfio_cxl.devices.gpu import regs
 
 SMALL = 256 << 10
+UVM_BLOCK = 2 << 20
 
 
 def plan_all(vram_cache: int) -> list[dict]:
-    """Every kernel in every mode; uvm with a cache as large as the working set (cold faults
-    only: random gathers through a smaller cache fault on most accesses, ~0.1 s each here)."""
+    """Every kernel in every mode; uvm-naive with a cache as large as the working set (cold
+    faults only: random gathers through a smaller cache fault on most accesses, ~0.1 s each
+    here), uvm with one 2 MiB VA block (its smallest cache; the working set fits in it)."""
     return [{"kernel": k, "mode": m, "latency": "cxl-80ns", "working_set": SMALL,
-             "vram_cache": vram_cache, "unit": "4K"} for k in regs.KERNELS for m in regs.MODES]
+             "vram_cache": UVM_BLOCK if m == "uvm" else vram_cache, "unit": "4K"}
+            for k in regs.KERNELS for m in regs.MODES]
 
 
 def run_plan(vm, plan, env="", gpu=None):
@@ -38,9 +41,13 @@ def check_every_kernel_and_mode(rows):
     assert not bad, bad
     for r in rows:
         c = r["counters"]
-        if r["mode"] == "uvm":
+        if r["mode"] in ("uvm", "uvm-naive"):
             assert c["faults"] > 0 and c["far_lines_read"] == 0 and c["vram_lines"] > 0, r
             assert r["pager"]["spurious"] == 0, r["pager"]
+            if r["mode"] == "uvm-naive":    # one fault per stop, nothing prefetched
+                assert c["fault_batches"] == c["faults"] and c["prefetched_bytes"] == 0, c
+            elif r["kernel"] == "stream":   # the faults of the warps in flight, in one batch
+                assert 0 < c["fault_batches"] < c["faults"] and c["prefetched_bytes"] > 0, c
         else:
             assert c["faults"] == 0 and c["far_lines_read"] + c["sr_hits"] > 0, r
         assert (c["sr_issued"] > 0) == ("sr" in r["mode"]) or r["kernel"] == "bfs", r
@@ -55,14 +62,14 @@ def test_every_kernel_in_every_mode_verifies(single_lab):
 
 def test_uvm_at_4x_the_vram_cache_faults_once_per_unit(single_lab):
     vm = single_lab["host0"]
-    r = json.loads(vm.run("vfio-cxl gpu run stream --mode uvm --working-set 1M --vram-cache 256K "
+    r = json.loads(vm.run("vfio-cxl gpu run stream --mode uvm-naive --working-set 1M --vram-cache 256K "
                           "--unit 64K --json", timeout=600).stdout)
     c = r["counters"]
     assert r["verified"], r
     # a sequential stream over 16 units through a 4-unit LRU cache: one fault per unit
     assert c["faults"] == c["migrations"] == 16 and c["evictions"] == 12, c
     assert c["bytes_migrated"] == 16 * 65536 and r["pager"]["spurious"] == 0
-    s = json.loads(vm.run("vfio-cxl gpu run stencil --mode uvm --working-set 1M --vram-cache 256K "
+    s = json.loads(vm.run("vfio-cxl gpu run stencil --mode uvm-naive --working-set 1M --vram-cache 256K "
                           "--unit 64K --json", timeout=600).stdout)
     sc = s["counters"]
     assert s["verified"], s
@@ -70,12 +77,23 @@ def test_uvm_at_4x_the_vram_cache_faults_once_per_unit(single_lab):
     assert sc["bytes_migrated"] > 16 * 65536            # written units went back on eviction
 
 
+def test_uvm_batches_prefetches_and_evicts_2mib_blocks(single_lab):
+    vm = single_lab["host0"]
+    r = json.loads(vm.run("vfio-cxl gpu run stream --mode uvm --working-set 8M --vram-cache 2M "
+                          "--unit 64K --json", timeout=600).stdout)
+    c = r["counters"]
+    assert r["verified"], r
+    assert 0 < c["fault_batches"] < c["faults"] and c["faults_coalesced"] > 0, c
+    assert c["prefetched_bytes"] > 0 and c["evicted_blocks"] == 3, c     # four blocks through one slot
+    assert c["faults"] * 65536 + c["prefetched_bytes"] == c["bytes_migrated"] == 8 << 20, c
+
+
 def test_the_readme_commands(single_lab):
     vm = single_lab["host0"]
     out = vm.run("vfio-cxl gpu run stencil --mode cxl+sr+ds --latency cxl-80ns --working-set 1M",
                  timeout=600).stdout
     assert "VERIFIED" in out and "modelled" in out and "sr_hits" in out, out
-    out = vm.run("vfio-cxl gpu run stream --mode uvm --working-set 1M --vram-cache 256K --unit 64K",
+    out = vm.run("vfio-cxl gpu run stream --mode uvm-naive --working-set 1M --vram-cache 256K --unit 64K",
                  timeout=600).stdout
     assert "VERIFIED" in out and "faults 16" in out, out
 
@@ -109,7 +127,7 @@ UvmPager.service = service
 error = None
 try:
     with GpuMemory.open(bdf, 8 << 20) as mem:
-        mem.run("stream", "uvm", "cxl-80ns", 8 << 20, 256 << 10, "4K")
+        mem.run("stream", "uvm-naive", "cxl-80ns", 8 << 20, 256 << 10, "4K")
 except gpumem.GpuError as err:
     error = str(err)
 done = time.monotonic()
@@ -127,7 +145,7 @@ def test_reset_in_the_middle_of_a_uvm_run_leaves_nothing_hung(single_lab):
     assert json.loads(vm.run("vfio-cxl gpu holders --json").stdout)["holders"] == []
     assert vm.run("ps -eo args | grep '[v]fio_cxl.guest' || true").stdout.strip() == ""
     # the GPU works again, nothing left pending in it
-    r = json.loads(vm.run("vfio-cxl gpu run stream --mode uvm --working-set 256K --vram-cache 64K "
+    r = json.loads(vm.run("vfio-cxl gpu run stream --mode uvm-naive --working-set 256K --vram-cache 64K "
                           "--unit 4K --json", timeout=600).stdout)
     assert r["verified"] and r["counters"]["faults"] == 64
 

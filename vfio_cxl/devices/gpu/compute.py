@@ -22,6 +22,7 @@ from .regs import LINE_SIZE, Kernel
 U64, U32 = np.dtype("<u8"), np.dtype("<u4")
 UNREACHED = 0xFFFFFFFF
 MAX_ELEMENTS = 1 << 32  # n, aux: 32-bit indices
+MAX_GEMV_N = 1 << 14  # GEMV: W of at most 2 GiB
 
 
 class KernelError(Exception):
@@ -67,6 +68,12 @@ def operands(kernel: int, n: int, a: int, b: int, idx: int, aux: int, arg: int) 
         return [Operand("idx", idx, 4 * n), Operand("a", a, 8 * aux), Operand("b", b, 8 * n, True)]
     if k is Kernel.SCATTER:
         return [Operand("idx", idx, 4 * n), Operand("a", a, 8 * aux, True)]
+    if k is Kernel.GEMV:
+        if not 0 < arg < MAX_ELEMENTS:
+            raise KernelError(f"GEMV: arg = {arg} tokens must be in [1, 2**32)", arg)
+        if n > MAX_GEMV_N:
+            raise KernelError(f"GEMV: n = {n} is above {MAX_GEMV_N} (W is n x n u64)", n)
+        return [Operand("a", a, 8 * n * n), Operand("idx", idx, 8 * n), Operand("b", b, 8 * n, True)]
     if arg >= n:
         raise KernelError(f"BFS: source vertex {arg} is not below n = {n}", arg)
     return [Operand("a", a, 8 * (n + 1)), Operand("idx", idx, 4 * aux), Operand("b", b, 4 * n, True)]
@@ -161,6 +168,8 @@ def run(kernel: int, n: int, a: int, b: int, idx: int, aux: int, arg: int,
                      _per_element(data_addr, i + 0.5, True, 2)]
         out.lines, out.is_write, out.pcs = coalesce(*_merge(parts))
         return out
+    if k is Kernel.GEMV:
+        return _gemv(n, a, b, idx, arg, load)
     # BFS over CSR
     row = load(a, 8 * (n + 1)).view(U64)
     down = np.flatnonzero(row[1:] < row[:-1])   # compared as u64
@@ -198,4 +207,28 @@ def run(kernel: int, n: int, a: int, b: int, idx: int, aux: int, arg: int,
     out.outputs = [(b, level)]
     out.result = int(np.count_nonzero(level != UNREACHED))
     out.lines, out.is_write, out.pcs = coalesce(*_merge(parts))
+    return out
+
+
+def _gemv(n: int, a: int, b: int, idx: int, tokens: int, load) -> KernelRun:
+    """LLM decoding: per token, y = W x (mod 2**64); x_0 = x at ``idx``, x_(t+1) = y.
+
+    Access stream per token: x_t read whole first (from ``idx``, later from ``b``: it fits
+    on chip), then W row by row, y[i] written once row i is done.  W, larger than VRAM
+    in the bench, is read in full once per token: a cyclic pattern."""
+    w = load(a, 8 * n * n).view(U64).reshape(n, n)
+    x = load(idx, 8 * n).view(U64).copy()
+    for _ in range(tokens):
+        x = w @ x   # uint64 arithmetic wraps mod 2**64
+    out = KernelRun(result=int(x.sum(dtype=np.uint64)), outputs=[(b, x)])
+    parts = []
+    for t in range(tokens):
+        base = t * (n + 2.0)
+        xl = _seq_lines(idx if t == 0 else b, 8 * n)
+        parts.append((xl, np.full(len(xl), base), False, 0))
+        wl, wkey, _, _ = _seq(a, 8, n * n, False, 1)
+        parts.append((wl, base + 1 + wkey // n, False, 1))
+        yl, ykey, _, _ = _seq(b, 8, n, True, 2)
+        parts.append((yl, base + 1 + ykey + 0.5, True, 2))
+    out.lines, out.is_write, out.pcs = _merge(parts)
     return out

@@ -268,7 +268,7 @@ class Engine:
             return self.port.window_writes & 0xFFFFFFFF if self.port else 0
         if reg == regs.REG_MSGWIN_READS:
             return self.port.window_reads & 0xFFFFFFFF if self.port else 0
-        if regs.FARMEM_FIRST <= reg <= regs.FARMEM_LAST:
+        if regs.FARMEM_FIRST <= reg <= regs.FARMEM_LAST or regs.FARMEM2_FIRST <= reg <= regs.FARMEM2_LAST:
             return self.farmem.reg_value(reg)
         return self.regs.value(reg, self.status(), control)
 

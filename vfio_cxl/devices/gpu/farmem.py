@@ -46,7 +46,9 @@ def _mig_error(status: Status) -> int:
 _MERGED = frozenset((regs.REG_LATENCY_PROFILE, regs.REG_SR_DEGREE, regs.REG_SR_DISTANCE,
                      regs.REG_DS_BACKLOG_LINES, regs.REG_DS_STAGE_BASE, regs.REG_UVM_PAGE_SHIFT,
                      regs.REG_UVM_FAULT_TIMEOUT_MS, regs.REG_FAULT_ENTRIES, regs.REG_FAULT_GET,
-                     regs.REG_PT_INDEX, regs.REG_PT_ENTRY, regs.REG_MIG_LENGTH))
+                     regs.REG_PT_INDEX, regs.REG_PT_ENTRY, regs.REG_MIG_LENGTH,
+                     regs.REG_UVM_FAULT_AHEAD))
+COUNTER_NAMES = regs.COUNTERS[:-1] + regs.COUNTERS2  # what the device counts (modelled_ns: computed)
 
 
 class OpFailed(Exception):
@@ -84,7 +86,10 @@ class FarMemory:
         self.fault_timeout_ms = DEFAULT_TIMEOUT_MS
         self.fault_base = self.fault_entries = self.fault_put = self.fault_get = 0
         self.fault_seq = 0
+        self.fault_ahead = 0
         self.fault_pending = False
+        self.fault_overflow = False
+        self.stop_pages = frozenset()  # pages the pending stop has records for
         self.replay = self.cancel = False
         self.pt_index = 0
         self.pt = np.full(0, -1, dtype=np.int64)
@@ -94,7 +99,7 @@ class FarMemory:
         self.mig_tag = None  # tag of the last GO accepted
         self.mig_job = None
         self.busy = False  # a COMPUTE/FLUSH op is executing
-        self.counters = dict.fromkeys(regs.COUNTERS[:-1], 0)
+        self.counters = dict.fromkeys(COUNTER_NAMES, 0)
         self.ds_pending = None  # (far offsets of staged lines: int64 array) or None
         self._resize_pt()
 
@@ -187,14 +192,22 @@ class FarMemory:
                 self._start_migration()
         elif reg == regs.REG_COUNTER_CONTROL:
             if v & regs.COUNTERS_CLEAR:
-                self.counters = dict.fromkeys(regs.COUNTERS[:-1], 0)
+                self.counters = dict.fromkeys(COUNTER_NAMES, 0)
+        elif reg == regs.REG_UVM_FAULT_AHEAD:
+            self.fault_ahead = v
+
+    def _counter_value(self, reg: int) -> int:
+        """The counter half at ``reg`` (0x180-0x1FF: COUNTERS, 0x280-0x28F: COUNTERS2)."""
+        base, names = ((regs.REG_COUNTERS2, regs.COUNTERS2) if reg >= regs.FARMEM2_FIRST
+                       else (regs.REG_COUNTERS, regs.COUNTERS))
+        i, hi = divmod(reg - base, 8)
+        name = names[i]
+        value = self.modelled_ns() if name == "modelled_ns" else self.counters[name]
+        return (value >> 32 if hi >= 4 else value) & 0xFFFFFFFF
 
     def reg_value(self, reg: int) -> int:
         if reg >= regs.REG_COUNTERS:
-            i, hi = divmod(reg - regs.REG_COUNTERS, 8)
-            name = regs.COUNTERS[i]
-            value = self.modelled_ns() if name == "modelled_ns" else self.counters[name]
-            return (value >> 32 if hi >= 4 else value) & 0xFFFFFFFF
+            return self._counter_value(reg)
         pte = 0
         if reg == regs.REG_PT_ENTRY and self.pt_index < len(self.pt) and self.pt[self.pt_index] >= 0:
             pte = (int(self.pt[self.pt_index]) | regs.PTE_VALID
@@ -217,7 +230,9 @@ class FarMemory:
             regs.REG_FAULT_ENTRIES: self.fault_entries,
             regs.REG_FAULT_PUT: self.fault_put,
             regs.REG_FAULT_GET: self.fault_get,
-            regs.REG_UVM_STATUS: regs.UVM_FAULT_PENDING if self.fault_pending else 0,
+            regs.REG_UVM_STATUS: ((regs.UVM_FAULT_PENDING if self.fault_pending else 0)
+                                  | (regs.UVM_FAULT_OVERFLOW if self.fault_overflow else 0)),
+            regs.REG_UVM_FAULT_AHEAD: self.fault_ahead,
             regs.REG_PT_INDEX: self.pt_index,
             regs.REG_PT_ENTRY: pte,
             regs.REG_MIG_SRC_LO: self.mig_src & 0xFFFFFFFF,
@@ -263,7 +278,21 @@ class FarMemory:
             self.mig_status = _mig_error(Status.DMA_ABORTED)
             return
         self.mig_status = regs.MIG_BUSY
-        self.mig_job = (self.engine.epoch, self.engine.port, src, dst, length, far_to_vram)
+        prefetched = self._prefetched_bytes(src, length) if far_to_vram else 0
+        self.mig_job = (self.engine.epoch, self.engine.port, src, dst, length, far_to_vram, prefetched)
+
+    def _prefetched_bytes(self, src: int, length: int) -> int:
+        """Bytes of far [src, src + length) in pages the pending stop has no record for (none
+        when no stop is pending: a migration outside a stop is not a prefetch)."""
+        if not self.fault_pending:
+            return 0
+        shift = self.page_shift
+        first, end = src - regs.FAR_DEVADDR, src - regs.FAR_DEVADDR + length
+        out = 0
+        for page in range(first >> shift, ((end - 1) >> shift) + 1):
+            if page not in self.stop_pages:
+                out += min(end, (page + 1) << shift) - max(first, page << shift)
+        return out
 
     def drop_migration(self) -> None:
         """The device dropped its work (engine.lock held, the epoch already bumped): a migration
@@ -282,7 +311,7 @@ class FarMemory:
                     return
                 job, self.mig_job = self.mig_job, None
                 far_base = self.far_base
-            epoch, port, src, dst, length, far_to_vram = job
+            epoch, port, src, dst, length, far_to_vram, prefetched = job
 
             def stale() -> bool:
                 return eng.epoch != epoch
@@ -325,6 +354,7 @@ class FarMemory:
                     self.counters["bytes_migrated"] += length
                     if far_to_vram:
                         self.counters["migrations"] += 1
+                        self.counters["prefetched_bytes"] += prefetched
                 eng.lock.notify_all()
 
     # ================================================================ memory access (engine thread)
@@ -450,6 +480,7 @@ class FarMemory:
             return {"far_base": self.far_base, "far_size": self.far_size, "mode": self.mode,
                     "model": self.model, "sr": (self.sr_degree, self.sr_distance),
                     "ds": (self.ds_backlog, self.ds_stage), "page_shift": self.page_shift,
+                    "fault_ahead": self.fault_ahead,
                     "pt": self.pt.copy() if self.mode & regs.MODE_UVM else None}
 
     def _compute(self, src, dst, length, port, stale):
@@ -564,8 +595,10 @@ class FarMemory:
 
     # ================================================================ UVM
     def _uvm_walk(self, cfg, port, stale, far_lines: np.ndarray, far_writes: np.ndarray) -> None:
-        """Every page of the stream resident, in stream order: a page not in the page
-        table stops the op with a replayable fault until the driver replays."""
+        """Every page of the stream resident, in stream order: a page not in the page table
+        stops the op with replayable faults until the driver replays.  A stop reports the
+        touches of non-resident pages within ``UVM_FAULT_AHEAD`` lines of the stream from
+        the first (the accesses of the warps in flight; 0: that one touch alone)."""
         shift = cfg["page_shift"] - 6
         pages = (far_lines - regs.FAR_DEVADDR // regs.LINE_SIZE) >> shift
         if not len(pages):
@@ -575,6 +608,7 @@ class FarMemory:
         # a run of accesses to one page is one touch; written if any access of the run writes
         run_id = np.cumsum(keep) - 1
         touches = pages[keep]
+        starts = np.flatnonzero(keep)  # the stream position (line) where each touch begins
         touch_write = np.zeros(len(touches), dtype=bool)
         touch_write[run_id[far_writes]] = True
         i, n = 0, len(touches)
@@ -587,29 +621,42 @@ class FarMemory:
                 self.dirty[seg[:upto][touch_write[i:i + upto]]] = True
             i += upto
             if upto < len(seg):
-                self._fault(cfg, port, stale, int(touches[i]), bool(touch_write[i]))
+                end = max(i + 1, int(np.searchsorted(starts, starts[i] + cfg["fault_ahead"])))
+                self._stop(cfg, stale, port, touches[i:end], touch_write[i:end])
 
-    def _fault(self, cfg, port, stale, page: int, write: bool) -> None:
+    def _stop(self, cfg, stale, port, pages: np.ndarray, writes: np.ndarray) -> None:
+        """One stop on replayable faults: a record for each touch of a non-resident page among
+        ``pages`` (the first is one), as many as the fault buffer has free records for (the
+        rest set UVM_STATUS.OVERFLOW and fault again after the replay); then wait for it."""
         eng = self.engine
-        addr = regs.FAR_DEVADDR + (page << cfg["page_shift"])
+        shift = cfg["page_shift"]
         with eng.lock:
-            entries, base = self.fault_entries, self.fault_base
-            if not entries or (self.fault_put + 1) % entries == self.fault_get:
-                raise OpFailed(Status.FAULT_TIMEOUT, addr)  # nowhere to report it
-            slot = self.fault_put
-            self.fault_seq = (self.fault_seq + 1) & 0xFFFFFFFF or 1
-            seq = self.fault_seq
+            entries, base, put = self.fault_entries, self.fault_base, self.fault_put
+            free = (self.fault_get - put - 1) % entries if entries else 0
+            if not free:  # nowhere to report it
+                raise OpFailed(Status.FAULT_TIMEOUT, regs.FAR_DEVADDR + (int(pages[0]) << shift))
+            missing = np.flatnonzero(self.pt[pages] < 0)
+            take = missing[:free]
+            self.fault_overflow = len(missing) > free
+            records = []
+            for k in take.tolist():
+                self.fault_seq = (self.fault_seq + 1) & 0xFFFFFFFF or 1
+                records.append(regs.FAULT_RECORD.pack(regs.FAR_DEVADDR + (int(pages[k]) << shift),
+                                                      regs.FAULT_WRITE if writes[k] else 0, self.fault_seq))
             self.replay = self.cancel = False
             timeout = self.fault_timeout_ms / 1000
-        record = regs.FAULT_RECORD.pack(addr, regs.FAULT_WRITE if write else 0, seq)
-        port.write(base + slot * regs.FAULT_RECORD.size, memoryview(record), stale)
+        for j, record in enumerate(records):
+            port.write(base + (put + j) % entries * regs.FAULT_RECORD.size, memoryview(record), stale)
+        first = regs.FAR_DEVADDR + (int(pages[0]) << shift)
         deadline = time.monotonic() + timeout
         with eng.lock:
             if stale():
                 raise DmaAborted()
-            self.fault_put = (slot + 1) % entries
+            self.fault_put = (put + len(records)) % entries
+            self.stop_pages = frozenset(pages[take].tolist())
             self.fault_pending = True
-            self.counters["faults"] += 1
+            self.counters["faults"] += len(records)
+            self.counters["fault_batches"] += 1
             eng.raise_fault()
             while not (self.replay or self.cancel or stale() or eng.stopping):
                 left = deadline - time.monotonic()
@@ -617,11 +664,12 @@ class FarMemory:
                     break
                 eng.lock.wait(left)
             self.fault_pending = False
+            self.stop_pages = frozenset()
             if stale() or eng.stopping:
                 raise DmaAborted()
             if self.cancel:
-                raise OpFailed(Status.FAULT_CANCELLED, addr)
+                raise OpFailed(Status.FAULT_CANCELLED, first)
             if not self.replay:
-                log.warning("fault at %#x not replayed within %.1f s", addr, timeout)
-                raise OpFailed(Status.FAULT_TIMEOUT, addr, errno.ETIMEDOUT)
+                log.warning("fault at %#x not replayed within %.1f s", first, timeout)
+                raise OpFailed(Status.FAULT_TIMEOUT, first, errno.ETIMEDOUT)
             self.replay = False

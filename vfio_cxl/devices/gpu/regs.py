@@ -100,7 +100,7 @@ REG_MSGWIN_WRITES = 0x210  # RO  DMA_WRITE messages sent into the window since c
 REG_MSGWIN_READS = 0x214  # RO  DMA_READ messages sent into the window since connect (wraps)
 
 ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
-DEVICE_VERSION = 0x00010005  # 1.5: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3), 1.1's error values, copy engine and fault seq pinned down (1.4), unmapped DMA reported to the client's vIOMMU (1.5); a 1.0 driver works unchanged
+DEVICE_VERSION = 0x00010006  # 1.6: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3), 1.1's error values, copy engine and fault seq pinned down (1.4), unmapped DMA reported to the client's vIOMMU (1.5), fault batches, UVM counters and GEMV (1.6); a 1.0 driver works unchanged
 
 # REG_CONTROL bits
 CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE
@@ -278,9 +278,13 @@ REG_MIG_LENGTH = 0x164  # RW  bytes, a nonzero multiple of 64 (else a GO fails a
 REG_MIG_CONTROL = 0x168  # W   MIG_GO | tag << 8 starts the copy engine (a tag unlike the last one); reads 0
 REG_MIG_STATUS = 0x16C  # RO  MIG_BUSY (set by an accepted GO at once) / MIG_DONE / MIG_ERROR, bits 8-15 the Status of an error
 REG_DS_PENDING_LINES = 0x170  # RO  lines staged by DS and not yet in the far window
+REG_UVM_FAULT_AHEAD = 0x174  # RW  1.6: lines of the access stream resolved per stop (the warps in flight); 0 = one fault per stop
 REG_COUNTER_CONTROL = 0x178  # W   COUNTERS_CLEAR; reads 0
 REG_CAPS2 = 0x17C  # RO  CAPS2_* feature bits
 REG_COUNTERS = 0x180  # RO  16 u64 counters (COUNTERS), _LO at 0x180 + 8 * i, _HI at + 4
+# interface 1.6: 0x280-0x28F, more u64 counters (COUNTERS2), _LO at 0x280 + 8 * i, _HI at + 4
+FARMEM2_FIRST, FARMEM2_LAST = 0x280, 0x28F
+REG_COUNTERS2 = 0x280
 
 FAR_DEVADDR = 1 << 40  # device address of far window offset 0; below it: VRAM offsets
 LINE_SIZE = 64
@@ -290,7 +294,7 @@ MODE_SR = 1 << 0  # speculative reads
 MODE_DS = 1 << 1  # deterministic store
 MODE_UVM = 1 << 2  # far pages reached only through the page table (replayable faults); alone
 MODES = {"cxl": 0, "cxl+sr": MODE_SR, "cxl+ds": MODE_DS, "cxl+sr+ds": MODE_SR | MODE_DS,
-         "uvm": MODE_UVM}
+         "uvm": MODE_UVM, "uvm-naive": MODE_UVM}  # the two uvm modes differ in the guest's pager
 LATENCY_PROFILES = ("cxl-80ns", "cxl-250ns", "ssd")  # LATENCY_PROFILE register values 0, 1, 2
 
 SR_BUFFER_LINES = 1024  # the SR buffer: 64 KiB
@@ -301,6 +305,7 @@ UVM_PAGE_SHIFTS = (12, 16, 21)  # 4 KiB, 64 KiB, 2 MiB
 UVM_REPLAY = 1 << 0  # the driver serviced the faults: the op retries the access
 UVM_CANCEL = 1 << 1  # the op fails with FAULT_CANCELLED
 UVM_FAULT_PENDING = 1 << 0
+UVM_FAULT_OVERFLOW = 1 << 1  # 1.6: the pending stop had more faults than free records (they fault again)
 PTE_VALID = 1 << 0
 PTE_DIRTY = 1 << 1  # set by the device when a kernel writes the resident page
 PTE_ADDR_MASK = 0xFFFFF000  # VRAM offset of the page (page-size aligned)
@@ -331,6 +336,18 @@ COUNTERS = (
     "faults", "migrations", "evictions", "bytes_migrated",
     "modelled_ns",  # the model's time for the counts above (docs/gpu-memory.md)
 )
+# interface 1.6 (index i at REG_COUNTERS2 + 8 * i); modelled_ns counts them too
+COUNTERS2 = (
+    "fault_batches",  # stops on a replayable fault: each one fault interrupt and one replay
+    "prefetched_bytes",  # far -> VRAM migration bytes, during a stop, of pages it has no record for
+)
+
+
+def counter_reg(name: str) -> int:
+    """The _LO register of counter ``name`` (COUNTERS or COUNTERS2)."""
+    if name in COUNTERS2:
+        return REG_COUNTERS2 + 8 * COUNTERS2.index(name)
+    return REG_COUNTERS + 8 * COUNTERS.index(name)
 
 
 class Kernel(IntEnum):
@@ -342,6 +359,8 @@ class Kernel(IntEnum):
     SCATTER = 5  # a[idx[i]] += 1, i < n (duplicates add up); every idx < aux
     BFS = 6  # CSR graph: a = row_ptr (u64, n + 1), idx = column (u32, aux edges), b = level (u32, n);
     #          arg = source vertex; level = hops from it, 0xFFFFFFFF unreached; result = vertices reached
+    GEMV = 7  # 1.6: LLM decoding: a = W (u64, n x n, row-major), idx = x (u64, n), b = y (u64, n);
+    #          arg = tokens (>= 1): token t computes y = W x_t, x_0 = x, x_(t+1) = y; result = sum of the last y
 
 
 KERNELS = {k.name.lower(): k for k in Kernel}
@@ -385,7 +404,7 @@ def reset_values(vram_size: int = DEFAULT_VRAM_SIZE) -> dict[int, int]:
          REG_FAULT_PUT, REG_FAULT_GET, REG_UVM_CONTROL, REG_UVM_STATUS, REG_PT_INDEX,
          REG_PT_ENTRY, REG_MIG_SRC_LO, REG_MIG_SRC_HI, REG_MIG_DST_LO, REG_MIG_DST_HI,
          REG_MIG_LENGTH, REG_MIG_CONTROL, REG_MIG_STATUS, REG_DS_PENDING_LINES,
-         REG_COUNTER_CONTROL, REG_COUNTERS), 0))
+         REG_COUNTER_CONTROL, REG_COUNTERS, REG_UVM_FAULT_AHEAD, REG_COUNTERS2), 0))
     values.update({
         REG_SR_DEGREE: 8, REG_SR_DISTANCE: 128, REG_DS_BACKLOG_LINES: 4096,
         REG_DS_STAGE_BASE: max(0, vram_size - 4096 * LINE_SIZE), REG_UVM_PAGE_SHIFT: 16,

@@ -142,7 +142,7 @@ def cmd_run(args) -> int:
     else:
         c = r["counters"]
         print(f"{r['kernel']} {r['mode']} {r['latency']}: working set {r['working_set']} bytes, "
-              f"{'VRAM cache' if r['mode'] == 'uvm' else 'VRAM'} {r['vram']} bytes"
+              f"{'VRAM cache' if r['unit'] else 'VRAM'} {r['vram']} bytes"
               + (f", unit {r['unit']}" if r["unit"] else "") + (" (warm)" if r["warm"] else ""))
         print(f"  result {r['result']:#x}: {'VERIFIED' if r['verified'] else 'WRONG'} ({r['check']})")
         print(f"  modelled {r['modelled_ns'] / 1e3:.1f} us (model: docs/gpu-memory.md, profile "
