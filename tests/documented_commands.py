@@ -300,9 +300,6 @@ MATRIX_EXAMPLE = (ROOT / "docs/matrix-example.toml").read_text()
 CASES.update({
     "vfio-cxl gpu run stencil --mode cxl+sr+ds --latency cxl-80ns --working-set 1M":
         skip(GPUMEM_TEST + "test_the_readme_commands (a guest command: the lab's single VM runs it)"),
-    "vfio-cxl gpu run stream --mode uvm --working-set 1M --vram-cache 256K --unit 64K":
-        skip("README.md's form from before mode uvm-naive: mode uvm now caches 2 MiB VA blocks and "
-             "refuses a 256K cache; " + GPUMEM_TEST + "test_the_readme_commands runs it as uvm-naive"),
     "vfio-cxl gpu run stream --mode uvm-naive --working-set 1M --vram-cache 256K --unit 64K":
         skip(GPUMEM_TEST + "test_the_readme_commands"),
     "vfio-cxl gpu run stream --mode uvm --working-set 8M --vram-cache 2M --unit 64K":
