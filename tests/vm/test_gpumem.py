@@ -25,7 +25,7 @@ def plan_all(vram_cache: int) -> list[dict]:
 
 def run_plan(vm, plan, env="", gpu=None):
     gpu_arg = f" --gpu {gpu}" if gpu else ""
-    out = vm.run(f"{env}python3 -m vfio_cxl.guest.cmd.gpumem --plan '{json.dumps(plan)}'{gpu_arg}",
+    out = vm.run(f"{env}python3 -m vfio_cxl.guest.cmd.gpumem --plan -{gpu_arg}", stdin=json.dumps(plan),
                  timeout=1800).stdout
     return json.loads(out)
 
@@ -143,7 +143,12 @@ def test_reset_in_the_middle_of_a_uvm_run_leaves_nothing_hung(single_lab):
     assert "reset" in out["error"], out
     assert out["after_reset_s"] < 10, out
     assert json.loads(vm.run("vfio-cxl gpu holders --json").stdout)["holders"] == []
-    assert vm.run("ps -eo args | grep '[v]fio_cxl.guest' || true").stdout.strip() == ""
+    # no program of ours is left but the warm vfio-cxl server (its parent is init: a command it
+    # forked has the server as its parent, and none runs now)
+    left = [line.split(None, 1) for line in vm.run("ps -eo ppid,args | grep '[v]fio_cxl.guest' || true")
+            .stdout.splitlines()]
+    assert all(ppid == "1" and args == "python3 -m vfio_cxl.guest.cmd.warm /run/vfio-cxl/warm.sock"
+               for ppid, args in left), left
     # the GPU works again, nothing left pending in it
     r = json.loads(vm.run("vfio-cxl gpu run stream --mode uvm-naive --working-set 256K --vram-cache 64K "
                           "--unit 4K --json", timeout=600).stdout)

@@ -163,7 +163,7 @@ def main(argv: list[str]) -> int:
     with Lab(topology.load("single"), kernel=kernel, log=lambda *_: None) as lab:
         vm = lab["host0"]
         vm.run("vfio-cxl gpu bind")
-        rows = json.loads(vm.run(f"{env}python3 -m vfio_cxl.guest.cmd.gpumem --plan '{json.dumps(runs)}'",
+        rows = json.loads(vm.run(f"{env}python3 -m vfio_cxl.guest.cmd.gpumem --plan -", stdin=json.dumps(runs),
                                  timeout=3600).stdout)
         speed = json.loads(vm.run(f"{env}vfio-cxl gpu run stream --mode cxl --working-set {SPEED_WS} --json",
                                   timeout=900).stdout)

@@ -1,8 +1,9 @@
 """In the guest: many GPU-memory runs in one process, the guest half of `scripts/bench gpumem`.
 
-    python3 -m vfio_cxl.guest.cmd.gpumem --plan JSON [--gpu BDF]
+    python3 -m vfio_cxl.guest.cmd.gpumem --plan JSON|- [--gpu BDF]
 
-The bench sends the plan as JSON on the command line; each run is
+The bench sends the plan as JSON on stdin (``--plan -``: the guest's SSH server refuses a
+command line of over 9,000 bytes, and the quick plan's 72 runs are more); each run is
 ``vfio_cxl.guest.gpumem.GpuMemory.run`` (docs/gpu-memory.md).
 """
 
@@ -14,6 +15,9 @@ import sys
 
 from ..drivers.gpu import GpuError
 from ..gpumem import GpuMemory, layout
+
+
+PLAN_MAX = 1 << 20   # bytes of a plan read from stdin
 
 
 def bench(plan: list[dict], bdf: str | None = None) -> list[dict]:
@@ -37,11 +41,18 @@ def bench(plan: list[dict], bdf: str | None = None) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m vfio_cxl.guest.cmd.gpumem")
-    parser.add_argument("--plan", required=True, help="JSON list of runs")
+    parser.add_argument("--plan", required=True, help="JSON list of runs, or - to read it from stdin")
     parser.add_argument("--gpu", metavar="BDF")
     args = parser.parse_args(argv)
+    text = sys.stdin.read(PLAN_MAX + 1) if args.plan == "-" else args.plan
+    if len(text) > PLAN_MAX:
+        parser.error(f"the plan is over {PLAN_MAX} bytes: split it into several runs of this command")
     try:
-        print(json.dumps(bench(json.loads(args.plan), args.gpu)))
+        plan = json.loads(text)
+    except ValueError as err:
+        parser.error(f"the plan is not JSON ({err}): a list of runs, see vfio_cxl.guest.gpumem")
+    try:
+        print(json.dumps(bench(plan, args.gpu)))
     except GpuError as err:
         print(f"gpumem: error: {err}", file=sys.stderr)
         return 1
