@@ -4,7 +4,9 @@ FLUSH leaves the far window byte-exact; a reset in the middle of a uvm run leave
 hung.  On the Debian kernel (type1) and on the lab kernel (iommufd and type1)."""
 
 import json
+import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +164,20 @@ def test_every_kernel_in_every_mode_on_the_lab_kernel(lab_kernel_lab, backend):
     rows = run_plan(vm, plan_all(SMALL), f"VFIO_CXL_VFIO_BACKEND={backend} ", gpu)
     assert {r["vfio_backend"] for r in rows} == {backend}
     check_every_kernel_and_mode(rows)
+
+
+def test_the_documented_pager_runs_in_the_guest(single_lab):
+    """docs/guest-library.md, "Your own pager": its pager class and its use, the two blocks as the
+    page shows them, run in the guest through GpuMemory's documented hooks on the real GPU (its
+    fast twin, tests/fast/test_gpumem_pager.py, runs them against the device model alone)."""
+    text = (Path(__file__).resolve().parents[2] / "docs/guest-library.md").read_text()
+    section = text[text.index("## Your own pager"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.S | re.M)
+    (pager,) = [b for b in blocks if "class DirectMappedPager" in b]
+    (use,) = [b for b in blocks if "GpuMemory.open()" in b]
+    vm = single_lab["host0"]
+    first_gpu(vm)
+    out = vm.run("python3 -", stdin=pager + "\n" + use, timeout=600).stdout
+    verified, faults, word = out.split()
+    assert (verified, word) == ("True", "faults") and int(faults) > 0, out
