@@ -217,3 +217,25 @@ def test_a_stale_server_lets_its_running_command_finish(guest):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in err   # its status still came
+
+
+def test_a_client_that_leaves_before_reading_its_reply_does_not_take_the_server_down(guest):
+    """It closes with the server's `pid N` unread: the server sees a reset, not EOF, terminates the
+    command, and serves on."""
+    from vfio_cxl.guest.cmd import warm_client
+
+    client(guest, "gpu", "ls")
+    wait_for("server socket", guest["sock"].exists)
+    data = warm_client.request(MODULE, ["gpu", "bind", "--wait", "60"])
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for _ in range(3):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(str(guest["sock"]))
+                s.sendmsg([data[:4]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [null] * 3))])
+                s.sendall(data[4:])
+                wait_for("the runner", lambda: len(server_pids(guest["sock"])) >= 2)
+            wait_for("the runner to be terminated", lambda: len(server_pids(guest["sock"])) == 1)
+    finally:
+        os.close(null)
+    assert client(guest, "gpu", "ls").stdout == "no GPU in this VM\n"

@@ -34,7 +34,7 @@ import struct
 import sys
 
 PRELOAD = ("vfio_cxl.guest.cmd.cli",)
-REQUEST_MAX = 1 << 20          # bytes of one request (argv and environment as JSON)
+REQUEST_MAX = 1 << 20          # bytes of one request (its arguments and environment)
 HEADER = struct.Struct("!I")
 CLIENT_GONE_GRACE = 5.0        # s between SIGTERM and SIGKILL to a runner whose client has gone
 
@@ -154,7 +154,11 @@ def _become(request: dict, fds: list[int]) -> int:
     sys.stdin = sys.__stdin__ = io.open(0, "r", closefd=False)
     sys.stdout = sys.__stdout__ = io.open(1, "w", closefd=False)
     sys.stderr = sys.__stderr__ = io.open(2, "w", closefd=False, buffering=1)
-    os.chdir(request["cwd"])
+    try:
+        os.chdir(request["cwd"])
+    except OSError as err:
+        print(f"vfio-cxl: cannot work in {request['cwd']}: {err.strerror}", file=sys.stderr)
+        return 1
     os.umask(request["umask"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -200,6 +204,14 @@ class Command:
             pass   # the client has gone
         self.conn.close()
         os.close(self.pidfd)
+
+
+def _still_there(conn: socket.socket) -> bool:
+    """False when the client has closed its end (EOF, or a reset: it closed with our reply unread)."""
+    try:
+        return conn.recv(64) != b""
+    except OSError:
+        return False
 
 
 def _now() -> float:
@@ -259,7 +271,7 @@ def serve(path: str) -> int:
             if command.pidfd in ready:
                 command.finish()
                 commands.remove(command)
-            elif command.conn in ready and command.conn.recv(64) == b"":
+            elif command.conn in ready and not _still_there(command.conn):
                 command.client_gone()            # the client is gone: its command goes too
             elif command.kill_at is not None and _now() >= command.kill_at:
                 os.kill(command.pid, signal.SIGKILL)
@@ -297,8 +309,11 @@ def serve(path: str) -> int:
         for fd in fds:
             os.close(fd)
         command = Command(conn, pid)
-        reply(conn, "pid", pid)
         commands.append(command)
+        try:
+            reply(conn, "pid", pid)
+        except OSError:
+            command.client_gone()                # it went while its command was being forked
     return 0
 
 
