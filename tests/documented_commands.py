@@ -46,6 +46,19 @@ def program_and_output(doc: str, starts: str = "") -> tuple[str, str]:
     return program.group(1), output.group(1).strip()
 
 
+def pager_blocks() -> tuple[str, str]:
+    """docs/guest-library.md, "Your own pager": its pager class and its use, as the page shows
+    them (run by tests/fast/test_gpumem_pager.py on the device model, tests/vm/test_gpumem.py in
+    a guest)."""
+    text = (ROOT / "docs/guest-library.md").read_text()
+    section = text[text.index("## Your own pager"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.S | re.M)
+    (pager,) = [b for b in blocks if "class DirectMappedPager" in b]
+    (use,) = [b for b in blocks if "GpuMemory.open()" in b]
+    return pager, use
+
+
 def normal(text: str) -> str:
     return " ".join(text.split())
 

@@ -2,10 +2,10 @@
 them, through GpuMemory's documented hooks, against the GPU's device model (no VM: the guest's
 GpuDriver over a vfio-user client, tests/fast/guest_over_vfio_user.py)."""
 
-import re
 from pathlib import Path
 
 import pytest
+from documented_commands import pager_blocks
 from guest_over_vfio_user import FakeDax, VfioUserPciDevice
 from vfio_user_client import gpu_server  # noqa: F401
 
@@ -16,17 +16,6 @@ from vfio_cxl.guest.gpumem import GpuMemory, UvmPager
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "guest-library.md"
 FAR_SIZE = 2 << 20
-
-
-def section_blocks() -> tuple[str, str]:
-    """The python blocks of the section: the pager class, and its use."""
-    text = DOC.read_text()
-    section = text[text.index("## Your own pager"):]
-    section = section[:section.index("\n## ", 1)]
-    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.S | re.M)
-    (pager,) = [b for b in blocks if "class DirectMappedPager" in b]
-    (use,) = [b for b in blocks if "GpuMemory.open()" in b]
-    return pager, use
 
 
 @pytest.fixture
@@ -44,7 +33,7 @@ def mem(gpu_server, monkeypatch):
 
 
 def documented_pager():
-    code, _ = section_blocks()
+    code, _ = pager_blocks()
     space = {}
     exec(compile(code, f"{DOC}:DirectMappedPager", "exec"), space)
     return space["DirectMappedPager"]
@@ -82,7 +71,7 @@ class Recording:
 
 
 def test_the_documented_use_runs_the_documented_pager(mem, capsys):
-    code, use = section_blocks()
+    code, use = pager_blocks()
     space = {}
     exec(compile(code + use, f"{DOC}:your-own-pager", "exec"), space)
     result = space["result"]

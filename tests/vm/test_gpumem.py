@@ -4,12 +4,11 @@ FLUSH leaves the far window byte-exact; a reset in the middle of a uvm run leave
 hung.  On the Debian kernel (type1) and on the lab kernel (iommufd and type1)."""
 
 import json
-import re
 import shlex
-from pathlib import Path
 
 import pytest
 
+import documented_commands
 from vfio_cxl.devices.gpu import regs
 
 SMALL = 256 << 10
@@ -170,12 +169,7 @@ def test_the_documented_pager_runs_in_the_guest(single_lab):
     """docs/guest-library.md, "Your own pager": its pager class and its use, the two blocks as the
     page shows them, run in the guest through GpuMemory's documented hooks on the real GPU (its
     fast twin, tests/fast/test_gpumem_pager.py, runs them against the device model alone)."""
-    text = (Path(__file__).resolve().parents[2] / "docs/guest-library.md").read_text()
-    section = text[text.index("## Your own pager"):]
-    section = section[:section.index("\n## ", 1)]
-    blocks = re.findall(r"^```python\n(.*?)^```$", section, re.S | re.M)
-    (pager,) = [b for b in blocks if "class DirectMappedPager" in b]
-    (use,) = [b for b in blocks if "GpuMemory.open()" in b]
+    pager, use = documented_commands.pager_blocks()
     vm = single_lab["host0"]
     first_gpu(vm)
     out = vm.run("python3 -", stdin=pager + "\n" + use, timeout=600).stdout
