@@ -32,6 +32,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 
 PRELOAD = ("vfio_cxl.guest.cmd.cli",)
 REQUEST_MAX = 1 << 20          # bytes of one request (its arguments and environment)
@@ -190,7 +191,7 @@ class Command:
 
     def client_gone(self) -> None:
         os.kill(self.pid, signal.SIGTERM)
-        self.kill_at = _now() + CLIENT_GONE_GRACE
+        self.kill_at = time.monotonic() + CLIENT_GONE_GRACE
 
     def finish(self) -> None:
         """Reap it; tell the client how it ended (if the client is still there)."""
@@ -212,12 +213,6 @@ def _still_there(conn: socket.socket) -> bool:
         return conn.recv(64) != b""
     except OSError:
         return False
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 def listen(path: str) -> socket.socket:
@@ -263,7 +258,7 @@ def serve(path: str) -> int:
     commands: list[Command] = []
     while sock is not None or commands:   # stale: no new commands, the running ones end first
         waits = [c.kill_at for c in commands if c.kill_at is not None]
-        timeout = max(0.0, min(waits) - _now()) if waits else None
+        timeout = max(0.0, min(waits) - time.monotonic()) if waits else None
         watch = [*([sock] if sock else []), *(c.pidfd for c in commands),
                  *(c.conn for c in commands if c.kill_at is None)]
         ready, _, _ = select.select(watch, [], [], timeout)
@@ -273,7 +268,7 @@ def serve(path: str) -> int:
                 commands.remove(command)
             elif command.conn in ready and not _still_there(command.conn):
                 command.client_gone()            # the client is gone: its command goes too
-            elif command.kill_at is not None and _now() >= command.kill_at:
+            elif command.kill_at is not None and time.monotonic() >= command.kill_at:
                 os.kill(command.pid, signal.SIGKILL)
                 command.kill_at = None
         if sock is None or sock not in ready:
