@@ -113,3 +113,20 @@ def test_a_guest_that_never_gets_ready_is_named_with_both_logs(vm):
     assert "[host0] not ready after 0 s" in text and "perfctr msr" in text
     assert "QEMU's output:\nqemu-system-x86_64: vfio-user: something went wrong" in text
     assert "never printed its init's ready line" in err.value.fix
+
+
+def test_a_guest_that_panicked_says_why_though_its_trace_scrolled_past(tmp_path):
+    """The lab's error shows the console's tail; a panic's reason and the init's last line come
+    before the trace's tail that would otherwise hide them (CI saw only the trace once)."""
+    from vfio_cxl.lab.vm import tail
+    console = tmp_path / "console.log"
+    console.write_text("\n".join([
+        "vfio-cxl-init: started [0.9]", "vfio-cxl-init: modules loaded [1.2]",
+        "Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100",
+        *(f"[    6.15] trace line {i}" for i in range(30)), "Kernel Offset: 0x2f400000"]))
+    shown = tail(console).splitlines()
+    assert shown[:3] == ["vfio-cxl-init: modules loaded [1.2]",
+                         "Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000100", "..."]
+    assert shown[-1] == "Kernel Offset: 0x2f400000" and len(shown) == 18
+    console.write_text("one\ntwo\n")
+    assert tail(console) == "one\ntwo"   # nothing scrolled out: the tail alone

@@ -129,11 +129,18 @@ def die_with_parent() -> None:
 
 
 def tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a log; of a guest console, also the lines that say why it stopped
+    (a kernel panic's reason, the init's last word) when they scrolled out of the tail."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
         return "(no output)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty)"
+    every = text.splitlines()
+    last = every[-lines:]
+    why = [line for line in every[:-lines] if "Kernel panic" in line]
+    init = [line for line in every[:-lines] if "vfio-cxl-init:" in line][-1:]
+    head = [*init, *why[:1]]
+    return "\n".join([*head, *(["..."] if head else []), *last]) or "(empty)"
 
 
 class VirtualMachine:
