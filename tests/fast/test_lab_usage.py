@@ -23,6 +23,8 @@ def test_boots_commands_python_starts_and_reboots_are_counted(tmp_path, monkeypa
     assert counted["boots"] == {"single (debian kernel)": 1, "shared (lab kernel)": 1}
     assert counted["guest_commands"] == 3 and counted["guest_python"] == 2
     assert counted["reboots"] == ["single: VM host0: no /dev/dax0.0"]
+    # each boot is laid to the test that asked for it (pytest's PYTEST_CURRENT_TEST, inherited)
+    assert counted["boots_by_file"] == {"test_lab_usage.py": 2}
 
 
 def test_nothing_is_written_without_a_log_or_after_it_is_gone(tmp_path, monkeypatch):

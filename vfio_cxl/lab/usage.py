@@ -23,7 +23,9 @@ def record(kind: str, detail: str) -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    line = json.dumps({"kind": kind, "detail": detail[:300], "pid": os.getpid()}) + "\n"
+    # pytest names the running test in the environment, which its children inherit
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    line = json.dumps({"kind": kind, "detail": detail[:300], "pid": os.getpid(), "test": test}) + "\n"
     try:   # one write of one line with O_APPEND: lines of several processes never interleave;
         # no O_CREAT: a process that outlives the session (a lab left up) makes no stray file
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -40,9 +42,11 @@ def starts_python(command: str) -> bool:
 
 
 def summary(path: str) -> dict:
-    """{"boots": Counter(topology), "guest_commands": N, "guest_python": N, "reboots": [why]} of a
-    usage log (a reboot: a pooled lab that a test left changed, booted again)."""
+    """{"boots": Counter(topology), "boots_by_file": Counter(test file), "guest_commands": N,
+    "guest_python": N, "reboots": [why]} of a usage log (a reboot: a pooled lab that a test left
+    changed, booted again)."""
     boots: Counter = Counter()
+    by_file: Counter = Counter()
     reboots: list[str] = []
     commands = python = 0
     try:
@@ -56,9 +60,11 @@ def summary(path: str) -> dict:
             continue
         if entry.get("kind") == "boot":
             boots[entry.get("detail", "?")] += 1
+            by_file[(entry.get("test") or "?").split("::", 1)[0].rsplit("/", 1)[-1]] += 1
         elif entry.get("kind") == "reboot":
             reboots.append(entry.get("detail", "?"))
         elif entry.get("kind") == "guest":
             commands += 1
             python += starts_python(entry.get("detail", ""))
-    return {"boots": boots, "guest_commands": commands, "guest_python": python, "reboots": reboots}
+    return {"boots": boots, "boots_by_file": by_file, "guest_commands": commands, "guest_python": python,
+            "reboots": reboots}
