@@ -9,9 +9,11 @@ The public API is this module's models (pydantic v2, immutable once loaded):
 :class:`Topology` (``backends``, ``gpus``, ``vms``, ``links``, ``smcs``, ``nics``), :class:`Vm`
 (``host_bridges``, ``switches``, ``type3``, ``windows``, ``regions``,
 ``pcie_switches``, ``hotplug_ports``, ``nvmes``: :class:`Nvme`), :class:`Gpu` (``owner`` or None,
-``at``, ``vram``, ``irq``) and the derived facts the lab needs:
+``at``, ``vram``, ``irq``), :class:`Nic` (``owner``, ``at``, ``link``: the index of a
+:class:`Link`, ``bounce_buffer``) and the derived facts the lab needs:
 :meth:`Vm.bus_numbers`, :meth:`Vm.region_order`, :meth:`Vm.hotplug_port_ids`,
-:meth:`Topology.gpus_of`, :meth:`Topology.hotplug_reserve`, :meth:`Topology.smc_of`.
+:meth:`Topology.gpus_of`, :meth:`Topology.nics_of`, :meth:`Topology.hotplug_reserve`,
+:meth:`Topology.smc_of`.
 
 Checking happens in two layers.  pydantic checks shapes, types and each field
 alone (unknown keys, names, sizes, interleave ways and granularity);
