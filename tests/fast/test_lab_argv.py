@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from vfio_cxl.errors import LabError
 from vfio_cxl.lab import topology
 from vfio_cxl.lab.argv import VmResources, qemu_argv
+from vfio_cxl.lab.lab import Lab, nic_sockets
 
 
 def resources(topo, vm_index=1, gpu=True, links=()):
@@ -17,6 +19,8 @@ def resources(topo, vm_index=1, gpu=True, links=()):
                        rootfs=Path("/img/rootfs.raw"), source=Path("/src"),
                        backend_files={b: Path(f"/tmp/lab/{b}.mem") for b in topo.backends},
                        ssh_port=2222, link_sockets=links,
+                       nic_sockets={n: s for n, s in nic_sockets(topo, Path("/tmp/lab")).items()
+                                    if topo.nics[n].owner == vm.name},
                        nvme_files={n.drive_id(i): run / f"{n.drive_id(i)}.raw"
                                    for n in vm.nvmes for i in range(1, len(n.namespaces) + 1)},
                        gpu_sockets={g.name: run / f"{g.name}.sock" for g in topo.gpus_of(vm.name)} if gpu else {})
@@ -191,11 +195,52 @@ def test_nic_sits_on_a_root_port_of_its_own_with_a_network_that_reaches_nothing(
     devs = devices(argv)
     port = next(d for d in devs if d.startswith("pcie-root-port,id=igb-port"))
     assert "bus=pcie.0" in port
-    assert "igb,netdev=nic-igb,id=igb,bus=igb-port,mac=52:54:00:1e:01:00" in devs
+    assert "igb,netdev=nic-igb,id=igb,bus=igb-port,mac=52:54:00:1e:01:00,x-max-bounce-buffer-size=65536" in devs
     assert "user,id=nic-igb,restrict=on" in argv   # no hostfwd: nothing reaches in or out
     # the NIC's port comes after the GPU's, so adding a NIC moves no other device
     assert devs.index(port) > devs.index("pcie-root-port,id=gpu0-port,bus=pcie.0,chassis=1,slot=1")
 
+
+def test_nic2_puts_each_igb_beside_its_gpu_behind_one_switch():
+    for vm_index, gpu, mac in ((1, "gpu0", "01"), (2, "gpu1", "02")):
+        devs = devices(argv_of("nic2", vm_index))
+        nic = f"nic{vm_index - 1}"
+        igb = f"igb,netdev=nic-{nic},id={nic},bus=dp1,mac=52:54:00:1e:{mac}:00,x-max-bounce-buffer-size=65536"
+        assert igb in devs
+        assert devs.index("xio3130-downstream,id=dp1,bus=psw0,chassis=2,slot=1") < devs.index(igb)
+        assert [json.loads(d)["bus"] for d in devs if d.startswith("{")] == ["dp0"]   # the GPU beside it
+        # behind the switch: the only root port is the switch's (no igb-port, no nicN-port)
+        assert [d for d in devs if d.startswith("pcie-root-port")] == [
+            "pcie-root-port,id=psw0-port,bus=pcie.0,chassis=1,slot=1"]
+
+
+def test_nic2_wires_the_two_igbs_through_one_socket_of_their_own(tmp_path):
+    """Lab.plan gives the link's NICs one socket, beside the link's virtio-net socket: host0
+    (the link's first VM) listens, host1 connects; the virtio-net pair stays."""
+    topo = topology.load("nic2")
+    netdevs = {}
+    for vm in Lab(topo).plan(tmp_path):
+        argv = qemu_argv(topo, vm.spec, vm.res)
+        netdevs[vm.spec.name] = [argv[i + 1] for i, a in enumerate(argv) if a == "-netdev"]
+    socket = tmp_path / "link0-nic.sock"
+    assert f"stream,id=nic-nic0,addr.type=unix,addr.path={socket},server=on" in netdevs["host0"]
+    assert f"stream,id=nic-nic1,addr.type=unix,addr.path={socket},server=off,reconnect-ms=100" in netdevs["host1"]
+    for name, vm_netdevs in netdevs.items():
+        assert any(d.startswith(f"stream,id=link0,addr.type=unix,addr.path={tmp_path / 'link0.sock'},")
+                   for d in vm_netdevs), name
+        assert not any(d.startswith("user,id=nic-") for d in vm_netdevs), name
+
+
+def test_a_nic_bounce_buffer_and_a_nic_on_a_link_without_its_socket(tmp_path):
+    path = tmp_path / "big.toml"
+    path.write_text((topology.TOPOLOGY_DIR / "nic2.toml").read_text().replace(
+        "link = 0                       # wired", 'bounce_buffer = "1M"\nlink = 0   # wired'))
+    topo = topology.load(str(path))
+    assert [n.bounce_buffer for n in topo.nics.values()] == [1 << 20, 64 << 10]
+    res = resources(topo)
+    assert any(d.endswith("x-max-bounce-buffer-size=1048576") for d in devices(qemu_argv(topo, topo.vms[0], res)))
+    with pytest.raises(LabError, match="NIC nic0 is on link 0 but has no socket for it"):
+        qemu_argv(topo, topo.vms[0], VmResources(**{**res.__dict__, "nic_sockets": {}}))
 
 
 def test_the_host_tsc_frequency_spares_the_guest_its_calibration():

@@ -25,7 +25,7 @@ def test_unknown_topology_is_one_line():
     result = vfio_cxl("vm", "up", "nosuch", "--dry-run")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "vfio-cxl: error: unknown topology 'nosuch' -- use one of: fabric, hb2, interleave2, mhmld, p2p, pmem, "
+        "vfio-cxl: error: unknown topology 'nosuch' -- use one of: fabric, hb2, interleave2, mhmld, nic2, p2p, pmem, "
         "pool, selftest, shared, single, smc, storage (or a path to a .toml file)"]
 
 
@@ -40,8 +40,8 @@ def test_topologies_listing():
     result = vfio_cxl("vm", "topologies")
     assert result.returncode == 0
     assert [line.split()[0] for line in result.stdout.splitlines()] == [
-        "fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc",
-        "storage"]
+        "fabric", "hb2", "interleave2", "mhmld", "nic2", "p2p", "pmem", "pool", "selftest", "shared", "single",
+        "smc", "storage"]
 
 
 def test_dry_run_names_the_qemu_version_or_says_it_is_not_provisioned():
@@ -82,7 +82,7 @@ def test_topology_tree():
     assert "│  ├─ gpu0-port: root port\n│  │  └─ gpu0: GPU (64M VRAM, msi)" in out
     assert "mem0: Type3 (volatile shared 256M, shared with b)" in out
     assert "gpu1: GPU (64M VRAM, msi)" in out and "unowned" not in out
-    assert "link a <-> b" in out
+    assert "link 0: a <-> b" in out
 
 
 def test_demo_dma_checks_its_arguments_before_booting():

@@ -26,6 +26,8 @@ def test_docs_pictures_are_current(name):
             assert f">{t3.name.replace('-', '&#45;')}</text>" in svg
         for nvme in vm.nvmes:
             assert f">{nvme.name}<" in svg
+        for nic in topo.nics_of(vm.name):
+            assert f">{nic.name}<" in svg
 
 
 def test_every_part_is_in_the_text_tree():
@@ -44,6 +46,24 @@ def test_nvme_controllers_are_in_the_text_tree_where_they_sit():
             "   │        └─ nvme0: NVMe (namespaces 256M; 16 queue pairs, CMB 4M)\n") in out
     assert ("   └─ nvme1-port: root port\n"
             "      └─ nvme1: NVMe (namespaces 64M, 16M; 8 queue pairs, CMB 4M)\n") in out
+
+
+def test_nics_are_in_the_text_tree_where_they_sit_with_the_link_they_join():
+    out = picture.text(topology.load("nic2"))
+    assert ("         └─ dp1: downstream port\n"
+            "            └─ nic0: NIC (igb, 8086:10c9; link 0 to host1)\n") in out
+    assert "nic1: NIC (igb, 8086:10c9; link 0 to host0)" in out
+    assert "link 0: host0 <-> host1 (private point-to-point network; NICs host0/nic0 <-> host1/nic1)" in out
+    selftest = picture.text(topology.load("selftest"))
+    assert ("   └─ igb-port: root port\n"
+            "      └─ igb: NIC (igb, 8086:10c9; user network, reaches nothing)\n") in selftest
+
+
+def test_the_drawing_wires_the_nics_of_a_link_to_each_other():
+    source = picture.graph(topology.load("nic2")).source
+    assert '"host0/nic0" -> "host1/nic1" [label="link 0 (igb)"' in source
+    assert '"host0/pcie.0" -> "host1/pcie.0" [label="link 0 (virtio-net)"' in source
+    assert '"host0/dp1" -> "host0/nic0"' in source
 
 
 def test_interleaved_region_lists_memdevs_in_position_order():

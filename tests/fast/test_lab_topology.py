@@ -9,7 +9,7 @@ from vfio_cxl.lab import topology
 
 from test_lab_topology_cases import BASE, CASES, variant
 
-SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc", "storage"]
+SHIPPED = ["fabric", "hb2", "interleave2", "mhmld", "nic2", "p2p", "pmem", "pool", "selftest", "shared", "single", "smc", "storage"]
 
 EXPECTED = dict([
     ('malformed TOML',
@@ -134,6 +134,26 @@ EXPECTED = dict([
      "t.toml: nics.n0.model: Input should be 'igb' -- see docs/topologies.md for every key"),
     ('NIC name unique in its VM',
      "t.toml: nics.gpu0: name 'gpu0' is already used by gpus.gpu0 in VM 'h' -- give every host bridge, port, switch, Type3 device and region of a VM its own name"),
+    ('NIC keys',
+     't.toml: nics.n0.queues: unknown key -- allowed here: at, bounce_buffer, link, model, owner -- see docs/topologies.md for every key'),
+    ('NIC on a PCIe switch port',
+     "t.toml: nics.n0.at: 'ds0' is not a PCIe switch downstream port of VM 'h' -- use one of: dp0, dp1, or leave 'at' out for a root port of its own"),
+    ('NIC port over-subscribed',
+     "t.toml: nics.n0.at: port 'dp0' is over-subscribed: GPU gpu1 already sits on it -- a port carries one device: add a root port or a switch downstream port"),
+    ("NIC on the owner's switch",
+     "t.toml: nics.n0.at: 'dp1' is not a PCIe switch downstream port of VM 'g' -- use one of: (none: add a [[vm.pcie_switch]]), or leave 'at' out for a root port of its own"),
+    ('NIC bounce buffer',
+     't.toml: nics.n0.bounce_buffer: bounce_buffer is a power of two from 4K to 64M, not 128M -- see docs/topologies.md for every key'),
+    ('NIC link index',
+     't.toml: nics.n0.link: Input should be greater than or equal to 0 -- see docs/topologies.md for every key'),
+    ('NIC link exists',
+     't.toml: nics.n0.link: link 1 does not exist (the topology has 1 [[link]]) -- use 0 (the [[link]] tables of h, from 0 in file order)'),
+    ('NIC link joins its owner',
+     't.toml: nics.n0.link: link 1 joins g and k, not the NIC\'s owner h -- use 0 (the [[link]] tables of h, from 0 in file order)'),
+    ('one NIC per VM per link',
+     "t.toml: nics.n1.link: h already has NIC n0 on link 0 -- a link wires one NIC of each of its two VMs: drop 'link' from one of them"),
+    ('NIC at both ends of a link',
+     't.toml: link[0]: NIC n0 of h is on this link, but g has no NIC on it -- add [nics.NAME] with owner = "g" and link = 0, or drop \'link\' from nics.n0'),
     ('top-level keys',
      't.toml: smcx: unknown key -- allowed here: backends, description, gpus, link, nics, smc, vm -- see docs/topologies.md for every key'),
     ('NVMe keys',
@@ -183,9 +203,9 @@ def test_shipped_topologies_load_with_descriptions():
     for name in SHIPPED:
         topo = topology.load(name)
         assert len(topo.description) > 40, name
-        # every topology brings CXL memory up, but the VFIO selftests' (a GPU and a NIC, no CXL)
-        # and storage's (a GPU and NVMe controllers, no CXL)
-        assert sum(len(vm.regions) for vm in topo.vms) >= (0 if name in ("selftest", "storage") else 1), name
+        # every topology brings CXL memory up, but the VFIO selftests' (a GPU and a NIC, no CXL),
+        # storage's (a GPU and NVMe controllers, no CXL) and nic2's (GPUs and NICs, no CXL)
+        assert sum(len(vm.regions) for vm in topo.vms) >= (0 if name in ("selftest", "storage", "nic2") else 1), name
 
 
 def test_single_and_shared_keep_their_shape():
@@ -224,6 +244,23 @@ def test_storage_puts_a_gpu_and_an_nvme_behind_one_switch_and_an_nvme_on_a_root_
     assert nvme1.at is None and nvme1.root_port == "nvme1-port" and len(nvme1.namespaces) == 2
     assert not nvme0.shadow_doorbells and nvme0.bounce_buffer == 1 << 20 and nvme1.cmb == 4 << 20
     assert nvme0.cmb == 4 << 20          # the CMB staging path and the GPU-written SQ use it
+
+
+def test_nic2_puts_a_gpu_and_an_igb_behind_one_switch_in_each_host_and_wires_the_igbs():
+    topo = topology.load("nic2")
+    assert [vm.name for vm in topo.vms] == ["host0", "host1"] and topo.links[0].vms == ("host0", "host1")
+    for vm, gpu, nic in zip(topo.vms, ("gpu0", "gpu1"), ("nic0", "nic1")):
+        (psw,) = vm.pcie_switches
+        (igb,) = topo.nics_of(vm.name)
+        assert topo.gpus_of(vm.name) == [topo.gpus[gpu]] and topo.gpus[gpu].at in psw.downstream_ports
+        assert (igb.name, igb.model, igb.link, igb.bounce_buffer) == (nic, "igb", 0, 64 << 10)
+        assert igb.at in psw.downstream_ports and igb.at != topo.gpus[gpu].at
+        assert not vm.host_bridges and not vm.nvmes
+
+
+def test_nic_defaults_keep_todays_nic():
+    (igb,) = topology.load("selftest").nics.values()
+    assert (igb.at, igb.link, igb.bounce_buffer) == (None, None, 64 << 10)
 
 
 def test_nvme_defaults():

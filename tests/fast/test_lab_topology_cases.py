@@ -76,6 +76,14 @@ def nvme(keys: str) -> tuple[str, str]:
     return ('[[vm.pcie_switch]]', f'[[vm.nvme]]\n{keys}\n[[vm.pcie_switch]]')
 
 
+def nic(keys: str) -> tuple[str, str]:
+    """An edit that adds NIC n0 with ``keys`` (its owner among them)."""
+    return ('[smc.s0]', f'[nics.n0]\n{keys}\n[smc.s0]')
+
+
+G_NIC = ('[smc.s0]', '[nics.gn]\nowner = "g"\nlink = 0\n[smc.s0]')   # g's end of link 0
+LINK_G_K = ('[[link]]\nvms = ["h", "g"]', '[[vm]]\nname = "k"\n[[link]]\nvms = ["h", "g"]\n[[link]]\nvms = ["g", "k"]')
+
 CASES = [
     ("malformed TOML", [('[[vm]]\nname = "g"', '[[vm]\nname = "g"')]),
     ("no VM", 'description = "nothing"\n[backends.m0]\nsize = "256M"\n'),
@@ -146,6 +154,17 @@ CASES = [
     ("NIC owner exists", [('[smc.s0]', '[nics.n0]\nowner = "zz"\n[smc.s0]')]),
     ("NIC model", [('[smc.s0]', '[nics.n0]\nowner = "h"\nmodel = "e1000"\n[smc.s0]')]),
     ("NIC name unique in its VM", [('[smc.s0]', '[nics.gpu0]\nowner = "h"\n[smc.s0]')]),
+    ("NIC keys", [nic('owner = "h"\nqueues = 4')]),
+    ("NIC on a PCIe switch port", [nic('owner = "h"\nat = "ds0"')]),
+    ("NIC port over-subscribed", [nic('owner = "h"\nat = "dp0"')]),
+    ("NIC on the owner's switch", [nic('owner = "g"\nat = "dp1"')]),
+    ("NIC bounce buffer", [nic('owner = "h"\nbounce_buffer = "128M"')]),
+    ("NIC link index", [nic('owner = "h"\nlink = -1')]),
+    ("NIC link exists", [nic('owner = "h"\nlink = 1')]),
+    ("NIC link joins its owner", [LINK_G_K, nic('owner = "h"\nlink = 1')]),
+    ("one NIC per VM per link", [G_NIC, nic('owner = "h"\nlink = 0'),
+                                 ('[smc.s0]', '[nics.n1]\nowner = "h"\nat = "dp1"\nlink = 0\n[smc.s0]')]),
+    ("NIC at both ends of a link", [nic('owner = "h"\nat = "dp1"\nlink = 0')]),
     ("top-level keys", [('[smc.s0]', '[smcx.s0]')]),
     ("NVMe keys", [nvme('name = "nv0"\nsize = "1G"')]),
     ("NVMe has a name", [nvme('queue_pairs = 4')]),

@@ -150,11 +150,12 @@ def check_pci(topo, spec, vm, out) -> None:
     smc = topo.smc_of(spec.name)
     assert ids.count(SMC_ID) == (1 if smc else 0)   # a host's function of its shared-memory controller
     nics = topo.nics_of(spec.name)
-    for model_id in {n.pci_id for n in nics}:   # emulated NICs, each on a root port of its own
+    for model_id in {n.pci_id for n in nics}:   # emulated NICs, on root ports of their own or switch ports
         assert ids.count(model_id) == len([n for n in nics if n.pci_id == model_id]), model_id
     assert ids.count(NVME_ID) == len(spec.nvmes)
     pcie_ports = (len([g for g in gpus if g.at is None]) + spec.hotplug_ports + len(spec.pcie_switches)
-                  + (1 if smc else 0) + len(nics) + len([n for n in spec.nvmes if n.at is None]))
+                  + (1 if smc else 0) + len([n for n in nics if n.at is None])
+                  + len([n for n in spec.nvmes if n.at is None]))
     assert ids.count(PCIE_ROOT_PORT) == pcie_ports
     if len(gpus) > 1:   # each GPU in an IOMMU group of its own
         groups = vm.run(f"for d in $(lspci -D -n -d {GPU_ID} | cut -d' ' -f1); do "

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .host_tsc import boot_arguments
-from .topology import Nvme, Topology, Vm, format_size
+from ..errors import LabError
+from .topology import Nic, Nvme, Topology, Vm, format_size
 
 SSH_NIC_MAC = "52:54:00:5c:00:{:02x}"   # see vfio_cxl.guest.cmd.netconfig
 CTL_NIC_MAC = "52:54:00:5d:00:{:02x}"   # the lab's own SSH path (a UNIX socket): see _control_network
@@ -39,6 +40,7 @@ class VmResources:
     accel: str = "tcg"
     gpu_sockets: dict[str, Path] = field(default_factory=dict)   # owned GPU name -> server socket
     link_sockets: tuple[tuple[Path, bool, int], ...] = ()   # (socket, this VM listens, link number)
+    nic_sockets: dict[str, tuple[Path, bool]] = field(default_factory=dict)   # NIC on a link -> (socket, listens)
     append: str = ""                  # extra kernel command line (--append)
     modules: Path | None = None       # a modules tree for a kernel not the image's (--modules)
     smc_socket: Path | None = None    # this VM's socket of its shared-memory controller
@@ -169,8 +171,31 @@ def _nvme(nvme: Nvme, bus: str, res: VmResources) -> list[str]:
     return args
 
 
+def _nic_netdev(nic: Nic, res: VmResources) -> str:
+    """What is behind a NIC: its link's wire (a ``stream`` netdev over the link's NIC socket, the
+    link's first VM listening, as for the virtio pair), or a user-mode network that reaches
+    nothing."""
+    if nic.link is None:
+        return f"user,id=nic-{nic.name},restrict=on"
+    if nic.name not in res.nic_sockets:
+        raise LabError(f"NIC {nic.name} is on link {nic.link} but has no socket for it",
+                       "plan the VM with Lab.plan, which gives each NIC on a link its socket")
+    socket, listens = res.nic_sockets[nic.name]
+    mode = "server=on" if listens else "server=off,reconnect-ms=100"
+    return f"stream,id=nic-{nic.name},addr.type=unix,addr.path={socket},{mode}"
+
+
+def _nic(nic: Nic, number: int, bus: str, res: VmResources) -> list[str]:
+    """One emulated NIC on ``bus`` with its netdev; ``number`` is its place among the VM's NICs
+    (its MAC).  The bounce buffer bounds what QEMU maps at once when the NIC's DMA reaches
+    another device's BAR."""
+    return ["-netdev", _nic_netdev(nic, res),
+            "-device", f"{nic.model},netdev=nic-{nic.name},id={nic.name},bus={bus},"
+                       f"mac={NIC_MAC.format(res.index, number)},x-max-bounce-buffer-size={nic.bounce_buffer}"]
+
+
 def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
-    """GPUs and NVMe controllers (on root ports of their own or behind PCIe switches) and
+    """GPUs, NVMe controllers and NICs (on root ports of their own or behind PCIe switches) and
     hot-plug root ports.
 
     Every owned GPU gets its port even when no server is attached (``--no-gpu``);
@@ -179,6 +204,7 @@ def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
     args = []
     slot = 1
     sockets = res.gpu_sockets
+    nics = list(enumerate(topo.nics_of(vm.name)))
     for gpu in topo.gpus_of(vm.name):
         if gpu.at is None:
             args += ["-device", f"pcie-root-port,id={gpu.root_port},bus=pcie.0,chassis=1,slot={slot}"]
@@ -197,6 +223,9 @@ def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
         for nvme in vm.nvmes:
             if nvme.at in ps.downstream_ports:
                 args += _nvme(nvme, nvme.at, res)
+        for n, nic in nics:
+            if nic.at in ps.downstream_ports:
+                args += _nic(nic, n, nic.at, res)
     for nvme in vm.nvmes:
         if nvme.at is None:
             args += ["-device", f"pcie-root-port,id={nvme.root_port},bus=pcie.0,chassis=1,slot={slot}"]
@@ -211,14 +240,13 @@ def _pcie(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
         args += ["-device", f"pcie-root-port,id={SMC_ROOT_PORT},bus=pcie.0,chassis=1,slot={slot}",
                  "-device", _vfio_user_device("smc0", SMC_ROOT_PORT, res.smc_socket)]
         slot += 1
-    for n, nic in enumerate(topo.nics_of(vm.name)):
-        # Emulated NICs on root ports of their own (igb's SR-IOV VFs do not fit on pcie.0);
-        # behind each a user-mode network that reaches nothing.
-        args += ["-device", f"pcie-root-port,id={nic.root_port},bus=pcie.0,chassis=1,slot={slot}",
-                 "-netdev", f"user,id=nic-{nic.name},restrict=on",
-                 "-device", f"{nic.model},netdev=nic-{nic.name},id={nic.name},bus={nic.root_port},"
-                            f"mac={NIC_MAC.format(res.index, n)}"]
-        slot += 1
+    for n, nic in nics:
+        # The other NICs on root ports of their own (igb's SR-IOV VFs do not fit on pcie.0),
+        # last, so adding one moves no other device.
+        if nic.at is None:
+            args += ["-device", f"pcie-root-port,id={nic.root_port},bus=pcie.0,chassis=1,slot={slot}",
+                     *_nic(nic, n, nic.root_port, res)]
+            slot += 1
     return args
 
 

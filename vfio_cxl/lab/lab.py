@@ -70,6 +70,14 @@ def region_plan(topo: Topology, vm: Vm) -> dict:
     return {"pmem": any(t.persistent for t in vm.type3), "regions": regions}
 
 
+def nic_sockets(topo: Topology, rundir: Path) -> dict[str, tuple[Path, bool]]:
+    """NIC name -> (socket, listens) for every NIC on a link: one socket per link in the run
+    directory, ``linkI-nic.sock``, on which the NIC of the link's first VM listens (as that VM
+    does on the link's virtio-net socket) and its peer connects."""
+    return {nic.name: (rundir / f"link{nic.link}-nic.sock", nic.owner == topo.links[nic.link].vms[0])
+            for nic in topo.nics.values() if nic.link is not None}
+
+
 def remove_stale_rundirs() -> None:
     """Remove run directories whose lab process is gone (it was SIGKILLed:
     its VMs died with it, but nothing could remove its files)."""
@@ -149,6 +157,7 @@ class Lab:
             sock = rundir / f"link{i}.sock"
             link_sockets[link.vms[0]].append((sock, True, i))
             link_sockets[link.vms[1]].append((sock, False, i))
+        nics_on_links = nic_sockets(self.topology, rundir)
         custom = self.kernel is not None and self.kernel.image != Path()
         # read once for all VMs (a --kernel without a .config beside it is unpacked to find it)
         guest_hz = kconfig_hz(self.kernel.config) if custom else image.kernel_hz
@@ -169,6 +178,8 @@ class Lab:
                 gpu_sockets={g.name: vmdir / f"{g.name}.sock" for g in self.topology.gpus_of(spec.name)
                              if self.gpu},
                 link_sockets=tuple(link_sockets[spec.name]),
+                nic_sockets={n.name: nics_on_links[n.name] for n in self.topology.nics_of(spec.name)
+                             if n.name in nics_on_links},
                 append=self.kernel.append if self.kernel else "",
                 modules=self.kernel.modules if self.kernel else None,
                 smc_socket=self._smc_socket(rundir, spec.name),

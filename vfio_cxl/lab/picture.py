@@ -6,7 +6,8 @@
 Both come from one walk over the validated :class:`~vfio_cxl.lab.topology.Topology`:
 hosts, host bridges (with the bus numbers the lab assigns), root ports,
 switches, Type3 devices with their backends (shared ones marked), windows,
-regions, GPUs (owned or free), hot-plug ports, links and shared-memory controllers.
+regions, GPUs (owned or free), NVMe controllers, NICs (and the link each is wired to), hot-plug
+ports, links and shared-memory controllers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ HOST_PACKAGES = ["graphviz"]   # Debian's graphviz: the dot the Python package r
 class Node:
     id: str
     label: str
-    kind: str                   # vm, pcie, port, hb, switch, type3, gpu, nvme, window, region, hotplug
+    kind: str                   # vm, pcie, port, hb, switch, type3, gpu, nvme, nic, window, region, hotplug
     children: list["Node"] = field(default_factory=list)
 
 
@@ -57,6 +58,21 @@ def _nvme_node(vm: Vm, nvme) -> Node:
                 f"{extras})", "nvme")
 
 
+def _nic_node(topo: Topology, vm: Vm, nic) -> Node:
+    if nic.link is None:
+        behind = "user network, reaches nothing"
+    else:
+        peer = next(v for v in topo.links[nic.link].vms if v != vm.name)
+        behind = f"link {nic.link} to {peer}"
+    return Node(f"{vm.name}/{nic.name}", f"{nic.name}: NIC ({nic.model}, {nic.pci_id}; {behind})", "nic")
+
+
+def link_nics(topo: Topology, index: int) -> list[tuple[str, str]]:
+    """(VM, NIC) of the NICs wired to link ``index``, in the link's VM order (none or two)."""
+    on_link = {nic.owner: nic.name for nic in topo.nics.values() if nic.link == index}
+    return [(vm, on_link[vm]) for vm in topo.links[index].vms if vm in on_link]
+
+
 def tree(topo: Topology) -> list[Node]:
     """One node per VM, holding its PCIe side, CXL side, windows and regions."""
     vms = []
@@ -81,6 +97,9 @@ def tree(topo: Topology) -> list[Node]:
                 for nvme in vm.nvmes:
                     if nvme.at == ds:
                         port.children.append(_nvme_node(vm, nvme))
+                for nic in topo.nics_of(vm.name):
+                    if nic.at == ds:
+                        port.children.append(_nic_node(topo, vm, nic))
                 sw.children.append(port)
             rp = Node(f"{vm.name}/{ps.name}-port", f"{ps.name}-port: root port", "port", [sw])
             pcie.children.append(rp)
@@ -97,8 +116,9 @@ def tree(topo: Topology) -> list[Node]:
             pcie.children.append(Node(f"{vm.name}/smc_port", "smc_port: root port", "port", [
                 Node(f"{vm.name}/smc/{smc.name}", f"{smc.name}: shared-memory controller (host {host})", "smc")]))
         for nic in topo.nics_of(vm.name):   # after the controller, as in the lab's argv
-            pcie.children.append(Node(f"{vm.name}/{nic.root_port}", f"{nic.root_port}: root port", "port", [
-                Node(f"{vm.name}/{nic.name}", f"{nic.name}: NIC ({nic.model}, {nic.pci_id})", "port")]))
+            if nic.at is None:
+                pcie.children.append(Node(f"{vm.name}/{nic.root_port}", f"{nic.root_port}: root port", "port",
+                                          [_nic_node(topo, vm, nic)]))
         root.children.append(pcie)
         buses = vm.bus_numbers()
         for hb in vm.host_bridges:
@@ -154,8 +174,10 @@ def text(topo: Topology) -> str:
         kind = "shared" if len({v for v, _ in users}) > 1 else "private"
         lines.append(f"backend {name}: {format_size(backend.size)} file, {kind}: "
                      + ", ".join(f"{v}/{t}" for v, t in users))
-    for link in topo.links:
-        lines.append(f"link {link.vms[0]} <-> {link.vms[1]} (private point-to-point network)")
+    for i, link in enumerate(topo.links):
+        wire = " <-> ".join(f"{vm}/{nic}" for vm, nic in link_nics(topo, i))
+        lines.append(f"link {i}: {link.vms[0]} <-> {link.vms[1]} (private point-to-point network"
+                     + (f"; NICs {wire})" if wire else ")"))
     for name, smc in topo.smcs.items():
         lines.append(f"smc {name}: shared-memory controller (one server), hosts "
                      + ", ".join(f"{h}={vm}" for h, vm in enumerate(smc.hosts)))
@@ -172,6 +194,7 @@ _STYLE = {
     "type3": {"shape": "box3d", "style": "filled", "fillcolor": "#fde9c8"},
     "gpu": {"shape": "component", "style": "filled", "fillcolor": "#d6f0d6"},
     "nvme": {"shape": "cylinder", "style": "filled", "fillcolor": "#f0e0c0"},
+    "nic": {"shape": "tab", "style": "filled", "fillcolor": "#d6e4f6"},
     "smc": {"shape": "component", "style": "filled", "fillcolor": "#f6d6d6"},
     "window": {"shape": "note", "style": "filled", "fillcolor": "#f3e6f7"},
     "region": {"shape": "note", "fontsize": "10"},
@@ -223,10 +246,15 @@ def graph(topo: Topology):
                style="filled", fillcolor="#f0a8a8")
         for h, v in enumerate(smc.hosts):
             g.edge(f"{v}/smc/{name}", f"smc/{name}", label=f"host {h}", style="dashed", arrowhead="none")
-    for link in topo.links:
+    for i, link in enumerate(topo.links):
         a, b = link.vms
-        g.edge(f"{a}/pcie.0", f"{b}/pcie.0", label="link", dir="both", style="bold", color="#4477aa",
-               constraint="false")
+        ends = link_nics(topo, i)
+        g.edge(f"{a}/pcie.0", f"{b}/pcie.0", label=f"link {i} (virtio-net)" if ends else "link", dir="both",
+               style="bold", color="#4477aa", constraint="false")
+        if ends:   # the NICs' own wire on the same link
+            (va, na), (vb, nb) = ends
+            g.edge(f"{va}/{na}", f"{vb}/{nb}", label=f"link {i} ({topo.nics[na].model})", dir="both",
+                   style="bold", color="#4477aa", constraint="false")
     return g
 
 

@@ -9,9 +9,11 @@ The public API is this module's models (pydantic v2, immutable once loaded):
 :class:`Topology` (``backends``, ``gpus``, ``vms``, ``links``, ``smcs``, ``nics``), :class:`Vm`
 (``host_bridges``, ``switches``, ``type3``, ``windows``, ``regions``,
 ``pcie_switches``, ``hotplug_ports``, ``nvmes``: :class:`Nvme`), :class:`Gpu` (``owner`` or None,
-``at``, ``vram``, ``irq``) and the derived facts the lab needs:
+``at``, ``vram``, ``irq``), :class:`Nic` (``owner``, ``at``, ``link``: the index of a
+:class:`Link`, ``bounce_buffer``) and the derived facts the lab needs:
 :meth:`Vm.bus_numbers`, :meth:`Vm.region_order`, :meth:`Vm.hotplug_port_ids`,
-:meth:`Topology.gpus_of`, :meth:`Topology.hotplug_reserve`, :meth:`Topology.smc_of`.
+:meth:`Topology.gpus_of`, :meth:`Topology.nics_of`, :meth:`Topology.hotplug_reserve`,
+:meth:`Topology.smc_of`.
 
 Checking happens in two layers.  pydantic checks shapes, types and each field
 alone (unknown keys, names, sizes, interleave ways and granularity);
@@ -254,6 +256,13 @@ class Gpu(_Table):
         return f"{self.name}-port"
 
 
+def _bounce_buffer(value: int) -> int:
+    """QEMU's ``x-max-bounce-buffer-size`` of a DMA-capable device, checked."""
+    if not _is_power_of_two(value) or not 4096 <= value <= 64 * MIB:
+        raise ValueError(f"bounce_buffer is a power of two from 4K to 64M, not {format_size(value)}")
+    return value
+
+
 NVME_MAX_QUEUE_PAIRS = 64          # hw/nvme/ctrl.c, QEMU 11.1: max_ioqpairs (default 64)
 NVME_MAX_NAMESPACES = 8            # the lab's limit (QEMU takes 256)
 NVME_PCI_ID = "1b36:0010"          # QEMU's emulated NVMe controller
@@ -276,7 +285,7 @@ class Nvme(_Table):
     cmb: Size = 0                       # controller memory buffer in BAR2 (cmb_size_mb); 0: none
     # x-max-bounce-buffer-size: what QEMU bounces at once when the controller DMAs into another
     # device's BAR (a peer's VRAM); QEMU's default, 4K, moves P2P transfers a page at a time.
-    bounce_buffer: Size = MIB
+    bounce_buffer: Annotated[Size, AfterValidator(_bounce_buffer)] = MIB
     # dbcs: Doorbell Buffer Config (shadow doorbells).  Off by default: once configured the
     # controller takes the SQ tail from the shadow buffer, not from a peer's doorbell write.
     shadow_doorbells: bool = False
@@ -304,13 +313,6 @@ class Nvme(_Table):
             raise ValueError(f"cmb is a multiple of 1M up to 1G (0: no CMB), not {format_size(v)}")
         return v
 
-    @field_validator("bounce_buffer")
-    @classmethod
-    def _bounce(cls, v: int) -> int:
-        if not _is_power_of_two(v) or not 4096 <= v <= 64 * MIB:
-            raise ValueError(f"bounce_buffer is a power of two from 4K to 64M, not {format_size(v)}")
-        return v
-
     @property
     def root_port(self) -> str:
         """The id of the root port the lab adds for a controller that is not behind a switch."""
@@ -329,18 +331,27 @@ NIC_MODELS = {"igb": "8086:10c9"}   # QEMU's emulated NICs the lab offers, and t
 
 
 class Nic(_Table):
-    """An emulated PCIe NIC (``[nics.NAME] owner = VM, model = "igb"``) on a root port of its
-    own in its owner, with a user-mode network behind it that reaches nothing (restrict=on).
-    The lab does not configure it: it is a PCI function to bind to vfio-pci (the kernel's
-    VFIO selftests drive igb's DMA engine).  igb is SR-IOV capable, and QEMU refuses it on
-    pcie.0 ("VF addr overflows"): on a root port it works."""
+    """An emulated PCIe NIC (``[nics.NAME] owner = VM, model = "igb"``) in its owner: on a root
+    port of its own, or on a downstream port of one of the owner's PCIe switches (``at``,
+    beside a GPU).  Behind it, the other end of a ``[[link]]`` (``link``: the link's index; the
+    NIC of the link's other VM is wired to it over a UNIX socket), or a user-mode network that
+    reaches nothing (restrict=on).  The lab does not configure it: it is a PCI function to bind
+    to vfio-pci (the kernel's VFIO selftests and the guest's userspace driver drive its DMA
+    engine).  igb is SR-IOV capable, and QEMU refuses it on pcie.0 ("VF addr overflows")."""
 
     name: Name = ""
     owner: Name
     model: Literal["igb"] = "igb"
+    at: Name | None = None              # a PCIe switch downstream port; default: its own root port
+    link: int | None = Field(None, ge=0)   # the index of the [[link]] it joins; default: none
+    # x-max-bounce-buffer-size: what QEMU maps at once when the NIC DMAs from or into another
+    # device's BAR (a GPU's VRAM).  igb skips a TX frame whose map comes back short, so this
+    # holds the largest frame (64K: a TSO frame); QEMU's default, 4K, drops anything larger.
+    bounce_buffer: Annotated[Size, AfterValidator(_bounce_buffer)] = 64 << 10
 
     @property
     def root_port(self) -> str:
+        """The id of the root port the lab adds for a NIC that is not behind a switch."""
         return f"{self.name}-port"
 
     @property
@@ -367,7 +378,8 @@ class Smc(_Table):
 
 
 class Link(_Table):
-    """A private point-to-point network between two VMs."""
+    """A private point-to-point network between two VMs (a virtio-net pair), and the wire two
+    emulated NICs may share: ``[nics.NAME] link = I`` names the I-th ``[[link]]`` (from 0)."""
 
     vms: tuple[Name, Name]
 
@@ -674,7 +686,8 @@ def _named_components(topo: Topology, vm: Vm, where: str) -> typing.Iterator[tup
             yield gpu.root_port, f"gpus.{gpu.name}"
     for nic in topo.nics_of(vm.name):
         yield nic.name, f"nics.{nic.name}"
-        yield nic.root_port, f"nics.{nic.name}"
+        if nic.at is None:
+            yield nic.root_port, f"nics.{nic.name}"
     for n, nvme in enumerate(vm.nvmes):
         yield nvme.name, f"{where}.nvme[{n}].name"
         if nvme.at is None:
@@ -712,10 +725,11 @@ def _type3_sit_on_cxl_ports(topo: Topology, vm: Vm, where: str) -> None:
 
 
 def _placed_pcie_devices(topo: Topology, vm: Vm, where: str) -> list[tuple[str, str, str]]:
-    """(port, TOML path of 'at', "GPU name" / "NVMe name") of the GPUs and NVMe controllers
-    placed with 'at' (the others get a root port of their own)."""
+    """(port, TOML path of 'at', "GPU name" / "NVMe name" / "NIC name") of the GPUs, NVMe
+    controllers and NICs placed with 'at' (the others get a root port of their own)."""
     placed = [(gpu.at, f"gpus.{gpu.name}.at", f"GPU {gpu.name}") for gpu in topo.gpus_of(vm.name)]
     placed += [(nvme.at, f"{where}.nvme[{n}].at", f"NVMe {nvme.name}") for n, nvme in enumerate(vm.nvmes)]
+    placed += [(nic.at, f"nics.{nic.name}.at", f"NIC {nic.name}") for nic in topo.nics_of(vm.name)]
     return [p for p in placed if p[0] is not None]
 
 
@@ -999,6 +1013,8 @@ def check(topo: Topology) -> None:
         if frozenset(link.vms) in pairs:
             _fail(f"link[{i}].vms", f"{a} and {b} are already linked", "declare each link once")
         pairs.add(frozenset(link.vms))
+    _nics_join_links_of_their_owners(topo)
+    _links_have_a_nic_at_both_ends_or_none(topo)
     taken: dict[str, str] = {}
     for sname, smc in topo.smcs.items():
         for h, host in enumerate(smc.hosts):
@@ -1011,6 +1027,43 @@ def check(topo: Topology) -> None:
                 _fail(path, f"VM {host!r} is already a host of smc.{taken[host]}",
                       "a VM can be a host of one shared-memory controller: remove it from one of them")
             taken[host] = sname
+
+
+# ---------------------------------------------------------------- NICs on links
+
+def _nics_join_links_of_their_owners(topo: Topology) -> None:
+    """A NIC's ``link`` is a ``[[link]]`` of the topology that joins the NIC's owner, and the
+    owner has no other NIC on it."""
+    on_link: dict[tuple[int, str], str] = {}
+    for nname, nic in topo.nics.items():
+        if nic.link is None:
+            continue
+        path = f"nics.{nname}.link"
+        own = [i for i, link in enumerate(topo.links) if nic.owner in link.vms]
+        use = (f"use {' or '.join(map(str, own))} (the [[link]] tables of {nic.owner}, from 0 in file order)"
+               if own else f"declare a [[link]] with vms = [\"{nic.owner}\", \"...\"] first")
+        if nic.link >= len(topo.links):
+            _fail(path, f"link {nic.link} does not exist (the topology has {len(topo.links)} [[link]])", use)
+        a, b = topo.links[nic.link].vms
+        if nic.owner not in (a, b):
+            _fail(path, f"link {nic.link} joins {a} and {b}, not the NIC's owner {nic.owner}", use)
+        if (nic.link, nic.owner) in on_link:
+            _fail(path, f"{nic.owner} already has NIC {on_link[nic.link, nic.owner]} on link {nic.link}",
+                  "a link wires one NIC of each of its two VMs: drop 'link' from one of them")
+        on_link[nic.link, nic.owner] = nname
+
+
+def _links_have_a_nic_at_both_ends_or_none(topo: Topology) -> None:
+    """A NIC on a link needs a peer: the link's other VM has a NIC on it too."""
+    nic_of = {(nic.link, nic.owner): nic.name for nic in topo.nics.values() if nic.link is not None}
+    for i, link in enumerate(topo.links):
+        ends = [vm for vm in link.vms if (i, vm) in nic_of]
+        if len(ends) == 1:
+            (has,) = ends
+            (lacks,) = [vm for vm in link.vms if vm != has]
+            _fail(f"link[{i}]", f"NIC {nic_of[i, has]} of {has} is on this link, but {lacks} has no NIC on it",
+                  f"add [nics.NAME] with owner = \"{lacks}\" and link = {i}, or drop 'link' from "
+                  f"nics.{nic_of[i, has]}")
 
 
 # ---------------------------------------------------------------- loading
