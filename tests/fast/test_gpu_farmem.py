@@ -648,3 +648,14 @@ def test_a_partial_write_to_a_far_memory_register_only_touches_its_bytes(far, re
     far.c.reg_write(reg, first)
     far.c.write(regs.BAR_REGS, reg + offset, data)
     assert far.c.reg_read(reg) == want
+
+
+def test_a_far_window_beyond_16_gib_is_ignored(far):
+    """1.7: FAR_SIZE is bounded (docs/gpu-device.md): a guest writing 2^64 - 1 must not make the
+    server allocate a page-table entry per page of it (the fuzz test found the 1.6 device did)."""
+    before = far.c.reg_read(regs.REG_FAR_SIZE_LO) | far.c.reg_read(regs.REG_FAR_SIZE_HI) << 32
+    far.c.reg_write(regs.REG_FAR_SIZE_HI, 0xFFFFFFFF)
+    assert far.c.reg_read(regs.REG_FAR_SIZE_HI) << 32 | far.c.reg_read(regs.REG_FAR_SIZE_LO) == before
+    far.c.reg_write(regs.REG_FAR_SIZE_LO, 0)
+    far.c.reg_write(regs.REG_FAR_SIZE_HI, regs.FAR_SIZE_MAX >> 32)      # exactly 16 GiB: taken
+    assert far.c.reg_read(regs.REG_FAR_SIZE_HI) << 32 == regs.FAR_SIZE_MAX

@@ -91,7 +91,7 @@ def test_status_and_op_codes_are_stable():
     assert int(regs.Status.BAD_KERNEL) == 24 and int(regs.Status.BAD_MODE) == 28
     # interface 1.2 (GPU-initiated NVMe I/O) takes op codes 16-23 and registers 0x200-0x27F
     assert regs.CAPS_OPS >> 16 == 1
-    assert regs.DEVICE_VERSION == 0x00010006   # 1.6: fault batches, UVM counters, GEMV (1.5: unmapped DMA to the vIOMMU)
+    assert regs.DEVICE_VERSION == 0x00010007   # 1.7: FAR_SIZE bounded (1.6: fault batches, UVM counters, GEMV)
     assert (int(regs.Status.QUEUE_TIMEOUT), int(regs.Status.BAD_QUEUE)) == (16, 17)
     assert 0x200 <= regs.REG_MSGWIN_BASE_LO < regs.REG_MSGWIN_READS < 0x280
     assert (regs.NVME_QUEUE_SIZE, regs.NVME_REQUEST_SIZE) == (64, 32)

@@ -127,7 +127,10 @@ class FarMemory:
             if reg in (regs.REG_FAR_BASE_LO, regs.REG_FAR_BASE_HI):
                 self.far_base = _set32(self.far_base, shift, value, mask)
             else:
-                self.far_size = _set32(self.far_size, shift, value, mask)
+                size = _set32(self.far_size, shift, value, mask)
+                if size > regs.FAR_SIZE_MAX:
+                    return  # 1.7: ignored (a page table entry per page of a 2^64-byte window)
+                self.far_size = size
                 self._resize_pt()
         elif reg == regs.REG_MEM_MODE:
             self.mode = (self.mode & ~mask | v) & (regs.MODE_SR | regs.MODE_DS | regs.MODE_UVM)

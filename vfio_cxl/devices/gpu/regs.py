@@ -100,7 +100,7 @@ REG_MSGWIN_WRITES = 0x210  # RO  DMA_WRITE messages sent into the window since c
 REG_MSGWIN_READS = 0x214  # RO  DMA_READ messages sent into the window since connect (wraps)
 
 ID_MAGIC = 0x31555047  # b"GPU1" read as a little-endian u32
-DEVICE_VERSION = 0x00010006  # 1.6: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3), 1.1's error values, copy engine and fault seq pinned down (1.4), unmapped DMA reported to the client's vIOMMU (1.5), fault batches, UVM counters and GEMV (1.6); a 1.0 driver works unchanged
+DEVICE_VERSION = 0x00010007  # 1.7: 1.0 plus far memory and compute (1.1), the message window and NVME_IO (1.2), an NVME_IO SQ in a peer's memory (1.3), 1.1's error values, copy engine and fault seq pinned down (1.4), unmapped DMA reported to the client's vIOMMU (1.5), fault batches, UVM counters and GEMV (1.6), FAR_SIZE bounded (1.7); a 1.0 driver works unchanged
 
 # REG_CONTROL bits
 CONTROL_ENABLE = 1 << 0  # run the ring (IDLE -> RUNNING); ring registers writable only in IDLE
@@ -289,6 +289,7 @@ REG_COUNTERS2 = 0x280
 FAR_DEVADDR = 1 << 40  # device address of far window offset 0; below it: VRAM offsets
 LINE_SIZE = 64
 FAR_ALIGN = 4096
+FAR_SIZE_MAX = 16 << 30  # 1.7: a write that would make FAR_SIZE larger is ignored (the page table is per page)
 
 MODE_SR = 1 << 0  # speculative reads
 MODE_DS = 1 << 1  # deterministic store
