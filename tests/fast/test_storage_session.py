@@ -20,7 +20,7 @@ from storage_fake_kernel import BLOCK, GPU, NVME, FakeKernel
 from vfio_cxl.errors import LabError
 from vfio_cxl.guest.storage import IoParams, StorageError, StorageSession
 from vfio_cxl.guest.storage.gpu_initiated import GpuQueue
-from vfio_cxl.guest.storage.session import VRAM_IOVA
+from vfio_cxl.guest.storage.session import DOORBELL_IOVA, MODES, VRAM_IOVA
 from vfio_cxl.guest.vfio.errors import VfioError
 
 
@@ -136,15 +136,20 @@ def test_a_gpu_queue_that_fails_part_way_leaves_nothing(kernel):
     assert_released(kernel, before)
 
 
-def test_a_closed_session_refuses_work_with_a_storage_error(kernel):
-    """Before: the read reached the controller's deleted queues and raised a bare KeyError."""
-    s = StorageSession.open(NVME, GPU)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_closed_session_refuses_work_with_a_storage_error(kernel, mode):
+    """Before: the read reached the controller's deleted queues and raised a bare KeyError (and
+    the CMB calls an AttributeError, or answered as if the session were open)."""
+    s = StorageSession.open(NVME, GPU, mode=mode)
     fh, buf = s.handle_register(1), s.buf_register(0, 1 << 20)
     q = GpuQueue(s, entries=16)
     s.close()
     calls = {"read": lambda: s.read(fh, buf, 4096), "write": lambda: s.write(fh, buf, 4096),
              "batch_submit": lambda: s.batch_submit([IoParams("read", fh, buf, 4096, 0, 0)]),
              "handle_register": lambda: s.handle_register(1), "buf_register": lambda: s.buf_register(0, 4096),
+             "map_vram": s.map_vram, "map_cmb": s.map_cmb, "cmb_staging": lambda: s.cmb_staging,
+             "claim_cmb": lambda: s.claim_cmb(8192), "set_cmb_window": s.set_cmb_window,
+             "set_window": lambda: s.set_window(DOORBELL_IOVA, 4096, "doorbells"), "gpu_copy": s.gpu_copy,
              "GpuQueue": lambda: GpuQueue(s), "GpuQueue.run": lambda: q.run([(0, 4096, 0)])}
     for name, call in calls.items():
         with pytest.raises(StorageError) as caught:
@@ -179,3 +184,13 @@ def test_a_gpu_queue_s_sq_and_cq_each_start_on_a_page(kernel, entries):
     with StorageSession.open(NVME, GPU) as s, GpuQueue(s, entries=entries) as q:
         assert q.queue.sq_iova % 4096 == q.queue.cq_iova % 4096 == 0
         assert q.cq_off + entries * 16 <= q.block_off          # still below the queue block
+
+
+@pytest.mark.parametrize("mode", ["p2p", "compat"])
+def test_cmb_calls_on_a_session_without_the_cmb_name_the_mode(kernel, mode):
+    """Before: an AttributeError on NoneType (the controller's CMB was never turned on)."""
+    with StorageSession.open(NVME, GPU, mode=mode) as s:
+        for call in (lambda: s.cmb_staging, lambda: s.claim_cmb(8192), s.set_cmb_window):
+            with pytest.raises(StorageError, match=f"CMB is not on in this {mode} session") as caught:
+                call()
+            assert 'mode="cmb"' in caught.value.fix and "map_cmb()" in caught.value.fix
