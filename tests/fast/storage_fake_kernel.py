@@ -50,7 +50,7 @@ GROUPS = {GPU: 5, NVME: 6}
 CDEVS = {GPU: "vfio0", NVME: "vfio1"}
 VRAM = 8 << 20
 BLOCK = 512
-NAMESPACE = 1 << 20
+NAMESPACE = 256 << 20             # namespace 1, as the lab's nvme0 (an anonymous mmap: pages as touched)
 CONFIG = uapi.VFIO_PCI_CONFIG_REGION_INDEX
 # region index -> (offset in the device file, size); page-aligned, so BARs can be mmapped
 CMB = 1 << 20
@@ -94,6 +94,8 @@ class FakeKernel:
             f.truncate(LAYOUT[NVME][2][0] + CMB)
         self.type1 = FakeType1()
         self.iommufd = LiveIommufd()
+        self.disk = mmap.mmap(-1, NAMESPACE)       # namespace 1's bytes
+        self.nvme: StandInNvme | None = None       # the controller a session opened last
         self.attached: dict[int, int] = {}          # group number -> container fd
         self.refuse_map: set[int] = set()           # IOVAs whose MAP_DMA the "kernel" refuses
         self.refuse_nvme_open = False               # the NVMe controller fails its bring-up
@@ -266,6 +268,51 @@ class LiveIommufd(FakeIommufd):
         return super().__call__(fd, request, arg)
 
 
+class StandInGpuEngine:
+    """The GPU's engine for NVME_IO descriptors (``GpuDriver.submit``/``wait`` while installed),
+    doing what the lab GPU and QEMU's nvme do together: each request of the descriptor's list
+    moves its blocks between namespace 1 of the NVMe stand-in and the IOVA it names (through
+    the shared IOMMU context's mappings), its status becomes 0, and the queue's position is
+    written back into the queue block.  Other descriptors are not modelled."""
+
+    def __init__(self, kernel: FakeKernel):
+        self.kernel = kernel
+        self.done: dict[int, dict] = {}           # ring index -> its completion
+
+    def install(self, monkeypatch) -> None:
+        # functions, so that the driver's ``gpu.submit(...)`` passes the GpuDriver as ``gpu``
+        monkeypatch.setattr(gpu_module.GpuDriver, "submit", lambda gpu, transfers: self.submit(gpu, transfers))
+        monkeypatch.setattr(gpu_module.GpuDriver, "wait", lambda gpu, indices, timeout=10: self.wait(indices))
+
+    def submit(self, gpu, transfers) -> list[int]:
+        indices = []
+        for t in transfers:
+            assert t.op == regs.Op.NVME_IO, f"the engine stand-in runs NVME_IO only, not {t.op!r}"
+            index = len(self.done)
+            self.done[index] = {"bytes_done": self._nvme_io(gpu, t.src, t.dst, t.length), "duration_ns": 1}
+            indices.append(index)
+        return indices
+
+    def wait(self, indices) -> list[dict]:
+        return [self.done.pop(i) for i in indices]
+
+    def _nvme_io(self, gpu, block_off: int, requests_off: int, count: int) -> int:
+        queue = list(regs.NVME_QUEUE.unpack(gpu.vram_read(block_off, regs.NVME_QUEUE_SIZE)))
+        entries, nsid, sq_tail, phase, lba_shift = queue[4], queue[6], queue[7], queue[9], queue[10]
+        moved = 0
+        for i in range(count):
+            at = requests_off + i * regs.NVME_REQUEST_SIZE
+            opcode, flags, _status, length, slba, iova, r, lat = regs.NVME_REQUEST.unpack(
+                gpu.vram_read(at, regs.NVME_REQUEST_SIZE))
+            self.kernel.nvme._io(nsid, slba << lba_shift, iova, length, read=opcode == 0x02)
+            gpu.vram_write(at, regs.NVME_REQUEST.pack(opcode, flags, 0, length, slba, iova, r, lat))
+            moved += length
+        tail = sq_tail + count
+        queue[7], queue[8], queue[9] = tail % entries, tail % entries, phase ^ (tail // entries & 1)
+        gpu.vram_write(block_off, regs.NVME_QUEUE.pack(*queue))
+        return moved
+
+
 class _OsWithGroupRule:
     """``os`` for the group module: ``open`` of a group node follows the kernel's single-open rule."""
 
@@ -293,7 +340,8 @@ class StandInNvme:
         self.queues = {0: "admin", 1: "io"}
         self.namespaces = {1: NamespaceInfo(1, NAMESPACE // BLOCK, NAMESPACE // BLOCK, BLOCK)}
         self.max_transfer = 512 << 10
-        self.disk = bytearray(NAMESPACE)
+        self.disk = kernel.disk                  # the namespace outlives a session, as a real one does
+        kernel.nvme = self
         self.cmb = self.cmb_base = None
         self.buffers: list = []                  # dma_buffer()'s mappings of guest RAM
         self.created: list[int] = []

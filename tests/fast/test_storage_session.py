@@ -229,3 +229,27 @@ def test_cmb_calls_on_a_session_without_the_cmb_name_the_mode(kernel, mode):
             with pytest.raises(StorageError, match=f"CMB is not on in this {mode} session") as caught:
                 call()
             assert 'mode="cmb"' in caught.value.fix and "map_cmb()" in caught.value.fix
+
+
+def test_the_documented_gpu_initiated_program_runs_as_typed(kernel, monkeypatch, capsys):
+    """docs/storage.md's gpu_initiated_reads.py, as the page shows it, on the library's own
+    StorageSession and GpuQueue (queue set-up, request checks, the request list it writes, the
+    statuses it reads back); the GPU's engine and the NVMe are stand-ins, and the two devices are
+    named rather than found in sysfs.  Its run on the lab GPU and QEMU's nvme:
+    tests/vm/test_storage.py::test_the_documented_gpu_initiated_program_runs_as_typed."""
+    from documented_commands import program_and_output
+    from storage_fake_kernel import StandInGpuEngine
+
+    import vfio_cxl.guest.drivers.nvme as nvme_package
+    import vfio_cxl.guest.p2p as p2p
+    import vfio_cxl.guest.vfio as vfio_package
+
+    program, shown = program_and_output("docs/storage.md", '"""gpu_initiated_reads.py')
+    monkeypatch.setattr(vfio_package, "find_pci_devices", lambda vendor, device: [GPU])
+    monkeypatch.setattr(nvme_package, "find_controllers", lambda: [NVME])
+    monkeypatch.setattr(p2p, "route", lambda a, b: {"kind": "switch"})
+    StandInGpuEngine(kernel).install(monkeypatch)
+    before = held(kernel)
+    exec(compile(program, "gpu_initiated_reads.py", "exec"), {})
+    assert capsys.readouterr().out.strip() == shown
+    assert_released(kernel, before)
