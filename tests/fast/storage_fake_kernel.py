@@ -1,22 +1,27 @@
 """A fake VFIO kernel with a GPU and an NVMe controller, for ``StorageSession`` without a VM.
 
-What is real: the library's whole VFIO stack (``Container``, ``Group``, ``VfioPciDevice``,
-regions, eventfds, DMA bookkeeping) and the GPU's driver (``GpuDriver``), on real fds: /dev/vfio
-is a directory of plain files, each device fd a real file whose regions (config space, BARs)
-are ranges of it, so fds, mmaps of BARs and eventfds show in /proc/self/fd and /proc/self/maps.
-The ioctls are answered here (the container's by ``FakeType1``).  The NVMe controller is a
+What is real: the library's whole VFIO stack (``Container``, ``Group``, ``IommufdContext``,
+``VfioPciDevice``, regions, eventfds, DMA bookkeeping) and the GPU's driver (``GpuDriver``), on
+real fds: /dev/vfio is a directory of plain files, each device fd a real file whose regions
+(config space, BARs) are ranges of it, so fds, mmaps of BARs and eventfds show in
+/proc/self/fd and /proc/self/maps.  Both backends: type1 (the container and the groups) and
+iommufd (/dev/iommu, and each device's cdev, /dev/vfio/devices/vfioN, a link to its file).
+The ioctls are answered here (the container's by ``FakeType1``, the IOAS's by ``FakeIommufd``).  The NVMe controller is a
 stand-in (``StandInNvme``: the calls a session makes, over a real ``VfioPciDevice``), since its
 admin queue cannot run on a plain file.
 
-The kernel's rule that makes a leak visible (``EBUSY``): a VFIO group node opens once, and stays
+The kernel's rules that make a leak visible: a VFIO group node opens once (``EBUSY``), and stays
 open while anything holds it -- its own fd, an fd of one of its devices, or an mmap of a device's
-region (each holds a reference on the group's file).  ``FakeKernel.install`` makes the library's
-``Group.open`` see that rule; ``holdings()`` is what the process holds of this kernel.
+region (each holds a reference on the group's file); a device cdev binds once at a time
+(``EINVAL`` while an fd bound earlier is open), and an IOAS is not destroyed while a device is
+attached to it.  ``FakeKernel.install`` makes the library's ``Group.open`` see the first
+rule; ``holdings()`` is what the process holds of this kernel.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import struct
 from functools import partial
@@ -24,29 +29,39 @@ from types import SimpleNamespace
 
 from test_vfio_bind import FakeSysfs
 from test_vfio_dma import FakeType1
+from test_vfio_iommufd import FakeIommufd
 
 from vfio_cxl.devices.gpu import regs
 from vfio_cxl.guest.drivers import gpu as gpu_module
+from vfio_cxl.guest.drivers.nvme.controller import DATA_IOVA
 from vfio_cxl.guest.drivers.nvme.errors import NvmeError
-from vfio_cxl.guest.drivers.nvme.spec import Cap, NamespaceInfo
+from vfio_cxl.guest.drivers.nvme.spec import Cap, CmbInfo, NamespaceInfo
 from vfio_cxl.guest.storage import session as session_module
 from vfio_cxl.guest.vfio import group as group_module
 from vfio_cxl.guest.vfio import uapi
+from vfio_cxl.guest.vfio import uapi_iommufd
 from vfio_cxl.guest.vfio.container import Container
+from vfio_cxl.guest.vfio.iommufd import IommufdContext
 from vfio_cxl.guest.vfio.pci import VfioPciDevice
 from vfio_cxl.guest.vfio.uapi import ffi
 
 GPU, NVME = "0000:03:00.0", "0000:04:00.0"
 GROUPS = {GPU: 5, NVME: 6}
+CDEVS = {GPU: "vfio0", NVME: "vfio1"}
 VRAM = 8 << 20
 BLOCK = 512
-NAMESPACE = 1 << 20
+NAMESPACE = 256 << 20             # namespace 1, as the lab's nvme0 (an anonymous mmap: pages as touched)
 CONFIG = uapi.VFIO_PCI_CONFIG_REGION_INDEX
 # region index -> (offset in the device file, size); page-aligned, so BARs can be mmapped
+CMB = 1 << 20
 LAYOUT = {GPU: {CONFIG: (0, 0x100), 0: (0x1000, regs.REGS_SIZE), 2: (0x10_0000, VRAM)},
-          NVME: {CONFIG: (0, 0x100), 0: (0x4000, 0x4000)}}
+          NVME: {CONFIG: (0, 0x100), 0: (0x4000, 0x4000), 2: (0x10_0000, CMB)}}
 MMAPPABLE = {0, 2}
-NVME_CAP = 0x7FF | 1 << 16 | 0xF << 24 | 1 << 37     # MQES 2047, CQR, TO, CSS NVM, DSTRD 0, no CMB
+CMBSZ = 1 | 1 << 2 | 1 << 3 | 1 << 4 | 2 << 8 | (CMB >> 20) << 12   # SQS, LISTS, RDS, WDS; SZU 1 MiB
+# the ioctls a device cdev takes for its iommufd (the rest are the device's own)
+IOMMUFD_DEVICE_IOCTLS = (uapi_iommufd.VFIO_DEVICE_BIND_IOMMUFD, uapi_iommufd.VFIO_DEVICE_ATTACH_IOMMUFD_PT,
+                         uapi_iommufd.VFIO_DEVICE_DETACH_IOMMUFD_PT)
+NVME_CAP = 0x7FF | 1 << 16 | 0xF << 24 | 1 << 37 | 1 << 57   # MQES 2047, CQR, TO, CSS NVM, DSTRD 0, CMBS
 
 
 class FakeKernel:
@@ -62,6 +77,12 @@ class FakeKernel:
                               group=GROUPS[GPU])
         self.sysfs.add_device(NVME, driver="vfio-pci", group=GROUPS[NVME])
         self.files = {GPU: tmp_path / "gpu-device", NVME: tmp_path / "nvme-device"}
+        self.dev_iommu = tmp_path / "iommu"
+        self.dev_iommu.write_bytes(b"")
+        (self.dev_vfio / "devices").mkdir()
+        for bdf, cdev in CDEVS.items():       # each device's cdev: sysfs names it, /dev links to its file
+            (self.sysfs.pci / "devices" / bdf / "vfio-dev" / cdev).mkdir(parents=True)
+            (self.dev_vfio / "devices" / cdev).symlink_to(self.files[bdf])
         with open(self.files[GPU], "wb") as f:
             f.truncate(LAYOUT[GPU][2][0] + VRAM)
             base = LAYOUT[GPU][0][0]
@@ -70,8 +91,11 @@ class FakeKernel:
                 f.seek(base + reg)
                 f.write(struct.pack("<I", value))
         with open(self.files[NVME], "wb") as f:
-            f.truncate(0x8000)
+            f.truncate(LAYOUT[NVME][2][0] + CMB)
         self.type1 = FakeType1()
+        self.iommufd = LiveIommufd()
+        self.disk = mmap.mmap(-1, NAMESPACE)       # namespace 1's bytes
+        self.nvme: StandInNvme | None = None       # the controller a session opened last
         self.attached: dict[int, int] = {}          # group number -> container fd
         self.refuse_map: set[int] = set()           # IOVAs whose MAP_DMA the "kernel" refuses
         self.refuse_nvme_open = False               # the NVMe controller fails its bring-up
@@ -116,27 +140,47 @@ class FakeKernel:
         monkeypatch.setattr(gpu_module, "VfioPciDevice", SimpleNamespace(open=opener))
         monkeypatch.setattr(session_module, "NvmeController",
                             SimpleNamespace(open=partial(StandInNvme.open, opener, self)))
-        monkeypatch.setattr(session_module, "open_context",
-                            lambda backend: Container.open(str(self.dev_vfio / "vfio"), ioctl=self))
+        monkeypatch.setattr(session_module, "open_context", self.open_context)
         monkeypatch.setattr(group_module, "os", _OsWithGroupRule(self))
+
+    def open_context(self, backend: str):
+        """``p2p.open_context`` on this kernel: its container, or its /dev/iommu with an IOAS."""
+        if backend == "iommufd":
+            return IommufdContext.open(str(self.dev_iommu), ioctl=self)
+        return Container.open(str(self.dev_vfio / "vfio"), ioctl=self)
+
+    def dma_mapped(self) -> dict:
+        """IOVA -> what the kernel maps there, in the container and the IOAS together."""
+        return {**self.type1.mapped, **self.iommufd.mapped}
 
     # -- ioctls --------------------------------------------------------------------------------
     def _kind(self, fd: int) -> str:
         return os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
 
+    def _refuse_map(self, request, arg) -> None:
+        if request == uapi.VFIO_IOMMU_MAP_DMA:
+            iova = ffi.cast("struct vfio_iommu_type1_dma_map *", arg).iova
+        elif request == uapi_iommufd.IOMMU_IOAS_MAP:
+            iova = uapi_iommufd.ffi.cast("struct iommu_ioas_map *", arg).iova
+        else:
+            return
+        if iova in self.refuse_map:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
     def __call__(self, fd, request, arg=None):
         kind = self._kind(fd)
+        self._refuse_map(request, arg)
         if kind == "vfio":
             if request == uapi.VFIO_SET_IOMMU:
                 assert fd in self.attached.values(), "SET_IOMMU before a group is attached"
-            if request == uapi.VFIO_IOMMU_MAP_DMA:
-                iova = ffi.cast("struct vfio_iommu_type1_dma_map *", arg).iova
-                if iova in self.refuse_map:
-                    raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
             return self.type1(fd, request, arg)
+        if kind == self.dev_iommu.name:
+            return self.iommufd(fd, request, arg)
         if kind.isdigit():
             return self._group(int(kind), request, arg)
         bdf = next(b for b, path in self.files.items() if path.name == kind)
+        if request in IOMMUFD_DEVICE_IOCTLS:
+            return self.iommufd(fd, request, arg)
         return self._device(bdf, request, arg)
 
     def _group(self, number, request, arg):
@@ -181,6 +225,94 @@ class FakeKernel:
         raise OSError(errno.ENOTTY, "unexpected device ioctl")
 
 
+class LiveIommufd(FakeIommufd):
+    """``FakeIommufd`` with the kernel's view of a device fd's life: closing a cdev unbinds it
+    from the iommufd (and detaches it), so only fds still open count as bound or attached; a
+    device binds once at a time (EINVAL while an fd bound earlier is still open: vfio_df_open), and
+    IOMMU_DESTROY of an IOAS fails (EBUSY) while a device bound to its iommufd is attached.
+    (The IOVA bookkeeping, ``mapped``, is one for all: a test maps in one IOAS at a time.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.bound_files: dict[int, str] = {}     # bound fd -> the device file it was open on
+        self.bound_to: dict[int, int] = {}        # bound fd -> the iommufd's fd
+
+    @staticmethod
+    def _target(fd: int) -> str | None:
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return None
+
+    def _forget_closed(self) -> None:
+        for fd, target in list(self.bound_files.items()):
+            if self._target(fd) != target:        # closed (its number maybe reused since)
+                del self.bound_files[fd]
+                self.bound_to.pop(fd, None)
+                self.bound.discard(fd)
+                self.attached.pop(fd, None)
+
+    def __call__(self, fd, request, arg=None):
+        self._forget_closed()
+        if request == uapi_iommufd.VFIO_DEVICE_BIND_IOMMUFD:
+            target = self._target(fd)
+            if target in self.bound_files.values():
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            self.bound_files[fd] = target
+            self.bound_to[fd] = uapi_iommufd.ffi.cast("struct vfio_device_bind_iommufd *", arg).iommufd
+        if request == uapi_iommufd.IOMMU_DESTROY:
+            if any(self.bound_to.get(device) == fd for device in self.attached):
+                raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+            self.destroyed.append(uapi_iommufd.ffi.cast("struct iommu_destroy *", arg).id)
+            return 0
+        return super().__call__(fd, request, arg)
+
+
+class StandInGpuEngine:
+    """The GPU's engine for NVME_IO descriptors (``GpuDriver.submit``/``wait`` while installed),
+    doing what the lab GPU and QEMU's nvme do together: each request of the descriptor's list
+    moves its blocks between namespace 1 of the NVMe stand-in and the IOVA it names (through
+    the shared IOMMU context's mappings), its status becomes 0, and the queue's position is
+    written back into the queue block.  Other descriptors are not modelled."""
+
+    def __init__(self, kernel: FakeKernel):
+        self.kernel = kernel
+        self.done: dict[int, dict] = {}           # ring index -> its completion
+
+    def install(self, monkeypatch) -> None:
+        # functions, so that the driver's ``gpu.submit(...)`` passes the GpuDriver as ``gpu``
+        monkeypatch.setattr(gpu_module.GpuDriver, "submit", lambda gpu, transfers: self.submit(gpu, transfers))
+        monkeypatch.setattr(gpu_module.GpuDriver, "wait", lambda gpu, indices, timeout=10: self.wait(indices))
+
+    def submit(self, gpu, transfers) -> list[int]:
+        indices = []
+        for t in transfers:
+            assert t.op == regs.Op.NVME_IO, f"the engine stand-in runs NVME_IO only, not {t.op!r}"
+            index = len(self.done)
+            self.done[index] = {"bytes_done": self._nvme_io(gpu, t.src, t.dst, t.length), "duration_ns": 1}
+            indices.append(index)
+        return indices
+
+    def wait(self, indices) -> list[dict]:
+        return [self.done.pop(i) for i in indices]
+
+    def _nvme_io(self, gpu, block_off: int, requests_off: int, count: int) -> int:
+        queue = list(regs.NVME_QUEUE.unpack(gpu.vram_read(block_off, regs.NVME_QUEUE_SIZE)))
+        entries, nsid, sq_tail, phase, lba_shift = queue[4], queue[6], queue[7], queue[9], queue[10]
+        moved = 0
+        for i in range(count):
+            at = requests_off + i * regs.NVME_REQUEST_SIZE
+            opcode, flags, _status, length, slba, iova, r, lat = regs.NVME_REQUEST.unpack(
+                gpu.vram_read(at, regs.NVME_REQUEST_SIZE))
+            self.kernel.nvme._io(nsid, slba << lba_shift, iova, length, read=opcode == 0x02)
+            gpu.vram_write(at, regs.NVME_REQUEST.pack(opcode, flags, 0, length, slba, iova, r, lat))
+            moved += length
+        tail = sq_tail + count
+        queue[7], queue[8], queue[9] = tail % entries, tail % entries, phase ^ (tail // entries & 1)
+        gpu.vram_write(block_off, regs.NVME_QUEUE.pack(*queue))
+        return moved
+
+
 class _OsWithGroupRule:
     """``os`` for the group module: ``open`` of a group node follows the kernel's single-open rule."""
 
@@ -208,8 +340,10 @@ class StandInNvme:
         self.queues = {0: "admin", 1: "io"}
         self.namespaces = {1: NamespaceInfo(1, NAMESPACE // BLOCK, NAMESPACE // BLOCK, BLOCK)}
         self.max_transfer = 512 << 10
-        self.disk = bytearray(NAMESPACE)
-        self.cmb = None
+        self.disk = kernel.disk                  # the namespace outlives a session, as a real one does
+        kernel.nvme = self
+        self.cmb = self.cmb_base = None
+        self.buffers: list = []                  # dma_buffer()'s mappings of guest RAM
         self.created: list[int] = []
         self.refuse_create = False
 
@@ -258,6 +392,20 @@ class StandInNvme:
     def write(self, nsid, offset, iova, length, **_) -> int:
         return self._io(nsid, offset, iova, length, False)
 
+    def dma_buffer(self, size: int) -> SimpleNamespace:
+        """``size`` bytes of guest RAM mapped for the controller (compat mode's bounce buffer),
+        released by ``close`` as the real driver's are."""
+        mem = mmap.mmap(-1, size)
+        mapping = self.device.map_dma(mem, DATA_IOVA + sum(b.size for b in self.buffers))
+        buf = SimpleNamespace(mem=mem, mapping=mapping, iova=mapping.iova, size=size)
+        self.buffers.append(buf)
+        return buf
+
+    def enable_cmb(self, base: int) -> CmbInfo:
+        """The CMB on at controller address ``base``: all of BAR2 (cmb mode)."""
+        self.cmb, self.cmb_base = CmbInfo.decode(2, CMBSZ), base
+        return self.cmb
+
     def create_io_queue(self, qid, queue, **_):
         if self.refuse_create:
             raise NvmeError(f"create CQ {qid} failed: Invalid Queue Identifier", "the test said so")
@@ -280,5 +428,8 @@ class StandInNvme:
     def close(self) -> None:
         try:
             self.shutdown()
+            for buf in self.buffers:
+                buf.mapping.close()
+            self.buffers.clear()
         finally:
             self.device.close()

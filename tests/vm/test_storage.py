@@ -19,6 +19,7 @@ import pytest
 import documented_commands as docs
 
 KIB, MIB = 1 << 10, 1 << 20
+MODES = ("p2p", "compat", "cmb")     # StorageSession's modes
 
 
 def guest(vm, command: str, **kwargs):
@@ -133,7 +134,7 @@ def host_sha256(lab, offset: int, size: int) -> str:
         return hashlib.sha256(f.read(size)).hexdigest()
 
 
-@pytest.mark.parametrize("mode", ["p2p", "compat", "cmb"])
+@pytest.mark.parametrize("mode", MODES)
 def test_nvme_to_vram_and_back_verified_through_the_bar(storage_lab, mode):
     out = storage_check(storage_lab, mode, f"--size {MIB} --offset {96 * MIB}")
     assert out["route"] == "switch" and out["mode"] == mode
@@ -187,13 +188,9 @@ def test_controller_reset_mid_batch_fails_the_batch_cleanly(storage_lab):
     assert out["after_reset_match"]
 
 
-def test_two_sessions_one_after_the_other_in_one_process(storage_lab):
-    """The issue: once a session's with block ended, a second StorageSession.open in the same
-    process failed with "GroupError: /dev/vfio/N is already open (EBUSY)" -- the first session
-    had left the GPU's VFIO group (and the rest) open.  Each session reads into VRAM, CPU-driven
-    and with a GPU queue it leaves for the session's close; no VFIO fd is left after either; a read
-    on the closed session is a StorageError."""
-    out = storage_check(storage_lab, "two-sessions", f"--size {MIB} --offset {224 * MIB}")
+def check_two_sessions(lab, backend: str, mode: str) -> None:
+    out = storage_check(lab, "two-sessions", f"--mode {mode} --size {MIB} --offset {224 * MIB}", backend=backend)
+    assert out["vfio_backend"] == backend and out["mode"] == mode, out
     assert len(out["rounds"]) == 2, out
     for r in out["rounds"]:
         assert r["read"] == MIB and r["read_match"], out
@@ -202,6 +199,23 @@ def test_two_sessions_one_after_the_other_in_one_process(storage_lab):
     closed = out["closed_read"]
     assert closed["type"] == "StorageError" and "is closed" in closed["what"], out
     assert "StorageSession.open(" in closed["fix"], out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_sessions_one_after_the_other_in_one_process(storage_lab, mode):
+    """The issue: once a session's with block ended, a second StorageSession.open in the same
+    process failed with "GroupError: /dev/vfio/N is already open (EBUSY)" -- the first session
+    had left the GPU's VFIO group (and the rest) open.  Each session reads into VRAM, CPU-driven
+    in ``mode`` and with a GPU queue it leaves for the session's close; no VFIO fd is left after
+    either; a read on the closed session is a StorageError."""
+    check_two_sessions(storage_lab, "type1", mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_sessions_one_after_the_other_in_one_process_iommufd(storage_lab_kernel_lab, mode):
+    """The same on iommufd: the second session binds the same device cdevs to a new iommufd
+    (a cdev left open and bound by the first would refuse that bind: EINVAL)."""
+    check_two_sessions(storage_lab_kernel_lab, "iommufd", mode)
 
 
 def test_the_documented_gpu_initiated_program_runs_as_typed(storage_lab):

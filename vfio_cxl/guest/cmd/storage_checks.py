@@ -4,7 +4,7 @@
     python3 -m vfio_cxl.guest.cmd.storage_checks isolation
     python3 -m vfio_cxl.guest.cmd.storage_checks gpu-initiated [--count N] [--size N] [--depth N] [--sq-in-cmb]
     python3 -m vfio_cxl.guest.cmd.storage_checks reset
-    python3 -m vfio_cxl.guest.cmd.storage_checks two-sessions [--size N] [--offset N]
+    python3 -m vfio_cxl.guest.cmd.storage_checks two-sessions [--mode p2p|compat|cmb] [--size N] [--offset N]
     (all take --nvme BDF --gpu BDF --backend type1|iommufd; default: the GPU and the NVMe
     controller that shares its PCIe switch)
     python3 -m vfio_cxl.guest.cmd.storage_checks hot-remove --nvme BDF --marker PATH
@@ -35,7 +35,7 @@ from ..p2p import route
 from ..vfio import find_pci_devices
 from ..vfio.errors import VfioError
 from ..storage.gpu_initiated import GpuQueue
-from ..storage.session import VRAM_IOVA, StorageError, StorageSession
+from ..storage.session import MODES, VRAM_IOVA, StorageError, StorageSession
 
 
 def pattern(seed: int, length: int) -> bytes:
@@ -161,15 +161,15 @@ def check_reset(s: StorageSession) -> dict:
             "wait_error": error, "after_reset_match": s.gpu.vram.read(0, 4096) == pattern(3, 4096)}
 
 
-def check_two_sessions(nvme: str, gpu: str, backend: str, size: int, offset: int) -> dict:
+def check_two_sessions(nvme: str, gpu: str, backend: str, size: int, offset: int, mode: str = "p2p") -> dict:
     """Two sessions one after the other in this process, the second opening the same VFIO groups
-    (or device cdevs) again: each reads ``size`` bytes into VRAM (CPU-driven, p2p) and 64 blocks
-    with a GPU queue it leaves open for the session's close; after each close, what is left of
-    this process's VFIO and iommufd fds; then a read on the closed session."""
+    (or device cdevs) again: each reads ``size`` bytes into VRAM (CPU-driven, in ``mode``) and 64
+    blocks with a GPU queue it leaves open for the session's close; after each close, what is
+    left of this process's VFIO and iommufd fds; then a read on the closed session."""
     fds0 = vfio_fds()
     rounds = []
     for i in range(2):
-        with StorageSession.open(nvme, gpu, backend=backend) as s:
+        with StorageSession.open(nvme, gpu, mode=mode, backend=backend) as s:
             want = pattern(size ^ offset ^ i, size)
             put(s, offset, want)
             fh, buf = s.handle_register(1), s.buf_register(0, size)
@@ -191,7 +191,7 @@ def check_two_sessions(nvme: str, gpu: str, backend: str, size: int, offset: int
         closed_read = {"type": type(err).__name__, "what": err.what, "fix": err.fix}
     except Exception as err:       # what the issue saw: a bare KeyError
         closed_read = {"type": type(err).__name__, "what": str(err), "fix": ""}
-    return {"vfio_backend": backend, "rounds": rounds, "closed_read": closed_read}
+    return {"vfio_backend": backend, "mode": mode, "rounds": rounds, "closed_read": closed_read}
 
 
 def vfio_fds() -> list[str]:
@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nvme")
     p.add_argument("--gpu")
     p.add_argument("--backend", default="type1", choices=("type1", "iommufd"))
+    p.add_argument("--mode", default="p2p", choices=MODES, help="two-sessions: the sessions' mode")
     p.add_argument("--size", type=int, default=1 << 20)
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--count", type=int, default=1024)
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         nvme, gpu = pick(args.nvme, args.gpu)
         if args.check == "two-sessions":
-            out = check_two_sessions(nvme, gpu, args.backend, args.size, args.offset)
+            out = check_two_sessions(nvme, gpu, args.backend, args.size, args.offset, args.mode)
             print(json.dumps(out | {"nvme": nvme, "gpu": gpu, "route": route(nvme, gpu)["kind"]}))
             return 0
         mode = args.check if args.check in ("compat", "cmb") else "p2p"

@@ -187,13 +187,22 @@ class StorageSession:
                                             size=cmb.offset + cmb.size, notes=self.kernel)
         self.set_cmb_window()
 
+    def _cmb(self, action: str):
+        """The NVMe's CMB (``CmbInfo``), once this open session turned it on; else StorageError."""
+        self._require_open(action)
+        if self.nvme.cmb is None:
+            raise StorageError(f"cannot {action}: {self.nvme.bdf}'s CMB is not on in this {self.mode} session",
+                               "open the session with mode=\"cmb\", or call map_cmb() first")
+        return self.nvme.cmb
+
     @property
     def cmb_staging(self) -> int:
         """Bytes of the CMB the staging path may use: all but what SQs hold at its top."""
-        return self.nvme.cmb.size - sum(self.cmb_claims.values())
+        return self._cmb("size the CMB's staging area").size - sum(self.cmb_claims.values())
 
     def claim_cmb(self, size: int) -> int:
         """``size`` bytes at the top of the CMB for an SQ; -> their IOVA (= controller address)."""
+        self._cmb("claim CMB space for a queue")
         if size > self.cmb_staging - 4096:
             raise StorageError(f"{size} bytes of the CMB for a queue, {self.cmb_staging} left",
                                "use a smaller queue or a larger CMB (topology: cmb)")
@@ -206,10 +215,11 @@ class StorageSession:
 
     def set_cmb_window(self) -> None:
         """The GPU's message window over the CMB (again after a GPU reset, which clears it)."""
-        self.set_window(CMB_IOVA, self.nvme.cmb.size, "cmb")
+        self.set_window(CMB_IOVA, self._cmb("set the GPU's message window over the CMB").size, "cmb")
 
     def set_window(self, base: int, size: int, what: str) -> None:
         """The GPU's message window over [base, base + size) (one window: the CMB or the doorbells)."""
+        self._require_open("set the GPU's message window")
         bar0 = self.gpu.bar0
         bar0.write32(regs.REG_MSGWIN_BASE_LO, base & 0xFFFFFFFF)
         bar0.write32(regs.REG_MSGWIN_BASE_HI, base >> 32)

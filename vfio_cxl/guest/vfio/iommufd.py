@@ -91,6 +91,16 @@ _MAP_FILE_ERRNO_HELP = {
 }
 
 
+# VFIO_DEVICE_BIND_IOMMUFD's refusals that name another user of the device (vfio_df_open,
+# vfio_device_block_group in drivers/vfio)
+_BIND_ERRNO_FIX = {
+    errno.EINVAL: ("the device is already bound through another open of its cdev (one not closed, in this "
+                   "process or another; a cdev binds once at a time): close that one first"),
+    errno.EBUSY: ("the device's VFIO group is open (a device is driven through its cdev or its group, not "
+                  "both): close the group's user first"),
+}
+
+
 def open_device_cdev(bdf: str, *, sysfs_root: str | Path = "/sys", dev_dir: str = DEV_VFIO_DEVICES) -> int:
     name = cdev_name(bdf, sysfs_root)
     if name is None:
@@ -155,8 +165,13 @@ class IommufdContext(IommuContext):
         request = ffi.new("struct vfio_device_bind_iommufd *")
         request.argsz = ffi.sizeof(request[0])
         request.iommufd = self.fd
-        self._call(f"VFIO_DEVICE_BIND_IOMMUFD({name})", u.VFIO_DEVICE_BIND_IOMMUFD, request, fd=device_fd,
-                   fix=f"{INTEL_IOMMU_HINT}; a device cdev binds once, before any other ioctl")
+        what = f"VFIO_DEVICE_BIND_IOMMUFD({name})"
+        try:
+            self._ioctl(device_fd, u.VFIO_DEVICE_BIND_IOMMUFD, request)
+        except OSError as error:
+            fix = _BIND_ERRNO_FIX.get(error.errno, f"{INTEL_IOMMU_HINT}; a device cdev binds once, before any "
+                                                   "other ioctl")
+            raise IoctlError(what, error.errno, fix) from None
         return request.out_devid
 
     def attach(self, device_fd: int, name: str) -> None:
