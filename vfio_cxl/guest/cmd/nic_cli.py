@@ -4,7 +4,7 @@
     vfio-cxl nic stats [--nic BDF] [--json]                    the statistics counters (clear on read)
     vfio-cxl nic send [--nic BDF] --to MAC [--count N] [--size BYTES] [--seed S] [--json]
     vfio-cxl nic recv [--nic BDF] [--count N] [--timeout S] [--queue Q --steer MAC] [--buffers K]
-                      [--gpu BDF [--vram-offset OFF] [--vram-length LEN]] [--seed S] [--json]
+                      [--gpu [BDF] [--vram-offset OFF] [--vram-length LEN]] [--seed S] [--json]
 
 ``send`` sends IPv4/UDP frames whose payloads are ``frames.payload(seed, k, size)``; ``recv``
 checks each payload it gets against the seed (``verified``) and prints the sha256 of the
@@ -184,12 +184,26 @@ def _recv_ram(args) -> dict:
     return out
 
 
+def _pick_gpu(bdf: str) -> str:
+    from ...devices.gpu import regs
+    from ..vfio.bind import find_pci_devices
+    found = find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
+    if bdf == "only":
+        if len(found) != 1:
+            raise VfioError(f"{len(found)} GPUs here: {', '.join(found) or 'none'}", "pick one with --gpu BDF")
+        return found[0]
+    full = bdf if bdf.count(":") == 2 else f"0000:{bdf}"
+    if full not in found:
+        raise VfioError(f"no GPU at {bdf}", f"GPUs here: {', '.join(found) or 'none'} (vfio-cxl gpu ls)")
+    return full
+
+
 def _recv_devmem(args) -> dict:
     import hashlib
     from ..drivers.igb import format_mac
     from ..nic.session import NicSession
     from ..vfio.bind import bind_vfio_pci
-    gpu = args.gpu if args.gpu.count(":") == 2 else f"0000:{args.gpu}"
+    gpu = _pick_gpu(args.gpu)
     bind_vfio_pci(gpu)
     with NicSession.open(_pick(args.nic), gpu, backend=args.backend or "type1", queues=args.queue + 1) as s:
         b = s.rx.bind_rx(args.queue, s.gpu, args.vram_offset, args.vram_length, notes=s.kernel)
@@ -237,7 +251,8 @@ def add_parser(sub, parse_size) -> None:
     p.add_argument("--steer", type=_mac_arg, metavar="MAC", help="frames to this MAC go to --queue only")
     p.add_argument("--buffers", type=int, help="RX buffers to post (0: none, what is steered there is dropped)")
     p.add_argument("--seed", type=int, help="check each payload against this seed")
-    p.add_argument("--gpu", metavar="BDF", help="devmem: payloads into this GPU's VRAM")
+    p.add_argument("--gpu", metavar="BDF", nargs="?", const="only",
+                   help="devmem: payloads into this GPU's VRAM (no BDF: the VM's only GPU)")
     p.add_argument("--vram-offset", type=lambda s: int(s, 0), default=0)
     p.add_argument("--vram-length", type=parse_size, default=1 << 20)
     p.add_argument("--ready-file", metavar="PATH", help="written once the buffers are posted")
