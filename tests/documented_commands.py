@@ -356,10 +356,12 @@ CASES.update({
     # (recv on host1, send on host0, ls and stats on both)
     "vfio-cxl nic ls|stats|send|recv": same("vfio-cxl nic ls"),
     "vfio-cxl nic ls": Case(group="nic", timeout=600),
-    "vfio-cxl nic recv --queue 1 --steer 02:00:00:00:01:01 --count 8 --seed 7 --timeout 60":
+    "vfio-cxl nic recv --queue 1 --steer 02:00:00:00:01:01 --count 8 --seed 7 --timeout 60 "
+    "--ready-file /tmp/nic-ready":
         Case(group="nic", timeout=600),
     "vfio-cxl nic send --to 02:00:00:00:01:01 --count 8 --size 1024 --seed 7": Case(group="nic", timeout=600),
-    "vfio-cxl nic recv --queue 1 --steer 02:00:00:00:01:01 --gpu --count 8 --seed 7 --timeout 60":
+    "vfio-cxl nic recv --queue 1 --steer 02:00:00:00:01:01 --gpu --count 8 --seed 7 --timeout 60 "
+    "--ready-file /tmp/nic-ready":
         Case(group="nic", timeout=600),
     "vfio-cxl nic stats": Case(group="nic", timeout=600),
     "scripts/bench boot [--topology NAME | --all] | gpu-server | routes | share | supervision | channel | storage":

@@ -113,7 +113,7 @@ def cmd_send(args) -> int:
         t0 = time.perf_counter()
         sent = nic.send(run)
         seconds = time.perf_counter() - t0
-        out = {"bdf": nic.bdf, "mac": format_mac(nic.mac), "to": format_mac(args.to), "frames": sent,
+        out = {"bdf": nic.bdf, "mac": format_mac(nic.mac), "link": nic.link, "to": format_mac(args.to), "frames": sent,
                "bytes": sent * args.size, "frame_bytes": sum(map(len, run)), "seconds": seconds,
                "vfio_backend": nic.device.backend, "stats": nic.stats()}
     if args.json:
@@ -169,15 +169,14 @@ def _recv_ram(args) -> dict:
     from ..drivers.igb import format_mac
     from ..nic import frames
     queues = max(args.queue + 1, 1)
-    with _open(args, queues=queues) as nic:
-        if args.steer is not None:
-            nic.steer(args.steer, args.queue)
+    with _open(args, queues=queues, bring_up=False) as nic:
+        nic.bring_up({args.steer: args.queue} if args.steer is not None else None)
         if args.buffers is not None:             # the other queues keep theirs: the device drops, not defers
             nic.configure_rx(args.queue, buffers=args.buffers)
         _ready(args.ready_file)
         got = nic.recv(args.queue, args.count, args.timeout)
         headers = [f[:frames.HEADERS] for f in got]
-        out = {"bdf": nic.bdf, "mac": format_mac(nic.mac), "queue": args.queue, "mode": "ram",
+        out = {"bdf": nic.bdf, "mac": format_mac(nic.mac), "link": nic.link, "queue": args.queue, "mode": "ram",
                "vfio_backend": nic.device.backend,
                **_payload_report(args.seed, [f[frames.HEADERS:] for f in got]),
                "headers_sha256": hashlib.sha256(b"".join(headers)).hexdigest(), "stats": nic.stats()}
@@ -213,7 +212,8 @@ def _recv_devmem(args) -> dict:
         payloads = [b"".join(s.rx.read(f) for f in frame.fragments) for frame in got]
         fragments = [[[f.vram_offset, f.size, f.token] for f in frame.fragments] for frame in got]
         returned = s.rx.dontneed([f.token for frame in got for f in frame.fragments])
-        out = {"bdf": s.nic.bdf, "mac": format_mac(s.nic.mac), "queue": args.queue, "mode": "devmem",
+        out = {"bdf": s.nic.bdf, "mac": format_mac(s.nic.mac), "link": s.nic.link, "queue": args.queue,
+               "mode": "devmem",
                "gpu": gpu, "vfio_backend": s.backend, **_payload_report(args.seed, payloads),
                "headers_sha256": hashlib.sha256(b"".join(frame.header for frame in got)).hexdigest(),
                "header_bytes": [len(frame.header) for frame in got],

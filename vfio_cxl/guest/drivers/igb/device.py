@@ -179,11 +179,16 @@ class IgbDevice:
 
     # -- bring-up, one verb per step -----------------------------------------------------------
 
-    def bring_up(self) -> None:
+    def bring_up(self, steering: dict[bytes, int] | None = None) -> None:
+        """Every step, in order; ``steering`` ({MAC: queue}) is programmed before the receiver
+        is enabled, so frames the link held back meanwhile (QEMU holds them while RX is off)
+        reach their queue, not the default one."""
         self.reset()
         self.configure_interrupts()
         self.link_up()
         self.configure_steering()
+        for mac, queue in (steering or {}).items():
+            self.steer(mac, queue)
         self.configure_queues()
         self.enable()
 
@@ -367,15 +372,21 @@ class IgbDevice:
     def flush_tx(self, queue: int = 0, timeout: float = TX_TIMEOUT) -> None:
         """Until every posted TX descriptor is written back (sent)."""
         txq = self._txq(queue)
-        self._until(f"TX queue {queue}: {txq.ring.posted} descriptors not sent",
-                    lambda: not (txq.ring.reclaim(), txq.ring.posted)[1], timeout,
+
+        def all_sent() -> bool:
+            txq.ring.reclaim()
+            return txq.ring.posted == 0
+
+        self._until(f"TX queue {queue}: {txq.ring.posted} descriptors not sent", all_sent, timeout,
                     "is the link up and the transmitter enabled? (vfio-cxl nic stats)")
 
     def _room(self, txq: TxQueue, timeout: float) -> None:
-        txq.ring.reclaim()
-        if not txq.ring.free:
-            self._until(f"TX queue {txq.index} stayed full", lambda: (txq.ring.reclaim(), txq.ring.free)[1],
-                        timeout, "is the link up? (vfio-cxl nic stats)")
+        """Until TX queue ``txq`` has a free descriptor (sent ones reclaimed)."""
+        def room() -> bool:
+            txq.ring.reclaim()
+            return txq.ring.free > 0
+
+        self._until(f"TX queue {txq.index} stayed full", room, timeout, "is the link up? (vfio-cxl nic stats)")
 
     # -- receive ---------------------------------------------------------------------------
 
@@ -506,16 +517,18 @@ class IgbDevice:
     # -- closing ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Receiver and transmitter off, then a reset: the device DMAs no more, so its
-        mappings (and any external RX buffers) can go."""
-        if self.device.device is None:
+        """Receiver, transmitter and every queue off, interrupts masked: the device DMAs no
+        more, so its mappings (and any external RX buffers) can go.  No reset: the link and
+        the counters stay for the next owner (``vfio-cxl nic stats``); bring-up resets."""
+        if self.device.device is None or self.device.device.fd < 0:
             return
-        try:
-            self.write(spec.RCTL, 0)
-            self.write(spec.TCTL, 0)
-            self.reset()
-        except IgbError:
-            pass                               # a dead device DMAs nothing either
+        self.write(spec.RCTL, 0)
+        self.write(spec.TCTL, 0)
+        for q in range(self.queue_count):
+            self.write(spec.rx_reg(spec.RXDCTL0, q), 0)
+            self.write(spec.tx_reg(spec.TXDCTL0, q), 0)
+        self.write(spec.EIMC, 0xFFFFFFFF)
+        self.read(spec.STATUS)                 # the writes are posted: this read flushes them
 
     def _release(self) -> None:
         if self.vectors is not None:
