@@ -248,8 +248,9 @@ class IgbDevice:
         self.write(spec.MRQC, spec.MRQC_VMDQ)
         self.write(spec.VFRE, pools)
         self.write(spec.VFTE, pools)
-        for q in range(self.queue_count):
-            self.write(spec.VMOLR0 + 4 * q, spec.VMOLR_BAM if q == 0 else 0)
+        for q in range(self.queue_count):                  # reset values kept (STRCRC, RLPML); BAM for pool 0
+            vmolr = self.read(spec.VMOLR0 + 4 * q) & ~spec.VMOLR_BAM
+            self.write(spec.VMOLR0 + 4 * q, vmolr | (spec.VMOLR_BAM if q == 0 else 0))
 
     @property
     def mac(self) -> bytes:
