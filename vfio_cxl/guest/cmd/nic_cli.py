@@ -1,7 +1,7 @@
 """In the guest: ``vfio-cxl nic ls|stats|send|recv`` over the userspace igb driver.
 
     vfio-cxl nic ls [--json]                                   igb functions: BDF, driver, MAC
-    vfio-cxl nic stats [--nic BDF] [--json]                    the statistics counters (clear on read)
+    vfio-cxl nic stats [--nic BDF] [--seconds S] [--json]      bring up, count for S seconds, print the counters
     vfio-cxl nic send [--nic BDF] --to MAC [--count N] [--size BYTES] [--seed S] [--json]
     vfio-cxl nic recv [--nic BDF] [--count N] [--timeout S] [--queue Q --steer MAC] [--buffers K]
                       [--gpu [BDF] [--vram-offset OFF] [--vram-length LEN]] [--seed S] [--json]
@@ -83,12 +83,19 @@ def _open(args, **kwargs):
 
 
 def cmd_stats(args) -> int:
-    with _open(args, bring_up=False, interrupts=False) as nic:
-        out = {"bdf": nic.bdf, "link": nic.link, "stats": nic.stats()}
+    """Bring the NIC up, receive on queue 0 for ``--seconds`` (frames counted, not kept), print
+    the link and the counters.  Counters from before this command are gone: opening a VFIO
+    device resets it (FLR), and a reset clears them."""
+    if args.seconds < 0:
+        raise VfioError(f"--seconds {args.seconds}", "pass 0 or more")
+    with _open(args, queues=1) as nic:
+        frames = len(nic.recv(0, 1 << 31, args.seconds)) if args.seconds else 0
+        out = {"bdf": nic.bdf, "link": nic.link, "seconds": args.seconds, "frames": frames,
+               "vfio_backend": nic.device.backend, "stats": nic.stats()}
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"{out['bdf']}: link {'up' if out['link'] else 'down'}")
+        print(f"{out['bdf']}: link {'up' if out['link'] else 'down'}, {out['frames']} frames in {args.seconds:g} s")
         print("  " + ", ".join(f"{k} {v}" for k, v in out["stats"].items()))
     return 0
 
@@ -233,8 +240,9 @@ def add_parser(sub, parse_size) -> None:
     p = nic.add_parser("ls", help="igb functions: BDF, driver, MAC")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ls)
-    p = nic.add_parser("stats", help="the statistics counters since the last bring-up or read")
+    p = nic.add_parser("stats", help="bring the NIC up, count for --seconds, print the counters")
     _common(p)
+    p.add_argument("--seconds", type=float, default=1.0, metavar="S")
     p.set_defaults(func=cmd_stats)
     p = nic.add_parser("send", help="IPv4/UDP frames of a seeded payload to a MAC")
     _common(p)

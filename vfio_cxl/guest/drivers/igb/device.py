@@ -519,8 +519,8 @@ class IgbDevice:
 
     def shutdown(self) -> None:
         """Receiver, transmitter and every queue off, interrupts masked: the device DMAs no
-        more, so its mappings (and any external RX buffers) can go.  No reset: the link and
-        the counters stay for the next owner (``vfio-cxl nic stats``); bring-up resets."""
+        more, so its mappings (and any external RX buffers) can go.  No reset here: bring-up
+        does one, and vfio-pci resets the function when the device is next opened."""
         if self.device.device is None or self.device.device.fd < 0:
             return
         self.write(spec.RCTL, 0)
