@@ -26,6 +26,7 @@ from test_vfio_bind import FakeSysfs
 from test_vfio_dma import FakeType1
 
 from vfio_cxl.devices.gpu import regs
+from vfio_cxl.guest import p2p as p2p_module
 from vfio_cxl.guest.drivers import gpu as gpu_module
 from vfio_cxl.guest.drivers.nvme.errors import NvmeError
 from vfio_cxl.guest.drivers.nvme.spec import Cap, NamespaceInfo
@@ -116,7 +117,7 @@ class FakeKernel:
         monkeypatch.setattr(gpu_module, "VfioPciDevice", SimpleNamespace(open=opener))
         monkeypatch.setattr(session_module, "NvmeController",
                             SimpleNamespace(open=partial(StandInNvme.open, opener, self)))
-        monkeypatch.setattr(session_module, "open_context",
+        monkeypatch.setattr(p2p_module, "open_context",     # join_context's, which the session calls
                             lambda backend: Container.open(str(self.dev_vfio / "vfio"), ioctl=self))
         monkeypatch.setattr(group_module, "os", _OsWithGroupRule(self))
 

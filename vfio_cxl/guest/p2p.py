@@ -36,7 +36,7 @@ from .vfio.bind import modprobe
 from .vfio.errors import DmaMapError, describe_errno
 from .vfio.iommufd import DmaBufError, export_dma_buf
 
-__all__ = ["PeerPair", "pick_bdfs", "map_peer_bar", "open_context", "open_container", "route", "P2pError",
+__all__ = ["PeerPair", "pick_bdfs", "map_peer_bar", "open_context", "join_context", "open_container", "route", "P2pError",
            "CONTROL_IOVAS", "PEER_BAR_IOVA", "PEER_BAR_STRIDE", "BACKENDS"]
 
 # IOVA layout in the shared container (docs/gpu-device.md, "P2P"): each GPU's
@@ -69,6 +69,14 @@ def open_context(backend: str):
     if not os.path.exists("/dev/vfio/vfio"):
         modprobe("vfio-pci")      # vfio-pci first: a GPU gets its cdev when it binds
     return IommufdContext.open()
+
+
+def join_context(stack: contextlib.ExitStack, backend: str) -> tuple[object, dict]:
+    """A new shared context (``open_context``), closed by ``stack``, and the keyword argument
+    a device's ``open`` takes to join it (``container=`` on type1, ``ioas=`` on iommufd)."""
+    context = open_context(backend)
+    stack.callback(context.close)
+    return context, ({"container": context} if backend == "type1" else {"ioas": context})
 
 
 def route(a: str, b: str, sys_pci: str = SYS_PCI) -> dict:

@@ -30,16 +30,8 @@ def find_nics() -> list[str]:
 
 
 def _pick(bdf: str | None) -> str:
-    found = find_nics()
-    if bdf is None:
-        if len(found) != 1:
-            raise VfioError(f"{len(found)} igb functions here: {', '.join(found) or 'none'}",
-                            "pick one with --nic BDF (vfio-cxl nic ls)")
-        return found[0]
-    full = bdf if bdf.count(":") == 2 else f"0000:{bdf}"
-    if full not in found:
-        raise VfioError(f"no igb function at {bdf}", f"igb functions here: {', '.join(found) or 'none'}")
-    return full
+    from .pick import pick
+    return pick(find_nics(), bdf, "igb function", "--nic", "vfio-cxl nic ls")
 
 
 def _mac(sysfs: Sysfs, bdf: str, driver: str | None) -> str | None:
@@ -191,17 +183,12 @@ def _recv_ram(args) -> dict:
 
 
 def _pick_gpu(bdf: str) -> str:
+    """``--gpu``'s GPU: the BDF given, or ("only") the VM's only GPU."""
     from ...devices.gpu import regs
     from ..vfio.bind import find_pci_devices
+    from .pick import pick
     found = find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
-    if bdf == "only":
-        if len(found) != 1:
-            raise VfioError(f"{len(found)} GPUs here: {', '.join(found) or 'none'}", "pick one with --gpu BDF")
-        return found[0]
-    full = bdf if bdf.count(":") == 2 else f"0000:{bdf}"
-    if full not in found:
-        raise VfioError(f"no GPU at {bdf}", f"GPUs here: {', '.join(found) or 'none'} (vfio-cxl gpu ls)")
-    return full
+    return pick(found, None if bdf == "only" else bdf, "GPU", "--gpu", "vfio-cxl gpu ls")
 
 
 def _recv_devmem(args) -> dict:
@@ -209,9 +196,12 @@ def _recv_devmem(args) -> dict:
     from ..drivers.igb import format_mac
     from ..nic.session import NicSession
     from ..vfio.bind import bind_vfio_pci
-    gpu = _pick_gpu(args.gpu)
+    from ..vfio.backend import choose_backend
+    gpu, nic = _pick_gpu(args.gpu), _pick(args.nic)
     bind_vfio_pci(gpu)
-    with NicSession.open(_pick(args.nic), gpu, backend=args.backend or "type1", queues=args.queue + 1) as s:
+    bind_vfio_pci(nic)                 # bound first: which backend can drive it depends on its cdev
+    backend = choose_backend(nic, args.backend)
+    with NicSession.open(nic, gpu, backend=backend, queues=args.queue + 1) as s:
         b = s.rx.bind_rx(args.queue, s.gpu, args.vram_offset, args.vram_length, notes=s.kernel)
         s.nic.steer(args.steer, args.queue)
         _ready(args.ready_file)

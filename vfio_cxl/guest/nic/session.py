@@ -15,7 +15,7 @@ import contextlib
 
 from ..drivers.gpu import GpuDriver
 from ..drivers.igb import IgbDevice
-from ..p2p import open_context
+from ..p2p import join_context
 from .devmem import DevmemReceiver
 
 
@@ -31,9 +31,7 @@ class NicSession:
         """Open both devices in one new context (``backend``: type1 or iommufd); ``nic_kwargs``
         go to ``IgbDevice`` (queues, entries, rx_buffers, interrupts ...)."""
         with contextlib.ExitStack() as stack:
-            context = open_context(backend)
-            stack.callback(context.close)
-            shared = {"container": context} if backend == "type1" else {"ioas": context}
+            context, shared = join_context(stack, backend)
             gpu = GpuDriver.open(gpu_bdf, **shared)
             stack.callback(gpu.close)
             nic = IgbDevice.open(nic_bdf, **shared, **nic_kwargs)
