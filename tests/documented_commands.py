@@ -352,6 +352,18 @@ CASES.update({
         skip(STORAGE_TEST + "test_round_trip_through_guest_ram_type1"),
     "vfio-cxl nvme read --nvme 0000:04:00.0 --offset 8M --length 1M --sgl --json":
         skip(STORAGE_TEST + "test_round_trip_through_guest_ram_type1"),
+    # the NIC (docs/nic.md): group "nic", run as typed in the guests of nic2 by tests/vm/test_nic.py
+    # (recv on host1, send on host0, ls and stats on both)
+    "vfio-cxl nic ls|stats|send|recv": same("vfio-cxl nic ls"),
+    "vfio-cxl nic ls": Case(group="nic", timeout=600),
+    "vfio-cxl nic recv --queue 1 --steer 02:00:00:00:01:01 --count 8 --seed 7 --timeout 60 "
+    "--ready-file /tmp/nic-ready":
+        Case(group="nic", timeout=600),
+    "vfio-cxl nic send --to 02:00:00:00:01:01 --count 8 --size 1024 --seed 7": Case(group="nic", timeout=600),
+    "vfio-cxl nic recv --queue 1 --steer 02:00:00:00:01:01 --gpu --count 8 --seed 7 --timeout 60 "
+    "--ready-file /tmp/nic-ready":
+        Case(group="nic", timeout=600),
+    "vfio-cxl nic stats": Case(group="nic", timeout=600),
     "scripts/bench boot [--topology NAME | --all] | gpu-server | routes | share | supervision | channel | storage":
         same("scripts/bench boot"),
     "scripts/bench fm-fuzz [--requests N] [--seed S] [--json]":

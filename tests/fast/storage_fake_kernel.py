@@ -32,6 +32,7 @@ from test_vfio_dma import FakeType1
 from test_vfio_iommufd import FakeIommufd
 
 from vfio_cxl.devices.gpu import regs
+from vfio_cxl.guest import p2p as p2p_module
 from vfio_cxl.guest.drivers import gpu as gpu_module
 from vfio_cxl.guest.drivers.nvme.controller import DATA_IOVA
 from vfio_cxl.guest.drivers.nvme.errors import NvmeError
@@ -140,7 +141,7 @@ class FakeKernel:
         monkeypatch.setattr(gpu_module, "VfioPciDevice", SimpleNamespace(open=opener))
         monkeypatch.setattr(session_module, "NvmeController",
                             SimpleNamespace(open=partial(StandInNvme.open, opener, self)))
-        monkeypatch.setattr(session_module, "open_context", self.open_context)
+        monkeypatch.setattr(p2p_module, "open_context", self.open_context)   # join_context's, which the session calls
         monkeypatch.setattr(group_module, "os", _OsWithGroupRule(self))
 
     def open_context(self, backend: str):

@@ -37,9 +37,10 @@ def test_each_case_says_how_it_runs():
             target = CASES[case.same]
             assert target.skip is None and target.same is None, f"{command}: covered by {case.same!r}, which does not run"
         if case.skip is None and case.same is None:
-            # "matrix": the matrix example, run as typed by tests/vm/test_matrix.py
+            # "matrix": the matrix example, run as typed by tests/vm/test_matrix.py; "nic": the NIC's
+            # guest commands, run as typed on nic2 by tests/vm/test_nic.py
             assert case.group in ("fast", "demo", "p2p", "boot", "detached", "fabric", "selftest", "bench",
-                                  "lab-kernel", "matrix"), (command, case.group)
+                                  "lab-kernel", "matrix", "nic"), (command, case.group)
 
 
 def test_the_parser_reads_blocks_spans_and_console_output(tmp_path, monkeypatch):

@@ -35,10 +35,11 @@ from vfio_cxl.pytest_plugin import LabPool, lab_key
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "pool_lab": 4,
                   "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8,
-                  "storage_lab": 9, "storage_lab_kernel_lab": 10}
+                  "storage_lab": 9, "storage_lab_kernel_lab": 10, "nic2_lab": 11, "nic2_lab_kernel_lab": 12}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
-NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4, "fabric": 6, "selftest": 7, "storage": 9}
+NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4, "fabric": 6, "selftest": 7, "storage": 9,
+              "nic2": 11}
 
 
 @pytest.fixture(scope="session")
@@ -182,3 +183,16 @@ def storage_lab(labs) -> Lab:
 def storage_lab_kernel_lab(labs) -> Lab:
     """``storage`` on the lab kernel (IOMMUFD); skips, saying so, when it is not built."""
     return labs.get("storage", lab_kernel_or_skip())
+
+
+@pytest.fixture
+def nic2_lab(labs) -> Lab:
+    """``nic2``: host0 and host1, each a GPU and an igb behind one PCIe switch, the igbs on one
+    point-to-point link (docs/nic.md)."""
+    return labs.get("nic2")
+
+
+@pytest.fixture
+def nic2_lab_kernel_lab(labs) -> Lab:
+    """``nic2`` on the lab kernel (IOMMUFD); skips, saying so, when it is not built."""
+    return labs.get("nic2", lab_kernel_or_skip())

@@ -5,12 +5,13 @@
 Modules: ``vfio`` (userspace VFIO: one IOMMU-context interface, a type1 container
 and an iommufd backend behind it; device, regions, interrupts), ``cxl`` (CXL
 discovery and regions over cxl-cli/daxctl/ndctl), ``dax`` (devdax mappings),
-``drivers`` (``gpu``, ``smc``, ``nvme``), ``storage`` (the cuFile-shaped API),
+``drivers`` (``gpu``, ``smc``, ``nvme``, ``igb``), ``storage`` (the cuFile-shaped API),
+``nic`` (devmem-shaped receive into VRAM over the igb driver),
 ``channel`` (the cross-host record channel), ``smc_channel`` (its SMC
 wake-ups and fences) and ``cacheline`` (its cache operations as x86 instructions),
 ``p2p`` (GPUs in one IOMMU context), ``gpumem`` (GPU memory over CXL); and what the
 lab's host and guest commands agree on: ``payload`` (the demos' checkable payload)
-and ``record_plan`` (the channel benchmarks' plans).  What users run in the guest -- ``vfio-cxl gpu|nvme ...``, the demos',
+and ``record_plan`` (the channel benchmarks' plans).  What users run in the guest -- ``vfio-cxl gpu|nvme|nic ...``, the demos',
 checks' and benchmarks' guest halves -- is ``vfio_cxl.guest.cmd``, built on this
 library; the library never imports it.
 
@@ -28,7 +29,9 @@ _HOMES = {
     "drivers.gpu": ("GpuDriver", "Transfer", "Op", "GpuError", "GpuDmaError"),
     "drivers.smc": ("SmcDriver", "SmcError", "SmcTimeout"),
     "drivers.nvme": ("NvmeController", "NvmeError", "IoOp"),
+    "drivers.igb": ("IgbDevice", "IgbError"),
     "storage": ("StorageSession", "IoParams", "StorageError"),
+    "nic": ("NicSession", "DevmemReceiver", "DevmemError"),
     "channel": ("Producer", "Consumer", "Coherence", "COHERENT", "Wakeup", "ChannelError"),
     "smc_channel": ("SmcWakeup", "FencedProducer"),
     "p2p": ("PeerPair", "map_peer_bar"),

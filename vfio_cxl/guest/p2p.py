@@ -36,7 +36,7 @@ from .vfio.bind import modprobe
 from .vfio.errors import DmaMapError, describe_errno
 from .vfio.iommufd import DmaBufError, export_dma_buf
 
-__all__ = ["PeerPair", "pick_bdfs", "map_peer_bar", "open_context", "open_container", "route", "P2pError",
+__all__ = ["PeerPair", "pick_bdfs", "map_peer_bar", "open_context", "join_context", "open_container", "route", "P2pError",
            "CONTROL_IOVAS", "PEER_BAR_IOVA", "PEER_BAR_STRIDE", "BACKENDS"]
 
 # IOVA layout in the shared container (docs/gpu-device.md, "P2P"): each GPU's
@@ -46,6 +46,7 @@ PEER_BAR_IOVA = 0x10_0000_0000           # BAR2 of GPU i at PEER_BAR_IOVA + i * 
 PEER_BAR_STRIDE = 0x1_0000_0000
 BACKENDS = ("type1", "iommufd")
 SYS_PCI = "/sys/bus/pci/devices"
+PAGE = 4096
 
 
 class P2pError(GpuError):
@@ -70,6 +71,14 @@ def open_context(backend: str):
     return IommufdContext.open()
 
 
+def join_context(stack: contextlib.ExitStack, backend: str) -> tuple[object, dict]:
+    """A new shared context (``open_context``), closed by ``stack``, and the keyword argument
+    a device's ``open`` takes to join it (``container=`` on type1, ``ioas=`` on iommufd)."""
+    context = open_context(backend)
+    stack.callback(context.close)
+    return context, ({"container": context} if backend == "type1" else {"ioas": context})
+
+
 def route(a: str, b: str, sys_pci: str = SYS_PCI) -> dict:
     """How DMA from ``a`` reaches ``b`` in the PCI hierarchy (sysfs device paths):
     through a bridge below the root complex (a PCIe switch) or through the root complex."""
@@ -84,15 +93,16 @@ def route(a: str, b: str, sys_pci: str = SYS_PCI) -> dict:
 
 
 def map_peer_bar(initiator: GpuDriver, peer: GpuDriver, iova: int, size: int | None = None,
-                 region: int = regs.BAR_VRAM, notes: dict | None = None) -> DmaMapping:
-    """DMA-map ``peer``'s BAR2 (its VRAM) at ``iova`` so ``initiator`` can reach it.  Both
+                 region: int = regs.BAR_VRAM, notes: dict | None = None, offset: int = 0) -> DmaMapping:
+    """DMA-map ``peer``'s BAR2 (its VRAM) at ``iova`` so ``initiator`` can reach it: ``size``
+    bytes from ``offset`` (a whole page; default: the whole BAR from 0).  Both
     must share one IOMMU context.  type1: ``VFIO_IOMMU_MAP_DMA`` of the BAR's VFIO mmap.
     iommufd: ``IOMMU_IOAS_MAP`` of that mmap first; when the kernel refuses (it pins
     pages; a BAR mmap is VM_PFNMAP), the BAR as a dma-buf (``VFIO_DEVICE_FEATURE_DMA_BUF``)
     mapped with ``IOMMU_IOAS_MAP_FILE``.  What the kernel said goes into ``notes``.
 
     Clear errors, nothing left mapped: a peer in another context, a BAR that is not
-    mmappable, a size beyond the BAR, a kernel that refuses every route."""
+    mmappable, a range beyond the BAR, a kernel that refuses every route."""
     notes = {} if notes is None else notes
     shared = initiator.device.iommu
     if shared is None or shared is not peer.device.iommu:
@@ -101,12 +111,15 @@ def map_peer_bar(initiator: GpuDriver, peer: GpuDriver, iova: int, size: int | N
                        "initiator's IOMMU context",
                        "open both GPUs with GpuDriver.open(bdf, container=shared) (or ioas=shared)")
     bar = peer.device.region(region)   # VFIO region index: BARn is n
-    size = bar.size if size is None else size
-    if not 0 < size <= bar.size:
-        raise P2pError(f"size {size:#x} is beyond {peer.device.bdf}'s {bar.name} ({bar.size:#x} bytes)",
-                       f"map at most {bar.size:#x} bytes")
+    if offset % PAGE or not 0 <= offset < bar.size:
+        raise P2pError(f"offset {offset:#x} into {peer.device.bdf}'s {bar.name} ({bar.size:#x} bytes)",
+                       f"map from a multiple of {PAGE} inside the BAR")
+    size = bar.size - offset if size is None else size
+    if not 0 < size <= bar.size - offset:
+        raise P2pError(f"size {size:#x} at offset {offset:#x} is beyond {peer.device.bdf}'s {bar.name} "
+                       f"({bar.size:#x} bytes)", f"map at most {bar.size - offset:#x} bytes from there")
     mm = bar.mmap_object()   # RegionError if the BAR cannot be mmapped
-    view = memoryview(mm)[:size]
+    view = memoryview(mm)[offset:offset + size]
     what = f"map BAR{region} of {peer.device.bdf} at {iova:#x}"
     ioctl = "VFIO_IOMMU_MAP_DMA" if isinstance(shared, Container) else "IOMMU_IOAS_MAP"
     t0 = time.perf_counter()
@@ -125,11 +138,11 @@ def map_peer_bar(initiator: GpuDriver, peer: GpuDriver, iova: int, size: int | N
     except BaseException:
         view.release()
         raise
-    return _map_bar_dma_buf(shared, peer, region, iova, size, notes, what, refused)
+    return _map_bar_dma_buf(shared, peer, region, iova, size, notes, what, refused, offset)
 
 
 def _map_bar_dma_buf(ctx: IommufdContext, peer: GpuDriver, region: int, iova: int, size: int,
-                     notes: dict, what: str, refused: str) -> DmaMapping:
+                     notes: dict, what: str, refused: str, offset: int = 0) -> DmaMapping:
     """The iommufd route for a BAR: export it as a dma-buf, map that with IOMMU_IOAS_MAP_FILE."""
     fix = ("use the type1 backend (--backend type1: VFIO_IOMMU_MAP_DMA maps a BAR mmap), or a kernel "
            "with CONFIG_VFIO_PCI_DMABUF=y")
@@ -142,7 +155,7 @@ def _map_bar_dma_buf(ctx: IommufdContext, peer: GpuDriver, region: int, iova: in
 
     t0 = time.perf_counter()
     try:
-        fd = export_dma_buf(peer.device.device.fd, peer.device.bdf, region, 0, size)
+        fd = export_dma_buf(peer.device.device.fd, peer.device.bdf, region, offset, size)
     except DmaBufError as err:
         raise refusal(f"VFIO_DEVICE_FEATURE_DMA_BUF refused ({err.what})") from None
     try:

@@ -40,16 +40,8 @@ def _open(bdf: str, **kwargs):
 
 
 def _pick(bdf: str | None) -> str:
-    found = find_controllers()
-    if bdf is None:
-        if len(found) != 1:
-            raise VfioError(f"{len(found)} NVMe controllers here: {', '.join(found) or 'none'}",
-                            "pick one with --nvme BDF (vfio-cxl nvme ls)")
-        return found[0]
-    full = bdf if bdf.count(":") == 2 else f"0000:{bdf}"
-    if full not in found:
-        raise VfioError(f"no NVMe controller at {bdf}", f"NVMe controllers here: {', '.join(found) or 'none'}")
-    return full
+    from .pick import pick
+    return pick(find_controllers(), bdf, "NVMe controller", "--nvme", "vfio-cxl nvme ls")
 
 
 def cmd_ls(args) -> int:

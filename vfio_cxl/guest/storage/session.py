@@ -37,7 +37,7 @@ from ...devices.gpu import regs
 from ...devices.gpu.regs import Op
 from ..drivers.nvme import IoOp, NvmeController, NvmeError
 from ..drivers.gpu import GpuDriver, Transfer
-from ..p2p import PEER_BAR_IOVA, map_peer_bar, open_context
+from ..p2p import PEER_BAR_IOVA, join_context, map_peer_bar
 from ..vfio.errors import VfioError
 
 VRAM_IOVA = PEER_BAR_IOVA          # the GPU's BAR2, as the NVMe reaches it
@@ -143,9 +143,7 @@ class StorageSession:
         if mode not in MODES:
             raise StorageError(f"unknown mode {mode!r}", f"use one of {', '.join(MODES)}")
         with contextlib.ExitStack() as stack:
-            context = open_context(backend)
-            stack.callback(context.close)
-            shared = {"container": context} if backend == "type1" else {"ioas": context}
+            context, shared = join_context(stack, backend)
             gpu = GpuDriver.open(gpu_bdf, **shared)
             stack.callback(gpu.close)
             nvme = NvmeController.open(nvme_bdf, queue_entries=queue_entries, interrupts=interrupts,
