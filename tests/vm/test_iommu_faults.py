@@ -7,7 +7,6 @@ burst is 10, then 10 a second: a spray of 2,000 is past it by two orders of magn
 On both VFIO backends: type1 on the single lab, iommufd on the lab kernel."""
 
 import json
-import re
 import time
 
 SPRAY_OUT = "/tmp/unmapped-spray.json"
@@ -54,8 +53,9 @@ def check_a_spray_stays_responsive(vm, backend, spray: int):
     assert result["recovered"], result
     assert answers and max(answers) < 2.0, f"vm ssh took up to {max(answers):.2f} s during the spray"
     device_log = "".join(log.read_text() for log in vm.res.rundir.glob("gpu*.log"))
-    summaries = re.findall(r"(\d+) reported to the client, (\d+) suppressed", device_log)
-    assert summaries and sum(int(s) for _, s in summaries) > 0, summaries
+    # the rate limit bit: its first suppression is logged at once (a summary only comes with a
+    # fault after its interval, which a fast spray may finish within)
+    assert "now stay local: not reported to the client" in device_log, device_log[-2000:]
 
 
 def test_type1_unmapped_dma_is_a_dmar_fault_and_a_spray_is_bounded(single_lab, soak):

@@ -389,8 +389,10 @@ class FaultReports:
 
     A token bucket: ``REPORT_BURST`` reports at once, then ``REPORT_RATE`` per
     second; a fault beyond that stays local (the device halts all the same)
-    and is counted as suppressed.  The log gets one line for the first fault
-    and then at most one summary per ``SUMMARY_INTERVAL``: a guest that
+    and is counted as suppressed.  The log gets one line for the first fault,
+    one for the first fault suppressed (the rate limit bites: a log reader
+    knows it at once, not at the next summary), and then at most one summary
+    per ``SUMMARY_INTERVAL``: a guest that
     sprays bad IOVAs floods neither QEMU (its vIOMMU, the guest's fault log)
     nor the device's log.  Thread-safe; one per device, kept across clients.
     """
@@ -421,6 +423,9 @@ class FaultReports:
                 self.sent += 1
             else:
                 self.suppressed += 1
+                if self.suppressed == 1:
+                    log.warning("unmapped DMA faults beyond %g/s (burst %d) now stay local: "
+                                "not reported to the client", self.rate, self.burst)
             self._log(now, iova, write)
             return admitted
 
