@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 
 import documented_commands as docs
 from vfio_cxl.guest.drivers.igb.spec import parse_mac
@@ -32,10 +31,11 @@ def guest_json(vm, command: str) -> dict:
 
 
 def wait_ready(vm, timeout: float = 300) -> None:
-    """Until the receiver wrote its ready file (each look is one command in the guest)."""
-    deadline = time.monotonic() + timeout
-    while vm.run(f"test -e {READY}", check=False).exited != 0:
-        assert time.monotonic() < deadline, f"the receiver did not post its buffers within {timeout} s"
+    """Until the receiver wrote its ready file: one guest command that looks every 20 ms (one
+    SSH command per look cost hundreds of commands a test)."""
+    done = vm.run(f"timeout {timeout:g} sh -c 'until [ -e {READY} ]; do sleep 0.02; done'",
+                  check=False, timeout=timeout + 60)
+    assert done.exited == 0, f"the receiver did not post its buffers within {timeout} s"
 
 
 def transfer(lab, recv_args: str, send_args: str, backend: str) -> tuple[dict, dict]:

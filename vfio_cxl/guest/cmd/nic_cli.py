@@ -35,16 +35,17 @@ def _pick(bdf: str | None) -> str:
 
 
 def _mac(sysfs: Sysfs, bdf: str, driver: str | None) -> str | None:
-    """The kernel netdev's address, or (bound to vfio-pci, free) RA[0] read through VFIO."""
+    """The kernel netdev's address; else RA[0] read through VFIO: of a function bound to vfio-pci
+    and free, or of one with no driver, bound to vfio-pci for the read and left as it was."""
     net = sysfs.device_dir(bdf) / "net"
     for dev in sorted(net.iterdir()) if net.is_dir() else []:
         return (dev / "address").read_text().strip()
-    if driver != "vfio-pci":
+    if driver not in ("vfio-pci", None):
         return None
     from ..drivers.igb import spec
     from ..vfio import VfioPciDevice
     try:
-        with VfioPciDevice.open(bdf, bind=False) as device:
+        with VfioPciDevice.open(bdf, bind=driver is None) as device:
             bar0 = device.bar(0)
             return spec.format_mac(spec.mac_from_receive_address(bar0.read32(spec.RAL0), bar0.read32(spec.RAL0 + 4)))
     except VfioError:
