@@ -45,3 +45,34 @@ def test_the_probe_leaves_nothing_and_no_two_boots_share_its_name(tmp_path):
     ran = run(body + f'for i in $(seq 40); do (writable "{share}" && echo ok) & done; wait')
     assert ran.stdout.split() == ["ok"] * 40, ran
     assert list(share.iterdir()) == []
+
+
+def test_pid_1_never_redirects_a_special_builtin():
+    """`:`, `.`, `eval`, `exec`, `set`, ... with a redirection that fails end a non-interactive
+    shell: in PID 1 a kernel panic.  Every redirection of the init goes to a regular builtin."""
+    special = re.compile(r"(^\s*|[;&|!]\s*|\b(if|elif|then|else|do|while|until)\s+)"
+                         r"(:|\.|eval|set|export|readonly|shift|times|trap|unset)\s[^#\n]*[<>]")
+    bad = [line for line in INIT.read_text().splitlines() if special.search(line.split("#", 1)[0])]
+    assert bad == []
+
+
+@pytest.mark.skipif(SH is None, reason="no POSIX shell")
+@pytest.mark.parametrize("state, rc, out, err", [
+    ("started", 0, "[{\"name\": \"r0\"}]\n", ""),      # the init's run: its output and status
+    ("started", 3, "", "cxltool: no memdev with serial 7\n"),
+    ("none", 0, "PLAN\n", ""),                           # nothing started (no fw_cfg): runs it here
+])
+def test_the_lab_collects_the_regions_the_init_brought_up(tmp_path, state, rc, out, err):
+    """vfio_cxl.lab.lab.REGIONS_RESULT, as the lab runs it in the guest (its paths moved into
+    tmp_path, the fallback's cxltool stood in for by cat: it gets the plan on stdin)."""
+    from vfio_cxl.lab.lab import REGIONS_RESULT
+    r = tmp_path / "regions"
+    script = REGIONS_RESULT.replace("/run/vfio-cxl/regions", str(r)).replace(
+        "python3 -m vfio_cxl.guest.cmd.cxltool regions", "cat")
+    if state == "started":
+        Path(f"{r}.started").touch()
+        Path(f"{r}.out").write_text(out)
+        Path(f"{r}.err").write_text(err)
+        Path(f"{r}.rc").write_text(f"{rc}\n")
+    ran = subprocess.run([SH, "-c", script], input="PLAN\n", capture_output=True, text=True, timeout=30)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (rc, out, err)

@@ -312,3 +312,18 @@ def test_the_bytecode_cache_is_the_last_device_and_writable():
     shares = [argv[i + 1] for i, a in enumerate(argv) if a == "-fsdev"]
     assert shares[-1] == "local,id=pyc,path=/c/pyc,,x,security_model=none"   # no readonly
     assert "readonly=on" in shares[0]   # the source stays read-only
+
+
+def test_a_vm_with_regions_gets_its_plan_as_a_fw_cfg_file(tmp_path):
+    """The guest's init reads the region plan from fw_cfg (opt/vfio-cxl/regions) and brings the
+    regions up while SSH starts; a VM without regions gets no such file."""
+    from vfio_cxl.lab.lab import region_plan
+    topo = topology.load("single")
+    (vm,) = Lab(topo).plan(tmp_path)
+    assert vm.res.regions_plan == tmp_path / "host0" / "regions.json"
+    argv = vm.argv()
+    assert argv[-2:] == ["-fw_cfg", f"name=opt/vfio-cxl/regions,file={tmp_path}/host0/regions.json"]
+    assert region_plan(topo, vm.spec)["regions"], "single has a region to plan"
+    storage = topology.load("storage")   # no CXL: no plan, no fw_cfg
+    (vm,) = Lab(storage).plan(tmp_path / "s")
+    assert vm.res.regions_plan is None and "-fw_cfg" not in vm.argv()

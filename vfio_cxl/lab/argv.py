@@ -48,6 +48,7 @@ class VmResources:
     guest_hz: int | None = None       # CONFIG_HZ of the kernel booted (None: not known)
     nvme_files: dict[str, Path] = field(default_factory=dict)   # Nvme.drive_id(nsid) -> raw backing file
     bytecode: Path | None = None      # the guests' bytecode cache, shared writable (None: none)
+    regions_plan: Path | None = None  # the region plan (JSON) the guest's init brings up (fw_cfg)
 
     @property
     def console_log(self) -> Path:
@@ -343,7 +344,19 @@ def _control(vm: Vm, res: VmResources) -> list[str]:
     ]
 
 
+REGIONS_FW_CFG = "opt/vfio-cxl/regions"   # the guest reads /sys/firmware/qemu_fw_cfg/by_name/<this>/raw
+
+
+def _regions_plan(res: VmResources) -> list[str]:
+    """The region plan as a fw_cfg file: the guest's init starts bringing the regions up while
+    its SSH server starts, rather than the lab asking once SSH answers."""
+    if res.regions_plan is None:
+        return []
+    path = str(res.regions_plan).replace(",", ",,")
+    return ["-fw_cfg", f"name={REGIONS_FW_CFG},file={path}"]
+
+
 def qemu_argv(topo: Topology, vm: Vm, res: VmResources) -> list[str]:
     return [*_machine(vm, res), *_iommu(), *_cxl(topo, vm, res), *_pcie(topo, vm, res),
             *_network(res), *_storage(res), *_boot(vm, res), *_control(vm, res), *_control_network(res),
-            *_bytecode(res)]
+            *_bytecode(res), *_regions_plan(res)]

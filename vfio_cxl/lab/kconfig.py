@@ -60,6 +60,9 @@ NEEDS: tuple[Need, ...] = (
     Need(("PCI_P2PDMA",), "peer-to-peer DMA experiments", lab_only=True),
     Need(("CXL_MEM_RAW_COMMANDS",), "raw CXL mailbox commands", lab_only=True),
     Need(("IKCONFIG",), "reading the kernel's own config", lab_only=True),
+    # Without it the lab brings regions up after SSH answers, as for a user's kernel (slower).
+    Need(("FW_CFG_SYSFS",), "the region plan read at boot from fw_cfg (regions up while SSH starts)",
+         lab_only=True),
 )
 # Options that must be off: they change what the lab sees.
 MUST_BE_OFF = {"DEV_DAX_KMEM": "CXL regions must stay devdax (kmem would online them as system RAM)"}

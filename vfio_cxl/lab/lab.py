@@ -58,6 +58,23 @@ def _backend_path(rundir: Path, name: str) -> Path:
     return rundir / f"{name}.mem"
 
 
+# The regions' result: the guest's init started `cxltool regions` on the plan it read from
+# fw_cfg (images/rootfs/sbin/vfio-cxl-init); this waits for it and hands over what it printed and
+# its exit status.  A kernel without fw_cfg in sysfs (a --kernel of the user's): the init started
+# nothing, and the plan on stdin goes to cxltool here, as before.
+REGIONS_RESULT = (
+    "r=/run/vfio-cxl/regions; "
+    "if [ ! -e $r.started ]; then exec python3 -m vfio_cxl.guest.cmd.cxltool regions; fi; "
+    "exec < /dev/null; i=0; "
+    "until [ -e $r.rc ]; do i=$((i+1)); [ $i -le 15000 ] || { echo 'the regions the guest init started did not finish in 300 s' >&2; exit 1; }; "
+    "sleep 0.02; done; "
+    "cat $r.out; cat $r.err >&2; exit $(cat $r.rc)")
+
+
+def _has_regions(plan: dict) -> bool:
+    return bool(plan["regions"] or plan["pmem"])
+
+
 def region_plan(topo: Topology, vm: Vm) -> dict:
     """What the guest's ``cxltool regions`` creates: each region's memdevs as
     serial numbers (``cxl-type3,sn=``) in interleave position order."""
@@ -188,6 +205,7 @@ class Lab:
                 tsc_khz=host_tsc_khz(),
                 guest_hz=guest_hz,
                 bytecode=bytecode,
+                regions_plan=vmdir / "regions.json" if _has_regions(region_plan(self.topology, spec)) else None,
             )
             extra = [p for p in (res.kernel, res.modules) if custom and p is not None]
             vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology, extra_ro=extra))
@@ -238,6 +256,8 @@ class Lab:
                     for nsid, size in enumerate(nvme.namespaces, start=1):
                         with open(vm.res.nvme_files[nvme.drive_id(nsid)], "wb") as f:
                             f.truncate(size)
+                if vm.res.regions_plan is not None:   # read by QEMU at start (fw_cfg)
+                    vm.res.regions_plan.write_text(json.dumps(region_plan(self.topology, vm.spec)))
                 for t3 in vm.spec.type3:
                     if t3.persistent:   # the label storage area: private to the device, zeroed
                         with open(vm.res.lsa_file(t3.name), "wb") as f:
@@ -266,10 +286,9 @@ class Lab:
                     seconds = vm.wait_ready(timeout)
                     self.log(f"[{vm.name}] ready in {seconds:.1f} s (ssh 127.0.0.1:{vm.res.ssh_port}, "
                              f"console {vm.res.console_log})")
-                    plan = region_plan(self.topology, vm.spec)
-                    if plan["regions"] or plan["pmem"]:
+                    if vm.res.regions_plan is not None:
                         running[vm.name] = started.enter_context(vm.start_command(
-                            "python3 -m vfio_cxl.guest.cmd.cxltool regions", stdin=json.dumps(plan), timeout=300))
+                            REGIONS_RESULT, stdin=vm.res.regions_plan.read_text(), timeout=300))
                 results = join_all(running)
             for name, out in results.items():
                 vm = self.vms[name]
