@@ -324,3 +324,20 @@ def test_placement_and_queue_are_checked(responder):
         RdmaEndpoint(nic, placement="dma")
     with pytest.raises(RdmaError, match="queue 0, the control queue"):
         RdmaEndpoint(nic, queue=0)
+
+
+# -- the commands' usage errors (before any device is opened) --------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["nic", "rdma-recv", "--writes", "0"], "positive count"),
+    (["nic", "rdma-recv", "--writes", "2", "--free-after", "3"], "after 1 to --writes"),
+    (["nic", "rdma-recv", "--path", "tcp", "--free-after", "1"], "no registrations"),
+    (["nic", "rdma-recv", "--reregister"], "without --free-after"),
+    (["nic", "rdma-write", "--key", "0x100"], "without --to and --key"),
+    (["nic", "rdma-write", "--to", "02:00:00:00:01:01", "--key", "1", "--sizes", "4K,x"], "sizes like 4K"),
+    (["nic", "rdma-write", "--to", "02:00:00:00:01:01", "--key", "1", "--sizes", "0"], "sizes like 4K"),
+])
+def test_rdma_usage_errors(argv, words, capsys):
+    from vfio_cxl.guest.cmd import cli
+    assert cli.main(argv) == 1
+    assert words in capsys.readouterr().err
