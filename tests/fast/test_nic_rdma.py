@@ -126,6 +126,7 @@ class StandInNic:
         self.control_in: list[bytes] = []
         self.sent: list[bytes] = []
         self.wire: list[bytes] = []
+        self.gathered: list[tuple[bytes, int, int]] = []
         self.regions: dict[int, tuple[object, int, int]] = {}   # iova -> (gpu, vram offset, length)
 
     def _map(self, buffer, iova):
@@ -157,6 +158,10 @@ class StandInNic:
 
     def send(self, frames, queue=0):
         self.sent += frames
+        return len(frames)
+
+    def send_gather(self, frames, queue=0):
+        self.gathered += frames
         return len(frames)
 
     def recv(self, queue, count, timeout):
@@ -234,6 +239,7 @@ def test_a_write_lands_in_place_with_no_payload_byte_copied(responder):
     assert not any(gpu.memory[:0x10100]) and not any(gpu.memory[0x10100 + len(source):])
     assert ep.counts["payload_bytes_copied"] == 0 and ep.counts["header_bytes_copied"] == 41 * rdma.HEADER
     grants = answers(nic, Op.GRANT)
+    assert all(g.offset.to_bytes(6, "big") == rdma.DATA_MAC for g in grants)
     assert grants[0].seq == ENTRIES - 1 and grants[-1].seq == 41 and all(g.write_id == 1 for g in grants)
     (fin,) = answers(nic, Op.DONE)
     assert (fin.imm, fin.seq, fin.length) == (0x77, 41, len(source))
@@ -341,3 +347,21 @@ def test_rdma_usage_errors(argv, words, capsys):
     from vfio_cxl.guest.cmd import cli
     assert cli.main(argv) == 1
     assert words in capsys.readouterr().err
+
+
+def test_the_writer_sends_what_is_granted_straight_from_its_region_and_returns_the_immediate(responder):
+    ep, nic, gpu = responder
+    mr = ep.reg_mr(gpu, 0x4000, 0x4000)
+    data_mac = int.from_bytes(rdma.DATA_MAC, "big")
+    nic.control_in += [Header(Op.GRANT, 0x300, 1, 2, data_mac).pack(OWN, PEER),
+                       Header(Op.GRANT, 0x300, 99, 3, data_mac).pack(OWN, PEER),      # another write's: ignored
+                       Header(Op.GRANT, 0x300, 1, 3, data_mac).pack(OWN, PEER),
+                       Header(Op.DONE, 0x300, 1, 3, imm=9).pack(OWN, PEER)]
+    result = ep.write(mr, 0x100, 2 * rdma.MTU + 10, 0x300, 0x100, to=PEER, imm=9, timeout=1)
+    assert (result.frames, result.imm, result.length) == (3, 9, 2 * rdma.MTU + 10)
+    assert unpack_header(nic.sent[0]) == Header(Op.REQUEST, 0x300, 1, 3, 0x100, 2 * rdma.MTU + 10, 9)
+    sent = [(unpack_header(h), iova, n) for h, iova, n in nic.gathered]
+    assert [(h.seq, h.offset, h.length, iova - mr.iova, n) for h, iova, n in sent] == [
+        (0, 0x100, 1024, 0x100, 1024), (1, 0x500, 1024, 0x500, 1024), (2, 0x900, 10, 0x900, 10)]
+    assert all(h.op is Op.DATA and h.key == 0x300 for h, _, _ in sent)
+    assert nic.gathered[0][0][:6] == rdma.DATA_MAC and ep.counts["payload_bytes_copied"] == 0

@@ -117,7 +117,8 @@ class Header:
     key: int = 0
     write_id: int = 0
     seq: int = 0            # DATA: the frame's number; GRANT: frames granted so far
-    offset: int = 0         # region offset: the write's (REQUEST) or this frame's payload's (DATA)
+    offset: int = 0         # region offset: the write's (REQUEST) or this frame's payload's (DATA);
+                            # GRANT: the MAC to send the data to (the responder's data queue)
     length: int = 0         # the write's bytes (REQUEST, DONE) or this frame's payload bytes (DATA)
     imm: int = 0
     status: Status = Status.OK
@@ -387,7 +388,7 @@ class RdmaEndpoint:
         self.nic.send([request.pack(to, self.nic.mac)])
         sent, data_mac = 0, None
         while True:
-            h, src = self._control(write_id, time.monotonic() + timeout, f"write {write_id} to {spec.format_mac(to)}")
+            h = self._control(write_id, time.monotonic() + timeout, f"write {write_id} to {spec.format_mac(to)}")
             if h.op is Op.NAK:
                 raise refusal(h.status, f"the peer refused write {write_id} (key {remote_key:#x}, "
                                         f"offset {remote_offset:#x}, {length} bytes)")
@@ -395,7 +396,7 @@ class RdmaEndpoint:
                 return WriteResult(write_id, length, sent, h.imm, time.perf_counter() - t0,
                                    time.process_time() - c0)
             if h.op is Op.GRANT and h.seq > sent:
-                data_mac = src
+                data_mac = h.offset.to_bytes(6, "big")
                 self._send_data(region, offset - remote_offset, plan[sent:h.seq], remote_key, write_id, data_mac)
                 sent = h.seq
 
@@ -411,7 +412,7 @@ class RdmaEndpoint:
             self.nic.send([h + p for h, p in zip(headers, payloads)])
         self.counts["frames_sent"] += len(frames)
 
-    def _control(self, write_id: int, deadline: float, what: str) -> tuple[Header, bytes]:
+    def _control(self, write_id: int, deadline: float, what: str) -> Header:
         """The next control frame of ``write_id`` on queue 0 (others are dropped)."""
         while True:
             left = deadline - time.monotonic()
@@ -421,7 +422,7 @@ class RdmaEndpoint:
                                  "is the peer serving (vfio-cxl nic rdma-recv) and the link up?")
             h = unpack_header(got[0])
             if h is not None and h.write_id == write_id and h.op is not Op.DATA:
-                return h, source_mac(got[0])
+                return h
 
     # -- responder -------------------------------------------------------------------------
 
@@ -497,7 +498,8 @@ class RdmaEndpoint:
             w.posted = min(len(w.plan), w.landed + self.nic.rx[self.queue].ring.posted)
         waiting = w.landed == w.granted         # the requester sent all it may: it waits for this grant
         if w.posted > w.granted and (waiting or w.posted - w.granted >= GRANT_BATCH or w.posted == len(w.plan)):
-            self.nic.send([Header(Op.GRANT, w.request.key, w.request.write_id, w.posted).pack(w.peer, self.data_mac)])
+            grant = Header(Op.GRANT, w.request.key, w.request.write_id, w.posted, int.from_bytes(self.data_mac, "big"))
+            self.nic.send([grant.pack(w.peer, self.nic.mac)])
             w.granted = w.posted
 
     def _reap(self, w: _Write) -> int:
