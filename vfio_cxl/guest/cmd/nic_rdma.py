@@ -94,17 +94,18 @@ class TcpSide:
         bdf = _pick_gpu(args.gpu)
         bind_vfio_pci(bdf)
         self.gpu = GpuDriver.open(bdf)
-        self.peer = None
+        self.peer, self.timeout = None, args.timeout
 
     def register(self, offset: int, length: int, remote: bool):
+        """The range (no registration on TCP); the responder listens from here on."""
+        from ..nic.tcp import TcpResponder
         if offset < 0 or length <= 0 or offset + length > self.gpu.vram_size:
             raise VfioError(f"VRAM [{offset:#x}, {offset + length:#x})", "a range inside VRAM")
+        if remote and self.peer is None:
+            self.peer = TcpResponder(timeout=self.timeout)
         return (offset, length)
 
     def serve(self, timeout: float, region) -> dict:
-        from ..nic.tcp import TcpResponder
-        if self.peer is None:
-            self.peer = TcpResponder(timeout=timeout)
         before = self.peer.payload_bytes_copied
         r = self.peer.serve(self.gpu, *region)
         return {"write_id": None, "key": None, "offset": r["offset"], "length": r["length"], "imm": r["imm"],
@@ -142,9 +143,12 @@ def _side(args):
 
 
 def _ready(path: str | None, info: dict) -> None:
+    """``info`` as JSON at ``path``, whole: written aside, then renamed into place."""
     if path:
-        with open(path, "w") as f:
+        import os
+        with open(f"{path}.part", "w") as f:
             f.write(json.dumps(info) + "\n")
+        os.replace(f"{path}.part", path)
 
 
 def _check_recv_args(args) -> None:
