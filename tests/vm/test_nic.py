@@ -136,7 +136,7 @@ def test_bad_input_is_refused_with_a_clear_error(nic2_lab):
 
 def test_documented_commands_as_typed(nic2_lab):
     """docs/nic.md's commands (CASES group "nic"), as typed: ls on both hosts, each recv on
-    host1 with send on host0, stats on both."""
+    host1 with send on host0, rdma-recv on host1 with rdma-write on host0, stats on both."""
     shown = [c for c, case in docs.CASES.items() if case.group == "nic" and not case.skip and not case.same]
     recvs = [c for c in shown if c.startswith("vfio-cxl nic recv")]
     (send,) = [c for c in shown if c.startswith("vfio-cxl nic send")]
@@ -150,6 +150,15 @@ def test_documented_commands_as_typed(nic2_lab):
             tx.run(send, timeout=600)
             out = receiving.join().stdout
         assert "8 frames" in out and "verified True" in out, out
+    (rdma_recv,) = [c for c in shown if c.startswith("vfio-cxl nic rdma-recv")]
+    (rdma_write,) = [c for c in shown if c.startswith("vfio-cxl nic rdma-write")]
+    rx.run(f"rm -f {READY}")
+    with rx.start_command(rdma_recv, timeout=1800) as receiving:
+        wait_ready(rx)
+        wrote = tx.run(rdma_write, timeout=1800).stdout
+        placed = receiving.join().stdout
+    assert f"{16 << 20} bytes at 0x0 in" in wrote and "payload bytes copied by this CPU 0" in wrote, wrote
+    assert ": OK" in placed and "verified True" in placed and "payload bytes copied by this CPU 0" in placed, placed
     for vm in (rx, tx):
         out = vm.run("vfio-cxl nic stats", timeout=600).stdout
         assert "link " in out and "gprc " in out and "gptc " in out, out
