@@ -261,6 +261,16 @@ def test_a_bad_frame_ends_the_write_and_nothing_lands_outside_the_region(respond
     assert nak.status is Status.BAD_FRAME and nic.rx[1].ring.posted == 0      # nothing left posted
 
 
+def test_a_write_whose_frames_stop_coming_times_out_and_takes_its_descriptors_back(responder):
+    ep, nic, gpu = responder
+    mr = ep.reg_mr(gpu, 0, 0x4000, Access.REMOTE_WRITE)
+    nic.control_in.append(request(mr.key, 0, 4 * rdma.MTU))
+    nic.wire += data_frames(mr.key, 0, pattern(3, 0, 4 * rdma.MTU))[:2]
+    done = ep.serve(timeout=0.05)
+    assert done.status is Status.TIMEOUT and "2 of 4 frames came" in done.error and done.frames == 2
+    assert answers(nic, Op.NAK)[0].status is Status.TIMEOUT and nic.rx[1].ring.posted == 0
+
+
 @pytest.mark.parametrize("case,status", [("stale", Status.STALE_KEY), ("freed", Status.FREED),
                                          ("unknown", Status.UNKNOWN_KEY), ("beyond", Status.OUT_OF_RANGE),
                                          ("no-access", Status.ACCESS)])

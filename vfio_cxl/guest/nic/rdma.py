@@ -476,14 +476,14 @@ class RdmaEndpoint:
         deadline = time.monotonic() + timeout
         self._post(w)
         while w.landed < len(w.plan):
-            reaped = self._reap(w)
-            self._post(w)
-            if not reaped and not self.nic.wait_rx(self.queue, deadline):
-                if not self._reap(w):
-                    raise WriteFailed(Status.TIMEOUT, f"write {w.request.write_id}: {w.landed} of {len(w.plan)} "
-                                                      f"frames came, then none for {timeout:g} s")
-            if reaped:
+            if self._reap(w):
+                self._post(w)
                 deadline = time.monotonic() + timeout
+            elif time.monotonic() >= deadline:
+                raise WriteFailed(Status.TIMEOUT, f"write {w.request.write_id}: {w.landed} of {len(w.plan)} "
+                                                  f"frames came, then none for {timeout:g} s")
+            else:
+                self.nic.wait_rx(self.queue, deadline)
 
     def _post(self, w: _Write) -> None:
         """Zero-copy: post descriptors for the next frames, each at its payload's address;

@@ -36,12 +36,14 @@ class TcpResponder:
         self._server = socket.create_server(("0.0.0.0", port))
         self._server.settimeout(timeout)
         self._conn: socket.socket | None = None
+        self.timeout = timeout
         self.payload_bytes_copied = 0
 
     def serve(self, gpu, region_offset: int, region_length: int) -> dict:
         """One write into VRAM [region_offset, region_offset + region_length) -> what happened."""
         if self._conn is None:
             self._conn, _ = self._server.accept()
+            self._conn.settimeout(self.timeout)
             self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         head = bytearray(_REQUEST.size)
         _recv_exact(self._conn, memoryview(head))
