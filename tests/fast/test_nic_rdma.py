@@ -375,3 +375,35 @@ def test_the_writer_sends_what_is_granted_straight_from_its_region_and_returns_t
         (0, 0x100, 1024, 0x100, 1024), (1, 0x500, 1024, 0x500, 1024), (2, 0x900, 10, 0x900, 10)]
     assert all(h.op is Op.DATA and h.key == 0x300 for h, _, _ in sent)
     assert nic.gathered[0][0][:6] == rdma.DATA_MAC and ep.counts["payload_bytes_copied"] == 0
+
+
+# -- the TCP reference over loopback ------------------------------------------------------------
+
+def test_the_tcp_reference_places_the_bytes_and_refuses_a_range_beyond_the_region():
+    import threading
+    from vfio_cxl.guest.nic.tcp import TcpRequester, TcpResponder
+
+    def gpu():
+        g = SimpleNamespace(memory=bytearray(1 << 16))
+        g.vram = SimpleNamespace(read=lambda off, n: bytes(g.memory[off:off + n]),
+                                 write=lambda off, data: g.memory.__setitem__(slice(off, off + len(data)), data))
+        return g
+    src, dst = gpu(), gpu()
+    src.memory[:] = pattern(9, 0, 1 << 16)
+    responder = TcpResponder(port=0, timeout=10)
+    served = []
+    thread = threading.Thread(target=lambda: served.extend(responder.serve(dst, 0x8000, 0x4000) for _ in range(2)))
+    thread.start()
+    requester = TcpRequester("127.0.0.1", responder.port, timeout=10)
+    try:
+        assert requester.write(src, 0x100, 0x1000, 0x100, imm=3)["imm"] == 3
+        with pytest.raises(RdmaError, match="beyond the registered region"):
+            requester.write(src, 0, 0x2000, 0x3000)
+    finally:
+        thread.join(10)
+        requester.close()
+        responder.close()
+    assert bytes(dst.memory[0x8100:0x9100]) == pattern(9, 0x100, 0x1000)
+    assert not any(dst.memory[:0x8100]) and not any(dst.memory[0x9100:])
+    assert [s["status"] for s in served] == [Status.OK, Status.OUT_OF_RANGE]
+    assert requester.payload_bytes_copied == 0x3000 and responder.payload_bytes_copied == 0x1000

@@ -34,6 +34,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 class TcpResponder:
     def __init__(self, port: int = PORT, timeout: float = 60.0):
         self._server = socket.create_server(("0.0.0.0", port))
+        self.port = self._server.getsockname()[1]          # port 0: the one the kernel chose
         self._server.settimeout(timeout)
         self._conn: socket.socket | None = None
         self.timeout = timeout
