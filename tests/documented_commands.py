@@ -366,6 +366,7 @@ CASES.update({
     "vfio-cxl nic rdma-recv --length 16M --seed 5 --ready-file /tmp/nic-ready": Case(group="nic", timeout=900),
     "vfio-cxl nic rdma-write --to 52:54:00:1e:02:00 --key 0x100 --sizes 16M --seed 5": Case(group="nic", timeout=900),
     "vfio-cxl nic ls|stats|send|recv|rdma-recv|rdma-write": same("vfio-cxl nic ls"),
+    "vfio-cxl nic ls|stats|send|recv": same("vfio-cxl nic ls"),
     "scripts/bench nic --quick": Case(group="bench", run="scripts/bench nic --sizes 64K --json", timeout=2400),
     "scripts/bench nic": same("scripts/bench nic --quick"),
     "scripts/bench boot [--topology NAME | --all] | gpu-server | routes | share | supervision | channel | storage":
