@@ -407,3 +407,14 @@ def test_the_tcp_reference_places_the_bytes_and_refuses_a_range_beyond_the_regio
     assert not any(dst.memory[:0x8100]) and not any(dst.memory[0x9100:])
     assert [s["status"] for s in served] == [Status.OK, Status.OUT_OF_RANGE]
     assert requester.payload_bytes_copied == 0x3000 and responder.payload_bytes_copied == 0x1000
+
+
+def test_no_request_and_no_answer_are_timeouts_naming_what_to_start(responder):
+    from vfio_cxl.guest.drivers.igb.errors import IgbTimeout
+    ep, nic, gpu = responder
+    with pytest.raises(IgbTimeout, match="no write request within 0.01 s.*rdma-write"):
+        ep.serve(timeout=0.01)
+    mr = ep.reg_mr(gpu, 0, 0x1000)
+    nic.control_in.append(Header(Op.GRANT, 0x100, 99, 1).pack(OWN, PEER))     # another write's: not an answer
+    with pytest.raises(IgbTimeout, match="write 1 to 52:54:00:00:00:01: no answer.*rdma-recv"):
+        ep.write(mr, 0, 0x100, 0x100, 0, to=PEER, timeout=0.01)

@@ -386,9 +386,11 @@ class RdmaEndpoint:
         plan = plan_frames(remote_offset, length)
         request = Header(Op.REQUEST, remote_key, write_id, len(plan), remote_offset, length, imm)
         self.nic.send([request.pack(to, self.nic.mac)])
-        sent, data_mac = 0, None
+        sent = 0
         while True:
-            h = self._control(write_id, time.monotonic() + timeout, f"write {write_id} to {spec.format_mac(to)}")
+            h, _ = self._next_control(lambda h: h.write_id == write_id and h.op is not Op.DATA, timeout,
+                                      f"write {write_id} to {spec.format_mac(to)}: no answer from the peer",
+                                      "is the peer serving (vfio-cxl nic rdma-recv) and the link up?")
             if h.op is Op.NAK:
                 raise refusal(h.status, f"the peer refused write {write_id} (key {remote_key:#x}, "
                                         f"offset {remote_offset:#x}, {length} bytes)")
@@ -396,8 +398,8 @@ class RdmaEndpoint:
                 return WriteResult(write_id, length, sent, h.imm, time.perf_counter() - t0,
                                    time.process_time() - c0)
             if h.op is Op.GRANT and h.seq > sent:
-                data_mac = h.offset.to_bytes(6, "big")
-                self._send_data(region, offset - remote_offset, plan[sent:h.seq], remote_key, write_id, data_mac)
+                self._send_data(region, offset - remote_offset, plan[sent:h.seq], remote_key, write_id,
+                                h.offset.to_bytes(6, "big"))
                 sent = h.seq
 
     def _send_data(self, region: MemoryRegion, delta: int, frames: list[FramePlan], key: int, write_id: int,
@@ -412,17 +414,18 @@ class RdmaEndpoint:
             self.nic.send([h + p for h, p in zip(headers, payloads)])
         self.counts["frames_sent"] += len(frames)
 
-    def _control(self, write_id: int, deadline: float, what: str) -> Header:
-        """The next control frame of ``write_id`` on queue 0 (others are dropped)."""
+    def _next_control(self, wanted, timeout: float, what: str, fix: str) -> tuple[Header, bytes]:
+        """The next frame on queue 0 whose header ``wanted`` accepts, and its source MAC (other
+        frames are dropped); IgbTimeout ``what`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            got = self.nic.recv(0, 1, max(left, 0)) if left > 0 else []
+            got = self.nic.recv(0, 1, left) if left > 0 else []
             if not got:
-                raise IgbTimeout(f"{what}: no answer from the peer by the deadline",
-                                 "is the peer serving (vfio-cxl nic rdma-recv) and the link up?")
+                raise IgbTimeout(f"{what} within {timeout:g} s", fix)
             h = unpack_header(got[0])
-            if h is not None and h.write_id == write_id and h.op is not Op.DATA:
-                return h
+            if h is not None and wanted(h):
+                return h, source_mac(got[0])
 
     # -- responder -------------------------------------------------------------------------
 
@@ -430,8 +433,8 @@ class RdmaEndpoint:
         """Take the next write request (waiting ``timeout`` s at most), place its frames,
         answer DONE (or NAK) -> what happened.  A write whose frames stop coming for
         ``timeout`` s fails (TIMEOUT)."""
-        deadline = time.monotonic() + timeout
-        request, peer = self._next_request(deadline)
+        request, peer = self._next_control(lambda h: h.op is Op.REQUEST, timeout, "no write request",
+                                           "start the writer (vfio-cxl nic rdma-write)")
         t0, c0 = time.perf_counter(), time.process_time()
         status, error, frames = self._accept(request), None, 0
         if status is Status.OK:
@@ -450,16 +453,6 @@ class RdmaEndpoint:
                               request.imm, status).pack(peer, self.nic.mac)])
         return Completion(request.write_id, request.key, request.offset, request.length, request.imm, frames,
                           status, error, time.perf_counter() - t0, time.process_time() - c0)
-
-    def _next_request(self, deadline: float) -> tuple[Header, bytes]:
-        while True:
-            left = deadline - time.monotonic()
-            got = self.nic.recv(0, 1, left) if left > 0 else []
-            if not got:
-                raise IgbTimeout("no write request by the deadline", "start the writer (vfio-cxl nic rdma-write)")
-            h = unpack_header(got[0])
-            if h is not None and h.op is Op.REQUEST:
-                return h, source_mac(got[0])
 
     def _accept(self, request: Header) -> Status:
         """OK, or why the write is refused: the key, the range, the access."""
