@@ -49,7 +49,7 @@ def test_the_target_compares_zero_copy_with_the_bounce_at_the_largest_size():
 
 def test_the_table_prints_each_figure_beside_the_bounce_s(capsys):
     cells = reports("zero-copy", 30.0, 4.0, 0) + reports("bounce", 20.0, 10.0, 2 << 20) + reports("tcp", 40.0, 8.0, 1 << 20)
-    nic.print_table({"kernel": "distro", "backend": "type1", "load_average_1min": 0.5, "sizes": [1 << 20],
+    nic.print_table({"qemu": "lab", "kernel": "distro", "backend": "type1", "load_average_1min": 0.5, "sizes": [1 << 20],
                      "cells": cells, "targets": nic.targets(cells)})
     out = capsys.readouterr().out
     zc = next(line for line in out.splitlines() if " zero-copy " in line)
@@ -63,3 +63,14 @@ def test_sizes_are_checked_and_the_bench_is_registered():
         with pytest.raises(Exception, match="sizes from 1 byte to 16M"):
             nic._sizes(bad)
     assert SUBCOMMANDS["nic"] == "vfio_cxl.bench.nic"
+
+
+def test_qemu_names_the_build_the_lab_boots(monkeypatch, tmp_path):
+    import argparse
+    from vfio_cxl.bench.options import use_qemu_build
+    from vfio_cxl.lab.qemu_runtime import QEMU_ENV
+    monkeypatch.delenv(QEMU_ENV, raising=False)
+    assert use_qemu_build(argparse.Namespace(qemu=None)) == "lab" and QEMU_ENV not in __import__("os").environ
+    path = str(tmp_path / "qemu-system-x86_64")
+    assert use_qemu_build(argparse.Namespace(qemu=path)) == path
+    assert __import__("os").environ[QEMU_ENV] == path

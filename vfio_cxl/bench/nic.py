@@ -2,6 +2,7 @@
 host1, each a GPU and an igb behind one PCIe switch, the igbs wired to each other).
 
     scripts/bench nic [--quick] [--sizes 4K,1M] [--json] [--backend type1|iommufd] [--kernel distro|lab]
+                      [--qemu PATH]
 
 Paths, host0's VRAM into host1's (docs/nic.md, "RDMA-shaped writes"):
 
@@ -19,6 +20,8 @@ side's guest CPU seconds per GB (CLOCK_PROCESS_CPUTIME_ID over the write), the p
 each side's CPU copied, and ``verified`` (the responder read the range back through BAR2 and
 found the seeded pattern).  Each figure is printed beside the bounce's at the same size.
 Target (issue 35): zero-copy >= the bounce's MB/s with <= 50 % of its receiver CPU per GB.
+``--qemu PATH`` runs it on another QEMU build (VFIO_CXL_QEMU), e.g. a stock one, for the
+figures beside the lab's: how QEMU carries DMA into a BAR decides the zero-copy path's pace.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from ..errors import LabError
 from ..lab import topology
 from ..lab.lab import Lab
-from .options import add_kernel_option, guest_kernel
+from .options import add_kernel_option, add_qemu_build_option, guest_kernel, use_qemu_build
 from .p2p import parse_size
 
 PATHS = ("zero-copy", "bounce", "tcp")
@@ -123,7 +126,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--backend", choices=("type1", "iommufd"), default="type1")
     add_kernel_option(parser)
+    add_qemu_build_option(parser)
     args = parser.parse_args(argv)
+    qemu = use_qemu_build(args)
     sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
     kernel = guest_kernel(args)
     load = os.getloadavg()[0]
@@ -133,7 +138,8 @@ def main(argv: list[str]) -> int:
             sent, got = run_path(lab, path, sizes, args.backend)
             cells += cells_of(path, sent, got)
             reports[path] = {"vfio_backend": got.get("vfio_backend"), "kernel": got.get("kernel")}
-    result = {"quick": args.quick, "backend": args.backend, "kernel": args.kernel, "load_average_1min": load,
+    result = {"quick": args.quick, "backend": args.backend, "kernel": args.kernel, "qemu": qemu,
+              "load_average_1min": load,
               "sizes": sizes, "cells": cells, "paths": reports, "targets": targets(cells)}
     if args.json:
         print(json.dumps(result))
@@ -151,7 +157,8 @@ def _num(value, fmt: str, width: int) -> str:
 
 
 def print_table(result: dict) -> None:
-    print(f"nic2, TCG guests, {result['kernel']} kernel, {result['backend']} backend; host load average "
+    print(f"nic2, TCG guests, {result['qemu']} QEMU, {result['kernel']} kernel, {result['backend']} backend; "
+          f"host load average "
           f"{result['load_average_1min']:.2f} at the start; host0's VRAM -> host1's VRAM, one write per cell")
     print(f"{'size':>7} {'path':10} {'MB/s':>8} {'vs bn':>6} {'frames/s':>9} {'rx CPU s/GB':>11} {'vs bn':>6} "
           f"{'tx CPU s/GB':>11} {'vs bn':>6} {'rx copied':>10} {'tx copied':>10} ok")
