@@ -354,7 +354,6 @@ CASES.update({
         skip(STORAGE_TEST + "test_round_trip_through_guest_ram_type1"),
     # the NIC (docs/nic.md): group "nic", run as typed in the guests of nic2 by tests/vm/test_nic.py
     # (recv on host1, send on host0, ls and stats on both)
-    "vfio-cxl nic ls|stats|send|recv": same("vfio-cxl nic ls"),
     "vfio-cxl nic ls": Case(group="nic", timeout=600),
     "vfio-cxl nic recv --queue 1 --steer 02:00:00:00:01:01 --count 8 --seed 7 --timeout 60 "
     "--ready-file /tmp/nic-ready":
@@ -364,6 +363,12 @@ CASES.update({
     "--ready-file /tmp/nic-ready":
         Case(group="nic", timeout=600),
     "vfio-cxl nic stats": Case(group="nic", timeout=600),
+    "vfio-cxl nic rdma-recv --length 16M --seed 5 --ready-file /tmp/nic-ready": Case(group="nic", timeout=900),
+    "vfio-cxl nic rdma-write --to 52:54:00:1e:02:00 --key 0x100 --sizes 16M --seed 5": Case(group="nic", timeout=900),
+    "vfio-cxl nic ls|stats|send|recv|rdma-recv|rdma-write": same("vfio-cxl nic ls"),
+    "vfio-cxl nic ls|stats|send|recv": same("vfio-cxl nic ls"),
+    "scripts/bench nic --quick": Case(group="bench", run="scripts/bench nic --sizes 64K --json", timeout=2400),
+    "scripts/bench nic": same("scripts/bench nic --quick"),
     "scripts/bench boot [--topology NAME | --all] | gpu-server | routes | share | supervision | channel | storage":
         same("scripts/bench boot"),
     "scripts/bench fm-fuzz [--requests N] [--seed S] [--json]":

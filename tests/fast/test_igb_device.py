@@ -218,3 +218,27 @@ def test_bad_open_arguments():
         IgbDevice(Device(Registers()), packet_buffer=1500, interrupts=False)
     with pytest.raises(IgbError, match="packet_buffer=2048"):
         IgbDevice(Device(Registers()), packet_buffer=1024, interrupts=False)
+
+
+def test_send_gather_puts_the_header_in_guest_ram_and_points_the_payload_at_its_iova():
+    regs = Registers()
+    nic = IgbDevice(Device(regs), interrupts=False)
+    seen = []
+
+    def on_tdt(tail):                                   # the device: every descriptor sent
+        tx = nic.tx[0].ring
+        for k in range(tx.entries):
+            if tx.desc(k)[12] & spec.TXD_STAT_DD == 0 and any(tx.desc(k)):
+                addr, cmd, status = struct.unpack_from("<QII", tx.desc(k))
+                seen.append((addr, cmd & 0xFFFF, bool(cmd & spec.TXD_CMD_EOP), status >> spec.TXD_PAYLEN_SHIFT))
+                tx.desc(k)[12] |= spec.TXD_STAT_DD
+    regs.on_tdt = on_tdt
+    header = b"h" * 64
+    assert nic.send_gather([(header, 0x20_0000_0000, 1024), (header, 0x20_0000_0400, 0)]) == 2
+    (h0, n0, eop0, len0), (p0, n1, eop1, len1), (h1, n2, eop2, len2) = seen
+    assert (n0, eop0, len0) == (64, False, 1088) and (p0, n1, eop1, len1) == (0x20_0000_0000, 1024, True, 1088)
+    assert (n2, eop2, len2) == (64, True, 64)                       # header only: one descriptor
+    at = h0 - nic.control_iova
+    assert bytes(nic._view[at:at + 64]) == header
+    with pytest.raises(IgbError, match="frame 0: a 64-byte header and 1451 bytes"):
+        nic.send_gather([(header, 0, 1451)])

@@ -1,4 +1,5 @@
-"""Issue 35 steps 2-3, the guest's userspace igb driver and devmem-shaped receive into VRAM.
+"""Issue 35 steps 2-4: the guest's userspace igb driver, devmem-shaped receive into VRAM, and
+RDMA-shaped writes from host0's VRAM into host1's.
 
 On the ``nic2`` topology (host0 and host1, each a GPU and an igb behind one PCIe switch, the
 two igbs on one point-to-point link): both links come up; host0 sends frames to a MAC host1
@@ -6,7 +7,11 @@ steers to queue 1, and host1 receives every one with the bytes sent and statisti
 agree; with ``--gpu`` host1's queue 1 is bound to gpu1's VRAM: the headers land in guest RAM,
 the payloads in VRAM at the offsets recv reports (read back through BAR2), nothing stays
 mapped after unbind; a queue without buffers drops what is steered there and recv returns
-nothing by its timeout.  Type1 on the image's Debian kernel, iommufd on the lab kernel.
+nothing by its timeout.  ``nic rdma-write`` of 16 MiB from gpu0's VRAM lands in gpu1's
+registered VRAM byte for byte with no payload byte copied by host1's CPU; the bounce and the
+TCP reference land the same bytes; a write beyond the region, with a freed region's key, a
+stale key or an unknown one is refused by name and writes nothing.  Type1 on the image's
+Debian kernel, iommufd on the lab kernel.
 
 The receiver runs first, in the background (``start_command``), and writes ``--ready-file``
 once its buffers are posted; the sender starts when that file exists.
@@ -17,9 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
+
 import documented_commands as docs
 from vfio_cxl.guest.drivers.igb.spec import parse_mac
 from vfio_cxl.guest.nic import frames
+from vfio_cxl.guest.nic.rdma import HEADER, MTU, pattern
 
 FLOW = "02:00:00:00:01:01"          # the MAC host1 steers to queue 1
 READY = "/tmp/nic-ready"
@@ -128,7 +136,7 @@ def test_bad_input_is_refused_with_a_clear_error(nic2_lab):
 
 def test_documented_commands_as_typed(nic2_lab):
     """docs/nic.md's commands (CASES group "nic"), as typed: ls on both hosts, each recv on
-    host1 with send on host0, stats on both."""
+    host1 with send on host0, rdma-recv on host1 with rdma-write on host0, stats on both."""
     shown = [c for c, case in docs.CASES.items() if case.group == "nic" and not case.skip and not case.same]
     recvs = [c for c in shown if c.startswith("vfio-cxl nic recv")]
     (send,) = [c for c in shown if c.startswith("vfio-cxl nic send")]
@@ -142,9 +150,97 @@ def test_documented_commands_as_typed(nic2_lab):
             tx.run(send, timeout=600)
             out = receiving.join().stdout
         assert "8 frames" in out and "verified True" in out, out
+    (rdma_recv,) = [c for c in shown if c.startswith("vfio-cxl nic rdma-recv")]
+    (rdma_write,) = [c for c in shown if c.startswith("vfio-cxl nic rdma-write")]
+    rx.run(f"rm -f {READY}")
+    with rx.start_command(rdma_recv, timeout=1800) as receiving:
+        wait_ready(rx)
+        wrote = tx.run(rdma_write, timeout=1800).stdout
+        placed = receiving.join().stdout
+    assert f"{16 << 20} bytes at 0x0 in" in wrote and "payload bytes copied by this CPU 0" in wrote, wrote
+    assert ": OK" in placed and "verified True" in placed and "payload bytes copied by this CPU 0" in placed, placed
     for vm in (rx, tx):
         out = vm.run("vfio-cxl nic stats", timeout=600).stdout
         assert "link " in out and "gprc " in out and "gptc " in out, out
+
+
+# -- RDMA-shaped writes (step 4) ---------------------------------------------------------------
+
+RSEED = 5
+
+
+def rdma_serve(lab, recv_args: str, writes: list[str], backend: str) -> tuple[list[dict], dict]:
+    """``nic rdma-recv`` on host1 (in the background, until its ready file holds the key), then
+    each of ``writes`` (``nic rdma-write`` arguments; ``{key}`` and ``{mac}`` filled in from
+    the ready file) on host0 in turn; (the writers' reports, the receiver's)."""
+    rx, tx = lab["host1"], lab["host0"]
+    rx.run(f"rm -f {READY}")
+    with rx.start_command(f"vfio-cxl nic rdma-recv {recv_args} --backend {backend} --ready-file {READY} --json",
+                          timeout=1800) as receiving:
+        wait_ready(rx)
+        ready = json.loads(rx.run(f"cat {READY}").stdout)
+        sent = [json.loads(tx.run(f"vfio-cxl nic rdma-write {w.format(**ready)} --backend {backend} --json",
+                                  timeout=1800, check=False).stdout) for w in writes]
+        got = json.loads(receiving.join(check=False).stdout)
+    return sent, got
+
+
+def check_placed(sent: dict, got: dict, size: int, offset: int = 0) -> None:
+    """One write of ``size`` bytes at ``offset``: placed whole, the bytes read back through
+    host1's BAR2 the seeded pattern (sha256 computed here too), the payload copied by neither CPU."""
+    (w,) = sent["writes"]
+    assert w["status"] == "OK" and w["payload_bytes_copied"] == 0, w
+    frames_ = -(-size // MTU)
+    assert w["frames"] == frames_ and w["mb_s"] > 0
+    r = got["writes"][-1]
+    assert r["status"] == "OK" and r["verified"] and (r["offset"], r["length"]) == (offset, size), r
+    assert r["sha256"] == hashlib.sha256(pattern(RSEED, offset, size)).hexdigest()
+    assert r["frames"] == frames_ and r["imm"] == w["imm"]
+    assert r["payload_bytes_copied"] == 0 and r["header_bytes_copied"] == frames_ * HEADER
+    assert got["mapped_after_close"] == []
+
+
+def test_rdma_write_of_16m_lands_in_remote_vram_with_no_cpu_copy_type1(nic2_lab):
+    sent, got = rdma_serve(nic2_lab, f"--length 16M --seed {RSEED}",
+                           [f"--to {{mac}} --key {{key}} --length 16M --sizes 16M --seed {RSEED} --imm 7"], "type1")
+    check_placed(sent[0], got, 16 << 20)
+    assert sent[0]["writes"][0]["imm"] == 7 and got["vfio_backend"] == "type1"
+    assert got["stats"]["gprc"] >= 16 << 10 and got["stats"]["rx_overrun_events"] == 0, got["stats"]
+
+
+@pytest.mark.parametrize("path", ["bounce", "tcp"])
+def test_rdma_bounce_and_tcp_land_the_same_bytes_through_the_cpus(nic2_lab, path):
+    peer = "" if path == "tcp" else "--to {mac} --key {key}"      # tcp: the link address, no key
+    sent, got = rdma_serve(nic2_lab, f"--path {path} --length 1M --seed {RSEED}",
+                           [f"--path {path} {peer} --length 1M --sizes 1M --seed {RSEED}"], "type1")
+    (w,), r = sent[0]["writes"], got["writes"][0]
+    assert w["status"] == "OK" and r["status"] == "OK" and r["verified"], (w, r)
+    assert r["sha256"] == hashlib.sha256(pattern(RSEED, 0, 1 << 20)).hexdigest()
+    assert r["payload_bytes_copied"] >= 1 << 20 and w["payload_bytes_copied"] >= 1 << 20
+
+
+def test_rdma_refuses_a_range_beyond_the_region_and_a_freed_region(nic2_lab):
+    write = f"--to {{mac}} --key {{key}} --length 128K --seed {RSEED}"      # the source: inside its own region
+    sent, got = rdma_serve(nic2_lab, f"--length 64K --seed {RSEED} --writes 3 --free-after 2",
+                           [f"{write} --offset 0xF000 --sizes 8K", f"{write} --sizes 4K", f"{write} --sizes 4K"],
+                           "type1")
+    beyond, ok, freed = (s["writes"][0] for s in sent)
+    assert beyond["status"] == "REFUSED" and "beyond the registered region" in beyond["error"], beyond
+    assert ok["status"] == "OK"
+    assert freed["status"] == "REFUSED" and "was freed" in freed["error"], freed
+    assert [w["status"] for w in got["writes"]] == ["OUT_OF_RANGE", "OK", "FREED"], got["writes"]
+    assert got["writes"][1]["verified"] and got["mapped_after_close"] == []
+
+
+def test_rdma_refuses_a_stale_key_and_one_never_handed_out(nic2_lab):
+    write = f"--to {{mac}} --length 64K --seed {RSEED} --sizes 4K"
+    sent, got = rdma_serve(nic2_lab, f"--length 64K --seed {RSEED} --writes 3 --free-after 1 --reregister",
+                           [f"{write} --key {{key}}", f"{write} --key {{key}}", f"{write} --key 0x7f05"], "type1")
+    ok, stale, unknown = (s["writes"][0] for s in sent)
+    assert ok["status"] == "OK" and len(set(got["keys"])) == 2, got["keys"]
+    assert stale["status"] == "REFUSED" and "earlier registration" in stale["error"], stale
+    assert unknown["status"] == "REFUSED" and "names no registration" in unknown["error"], unknown
+    assert [w["status"] for w in got["writes"]] == ["OK", "STALE_KEY", "UNKNOWN_KEY"], got["writes"]
 
 
 # -- iommufd: the lab kernel -------------------------------------------------------------------
@@ -160,4 +256,14 @@ def test_iommufd_frames_and_header_split_into_vram(nic2_lab_kernel_lab):
                          f"--to {FLOW} --count {COUNT} --size {SIZE} --seed {SEED}", "iommufd")
     check_devmem(sent, got, (0x100000, 1 << 20))
     # iommufd cannot pin a BAR mmap: the range went in as a VFIO dma-buf
+    assert any("IOMMU_IOAS_MAP_FILE accepted" in note for note in got["kernel"].values()), got["kernel"]
+
+
+def test_iommufd_rdma_write_of_16m_and_a_range_beyond_the_region(nic2_lab_kernel_lab):
+    write = f"--to {{mac}} --key {{key}} --length 17M --seed {RSEED}"       # the source: inside its own region
+    sent, got = rdma_serve(nic2_lab_kernel_lab, f"--length 16M --seed {RSEED} --writes 2",
+                           [f"{write} --sizes 16M", f"{write} --offset 0xFFF000 --sizes 8K"], "iommufd")
+    assert got["vfio_backend"] == "iommufd"
+    check_placed({"writes": sent[0]["writes"]}, {**got, "writes": got["writes"][:1]}, 16 << 20)
+    assert sent[1]["writes"][0]["status"] == "REFUSED" and got["writes"][1]["status"] == "OUT_OF_RANGE"
     assert any("IOMMU_IOAS_MAP_FILE accepted" in note for note in got["kernel"].values()), got["kernel"]

@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "p2p": "vfio_cxl.bench.p2p",
     "fabric": "vfio_cxl.bench.fabric",
     "storage": "vfio_cxl.bench.storage",
+    "nic": "vfio_cxl.bench.nic",
     "gpumem": "vfio_cxl.bench.gpumem",
     "matrix-node": "vfio_cxl.bench.matrix_node",
 }

@@ -1,8 +1,9 @@
-"""The guest-kernel option the benchmarks that boot a lab share."""
+"""The options the benchmarks that boot a lab share: the guest kernel, the QEMU build."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 
@@ -18,3 +19,18 @@ def guest_kernel(args: argparse.Namespace) -> Path | None:
         return None
     from ..lab.kernel import lab_kernel
     return lab_kernel(provision=False)
+
+
+def add_qemu_build_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--qemu", metavar="PATH",
+                        help="another qemu-system-x86_64 build (e.g. a stock one), checked as the lab's is; "
+                             "the same as VFIO_CXL_QEMU=PATH")
+
+
+def use_qemu_build(args: argparse.Namespace) -> str:
+    """Boot with ``--qemu`` when given (VFIO_CXL_QEMU, which the lab reads); -> what to report: its path or "lab"."""
+    if not args.qemu:
+        return "lab"
+    from ..lab.qemu_runtime import QEMU_ENV
+    os.environ[QEMU_ENV] = os.path.abspath(os.path.expanduser(args.qemu))
+    return os.environ[QEMU_ENV]

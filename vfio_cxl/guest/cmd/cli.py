@@ -6,7 +6,7 @@
     vfio-cxl gpu bind [--wait S] [--json]      wait for a (hot-plugged) GPU and bind it to vfio-pci
     vfio-cxl gpu holders [--json]              processes that hold a GPU's VFIO group open
     vfio-cxl nvme ls|identify|read|write ...   NVMe controllers through the userspace driver (nvme_cli.py)
-    vfio-cxl nic ls|stats|send|recv ...        igb NICs through the userspace driver (nic_cli.py)
+    vfio-cxl nic ls|stats|send|recv|rdma-recv|rdma-write ...   igb NICs through the userspace driver (nic_cli.py)
     vfio-cxl gpu run KERNEL --mode M --latency L --working-set SIZE [--vram-cache SIZE] [--json]
                                                a kernel over CXL far memory (docs/gpu-memory.md)
 

@@ -1,10 +1,11 @@
-"""In the guest: ``vfio-cxl nic ls|stats|send|recv`` over the userspace igb driver.
+"""In the guest: ``vfio-cxl nic ls|stats|send|recv|rdma-recv|rdma-write`` over the userspace igb driver.
 
     vfio-cxl nic ls [--json]                                   igb functions: BDF, driver, MAC
     vfio-cxl nic stats [--nic BDF] [--seconds S] [--json]      bring up, count for S seconds, print the counters
     vfio-cxl nic send [--nic BDF] --to MAC [--count N] [--size BYTES] [--seed S] [--json]
     vfio-cxl nic recv [--nic BDF] [--count N] [--timeout S] [--queue Q --steer MAC] [--buffers K]
                       [--gpu [BDF] [--vram-offset OFF] [--vram-length LEN]] [--seed S] [--json]
+    vfio-cxl nic rdma-recv|rdma-write ...                       RDMA-shaped writes, VRAM to VRAM (nic_rdma.py)
 
 ``send`` sends IPv4/UDP frames whose payloads are ``frames.payload(seed, k, size)``; ``recv``
 checks each payload it gets against the seed (``verified``) and prints the sha256 of the
@@ -256,6 +257,8 @@ def add_parser(sub, parse_size) -> None:
     p.add_argument("--vram-length", type=parse_size, default=1 << 20)
     p.add_argument("--ready-file", metavar="PATH", help="written once the buffers are posted")
     p.set_defaults(func=cmd_recv)
+    from .nic_rdma import add_parsers
+    add_parsers(nic, parse_size, _common, _mac_arg)
 
 
 def _common(p) -> None:

@@ -370,6 +370,39 @@ class IgbDevice:
         txq.ring.post(spec.pack_tx(iova, length), length)
         self.write(spec.tx_reg(spec.TDT0, queue), txq.ring.tail)
 
+    def send_gather(self, frames: list[tuple[bytes, int, int]], queue: int = 0, timeout: float = TX_TIMEOUT) -> int:
+        """Send frames of two parts each, ``(header, iova, length)``: ``header`` copied into a
+        TX buffer (an Ethernet header at least), then ``length`` bytes at ``iova`` -- any
+        address of the context, a GPU's BAR2 mapped beside the NIC -- read by the device where
+        they are (``length`` 0: the header alone).  Two descriptors per frame, EOP on the
+        second, one tail write per batch; returns once every descriptor is written back.
+        -> frames sent."""
+        txq = self._txq(queue)
+        for i, (header, _, length) in enumerate(frames):
+            if not ETH_HEADER <= len(header) <= txq.buffer or length < 0 or len(header) + length > MAX_FRAME:
+                raise IgbError(f"frame {i}: a {len(header)}-byte header and {length} bytes at its IOVA",
+                               f"a header of {ETH_HEADER} to {txq.buffer} bytes, at most {MAX_FRAME} in all "
+                               "(no FCS: the device appends it)")
+        sent = 0
+        while sent < len(frames):
+            self._room(txq, timeout, 2)
+            while sent < len(frames) and txq.ring.free >= 2:
+                self._post_gather(txq, *frames[sent])
+                sent += 1
+            self.write(spec.tx_reg(spec.TDT0, queue), txq.ring.tail)
+        self.flush_tx(queue, timeout)
+        return sent
+
+    def _post_gather(self, txq: TxQueue, header: bytes, iova: int, length: int) -> None:
+        at = txq.buf_base + txq.ring.tail * txq.buffer
+        self._view[at:at + len(header)] = header
+        total = len(header) + length
+        if not length:
+            txq.ring.post(spec.pack_tx(self.control_iova + at, len(header), paylen=total), len(header))
+            return
+        txq.ring.post(spec.pack_tx(self.control_iova + at, len(header), eop=False, paylen=total), len(header))
+        txq.ring.post(spec.pack_tx(iova, length, paylen=total), length)
+
     def flush_tx(self, queue: int = 0, timeout: float = TX_TIMEOUT) -> None:
         """Until every posted TX descriptor is written back (sent)."""
         txq = self._txq(queue)
@@ -381,11 +414,11 @@ class IgbDevice:
         self._until(f"TX queue {queue}: {txq.ring.posted} descriptors not sent", all_sent, timeout,
                     "is the link up and the transmitter enabled? (vfio-cxl nic stats)")
 
-    def _room(self, txq: TxQueue, timeout: float) -> None:
-        """Until TX queue ``txq`` has a free descriptor (sent ones reclaimed)."""
+    def _room(self, txq: TxQueue, timeout: float, need: int = 1) -> None:
+        """Until TX queue ``txq`` has ``need`` free descriptors (sent ones reclaimed)."""
         def room() -> bool:
             txq.ring.reclaim()
-            return txq.ring.free > 0
+            return txq.ring.free >= need
 
         self._until(f"TX queue {txq.index} stayed full", room, timeout, "is the link up? (vfio-cxl nic stats)")
 

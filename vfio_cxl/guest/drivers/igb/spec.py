@@ -143,13 +143,14 @@ def tx_reg(base: int, queue: int) -> int:
 
 # -- TX --------------------------------------------------------------------------------------
 
-def pack_tx(buffer_addr: int, length: int, *, eop: bool = True, rs: bool = True) -> bytes:
-    """An advanced TX data descriptor for ``length`` bytes at ``buffer_addr`` (FCS inserted)."""
+def pack_tx(buffer_addr: int, length: int, *, eop: bool = True, rs: bool = True, paylen: int | None = None) -> bytes:
+    """An advanced TX data descriptor for ``length`` bytes at ``buffer_addr`` (FCS inserted);
+    ``paylen``: the whole frame's bytes when it spans several descriptors (default ``length``)."""
     if not 0 < length <= TXD_DTALEN_MASK:
         raise ValueError(f"a TX buffer of {length} bytes: DTALEN holds 1 to {TXD_DTALEN_MASK}")
     cmd = length | TXD_DTYP_DATA | TXD_CMD_DEXT | TXD_CMD_IFCS
     cmd |= (TXD_CMD_EOP if eop else 0) | (TXD_CMD_RS if rs else 0)
-    return _DESC.pack(buffer_addr, cmd, length << TXD_PAYLEN_SHIFT)
+    return _DESC.pack(buffer_addr, cmd, (length if paylen is None else paylen) << TXD_PAYLEN_SHIFT)
 
 
 def tx_done(desc: bytes) -> bool:
