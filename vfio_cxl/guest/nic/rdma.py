@@ -54,6 +54,12 @@ MAX_REGIONS = 16
 HEADER_IOVA = 0x1000_0000           # the receiver's header buffers (above devmem's windows)
 PAGE = 4096
 GRANT_BATCH = 32                    # descriptors posted before the receiver grants them
+# QEMU's igb takes a frame only if the free descriptors' packet buffers could hold all of it,
+# header included (igb_core.c igb_has_rxbufs: total_size <= free * BSIZEPACKET), though header
+# split puts the header elsewhere: a 1088-byte frame needs a second descriptor posted behind its
+# own.  The receiver grants a frame only once a descriptor follows it, and behind a write's last
+# frame posts a guard whose buffers are guest RAM (GUARD_IOVA), taken back when the write ends.
+GUARD_IOVA = HEADER_IOVA - 2 * PAGE
 DATA_MAC = bytes.fromhex("020000000201")   # the receiver steers this MAC to its data queue
 PATTERN_BLOCK = 4096
 
@@ -304,6 +310,7 @@ class _Write:
     posted: int = 0
     landed: int = 0
     granted: int = 0
+    guarded: bool = False      # the guard descriptor is posted behind the last frame
 
 
 class RdmaEndpoint:
@@ -325,11 +332,13 @@ class RdmaEndpoint:
         self.counts = dict.fromkeys(("payload_bytes_copied", "header_bytes_copied", "frames_sent",
                                      "frames_received"), 0)
         self._next_write = 1
-        self._headers = self._header_mapping = None
+        self._headers = self._header_mapping = self._guard = self._guard_mapping = None
         nic.steer(data_mac, queue)
         if placement == "zero-copy":
             self._headers = mmap.mmap(-1, nic.entries * HEADER)
             self._header_mapping = nic.device.map_dma(self._headers, HEADER_IOVA)
+            self._guard = mmap.mmap(-1, 2 * PAGE)       # the guard's header buffer, then its packet buffer
+            self._guard_mapping = nic.device.map_dma(self._guard, GUARD_IOVA)
             nic.configure_external_rx(queue, MTU, HEADER)
 
     # -- registration ----------------------------------------------------------------------
@@ -443,7 +452,8 @@ class RdmaEndpoint:
                 self._place(w, timeout)
             except WriteFailed as err:
                 status, error = err.status, str(err)
-                self._abandon()
+            finally:
+                self._abandon()     # the guard, or a failed write's descriptors: nothing lands later
             frames = w.landed
         else:
             error = str(refusal(status, f"write {request.write_id} (key {request.key:#x}, offset "
@@ -487,19 +497,25 @@ class RdmaEndpoint:
             self.nic.post_rx(self.queue, [(w.region.iova + f.offset, HEADER_IOVA + f.seq % self.nic.entries * HEADER, f)
                                           for f in frames])
             w.posted += len(frames)
+            if w.posted == len(w.plan) and not w.guarded and self.nic.rx[self.queue].ring.free:
+                w.guarded = self.nic.post_rx(self.queue, [(GUARD_IOVA + PAGE, GUARD_IOVA, None)]) == 1
+            grantable = w.posted if w.guarded else w.posted - 1     # each granted frame has a successor
         else:
-            w.posted = min(len(w.plan), w.landed + self.nic.rx[self.queue].ring.posted)
+            grantable = w.posted = min(len(w.plan), w.landed + self.nic.rx[self.queue].ring.posted)
         waiting = w.landed == w.granted         # the requester sent all it may: it waits for this grant
-        if w.posted > w.granted and (waiting or w.posted - w.granted >= GRANT_BATCH or w.posted == len(w.plan)):
-            grant = Header(Op.GRANT, w.request.key, w.request.write_id, w.posted, int.from_bytes(self.data_mac, "big"))
+        if grantable > w.granted and (waiting or grantable - w.granted >= GRANT_BATCH or grantable == len(w.plan)):
+            grant = Header(Op.GRANT, w.request.key, w.request.write_id, grantable, int.from_bytes(self.data_mac, "big"))
             self.nic.send([grant.pack(w.peer, self.nic.mac)])
-            w.granted = w.posted
+            w.granted = grantable
 
     def _reap(self, w: _Write) -> int:
         """Check every frame that landed since the last look; -> how many."""
         if self.placement == "zero-copy":
             done = self.nic.reap_rx(self.queue)
             for plan, c in done:
+                if plan is None:       # the guard took a frame: one more than the write has
+                    raise WriteFailed(Status.BAD_FRAME, f"write {w.request.write_id}: a frame beyond its "
+                                                        f"{len(w.plan)} (it landed in guest RAM, not VRAM)")
                 at = plan.seq % self.nic.entries * HEADER
                 header = bytes(self._headers[at:at + HEADER])
                 self.counts["header_bytes_copied"] += HEADER
@@ -523,18 +539,22 @@ class RdmaEndpoint:
         w.landed += 1
         self.counts["frames_received"] += 1
 
-    def _abandon(self) -> None:
-        """A write failed: take back what is posted for it (zero-copy), so nothing more lands."""
+    def _abandon(self, enable: bool = True) -> None:
+        """A write ended: take back what is still posted for it (zero-copy: the guard, or a
+        failed write's descriptors), so nothing more lands; the queue stays enabled, empty,
+        for the next write unless ``enable`` is false."""
         if self.placement == "zero-copy":
-            self.nic.take_back_rx(self.queue)
+            self.nic.take_back_rx(self.queue, enable=enable)
 
     def close(self) -> None:
         """Stop the data queue (zero-copy), free every region, unmap the header buffers."""
-        self._abandon()
+        self._abandon(enable=False)
         for region in self.keys.live():
             self.dereg_mr(region)
         if self._header_mapping is not None:
             self._header_mapping.close()
             self._headers.close()
-            self._header_mapping = self._headers = None
+            self._guard_mapping.close()
+            self._guard.close()
+            self._header_mapping = self._headers = self._guard_mapping = self._guard = None
 

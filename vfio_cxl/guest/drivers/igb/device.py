@@ -483,15 +483,18 @@ class IgbDevice:
         """``external`` queue: (cookie, completion) of every written-back descriptor."""
         return self._external(queue).ring.reap()
 
-    def take_back_rx(self, queue: int) -> list[object]:
+    def take_back_rx(self, queue: int, *, enable: bool = False) -> list[object]:
         """Disable ``queue`` and take back every buffer still posted on it (their cookies):
-        after this the device writes nothing more there."""
+        after this the device writes nothing more there.  ``enable``: the queue is enabled
+        again, empty, ready for its owner's next ``post_rx``."""
         rxq = self.rx_queue(queue)
         self.write(spec.rx_reg(spec.RXDCTL0, queue), 0)
         self.read(spec.STATUS)                  # the disable is posted: this read flushes it
         held = rxq.ring.reset()
         self._program_ring(spec.rx_reg, (spec.RDBAL0, spec.RDBAH0, spec.RDLEN0, spec.RDH0, spec.RDT0),
                            queue, rxq.ring_iova)
+        if enable:
+            self.write(spec.rx_reg(spec.RXDCTL0, queue), spec.QUEUE_ENABLE)
         return held
 
     def wait_rx(self, queue: int, deadline: float) -> bool:
