@@ -217,7 +217,7 @@ def responder(monkeypatch):
         return SimpleNamespace(iova=iova, close=lambda: nic.regions.pop(iova))
 
     monkeypatch.setattr(rdma, "map_peer_bar", map_peer_bar)
-    ep = RdmaEndpoint(nic)
+    ep = RdmaEndpoint(nic, first_write_id=1)
     return ep, nic, gpu
 
 

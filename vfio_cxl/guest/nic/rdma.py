@@ -35,6 +35,7 @@ from __future__ import annotations
 import enum
 import mmap
 import random
+import secrets
 import struct
 import time
 from dataclasses import dataclass
@@ -317,11 +318,14 @@ class RdmaEndpoint:
     """Both ends of RDMA-shaped writes over ``nic`` (opened with at least ``queue + 1``
     queues): control frames on queue 0 (guest RAM), payloads on ``queue``, whose MAC
     ``data_mac`` is steered there.  ``placement``: ``zero-copy`` (payloads DMA'd from and into
-    VRAM) or ``bounce`` (through guest RAM, copied by the CPU through BAR2)."""
+    VRAM) or ``bounce`` (through guest RAM, copied by the CPU through BAR2).  ``first_write_id``:
+    where this endpoint's write ids start (default: at random, so that no frame of an earlier
+    process's write is taken for one of this one's)."""
 
     PLACEMENTS = ("zero-copy", "bounce")
 
-    def __init__(self, nic: IgbDevice, queue: int = 1, placement: str = "zero-copy", data_mac: bytes = DATA_MAC):
+    def __init__(self, nic: IgbDevice, queue: int = 1, placement: str = "zero-copy", data_mac: bytes = DATA_MAC,
+                 *, first_write_id: int | None = None):
         if placement not in self.PLACEMENTS:
             raise RdmaError(f"placement {placement!r}", f"pick one of {', '.join(self.PLACEMENTS)}")
         if queue == 0:
@@ -331,7 +335,10 @@ class RdmaEndpoint:
         self.keys = KeyTable()
         self.counts = dict.fromkeys(("payload_bytes_copied", "header_bytes_copied", "frames_sent",
                                      "frames_received"), 0)
-        self._next_write = 1
+        # Write ids start where no earlier process's do: a frame of an earlier write can still
+        # arrive (QEMU's link holds frames while a NIC has no buffer posted, e.g. between two
+        # commands), and a new writer counting from 1 took its DONE or GRANT for its own.
+        self._next_write = first_write_id or secrets.randbelow(1 << 30) + 1
         self._headers = self._header_mapping = self._guard = self._guard_mapping = None
         nic.steer(data_mac, queue)
         if placement == "zero-copy":
