@@ -70,7 +70,7 @@ def test_qemu_names_the_build_the_lab_boots(monkeypatch, tmp_path):
     from vfio_cxl.bench.options import use_qemu_build
     from vfio_cxl.lab.qemu_runtime import QEMU_ENV
     monkeypatch.delenv(QEMU_ENV, raising=False)
-    assert use_qemu_build(argparse.Namespace(qemu=None)) == "lab" and QEMU_ENV not in __import__("os").environ
+    assert use_qemu_build(argparse.Namespace(qemu=None)) == "stock" and QEMU_ENV not in __import__("os").environ
     path = str(tmp_path / "qemu-system-x86_64")
     assert use_qemu_build(argparse.Namespace(qemu=path)) == path
     assert __import__("os").environ[QEMU_ENV] == path

@@ -20,8 +20,10 @@ side's guest CPU seconds per GB (CLOCK_PROCESS_CPUTIME_ID over the write), the p
 each side's CPU copied, and ``verified`` (the responder read the range back through BAR2 and
 found the seeded pattern).  Each figure is printed beside the bounce's at the same size.
 Target (issue 35): zero-copy >= the bounce's MB/s with <= 50 % of its receiver CPU per GB.
-``--qemu PATH`` runs it on another QEMU build (VFIO_CXL_QEMU), e.g. a stock one, for the
-figures beside the lab's: how QEMU carries DMA into a BAR decides the zero-copy path's pace.
+By default it runs on the lab's own QEMU (Debian's 11.1.3 package, unpatched: "stock"), where
+DMA into a BAR is bounced and written out 8 bytes at a time; ``--qemu PATH`` runs it on another
+build (VFIO_CXL_QEMU), e.g. one that makes that DMA direct: how QEMU carries DMA into a BAR
+decides the zero-copy path's pace.
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ def add_qemu_build_option(parser: argparse.ArgumentParser) -> None:
 
 
 def use_qemu_build(args: argparse.Namespace) -> str:
-    """Boot with ``--qemu`` when given (VFIO_CXL_QEMU, which the lab reads); -> what to report: its path or "lab"."""
+    """Boot with ``--qemu`` when given (VFIO_CXL_QEMU, which the lab reads); -> what to report: its
+    path, or "stock" (the lab's own runtime: Debian's QEMU package, unpatched)."""
     if not args.qemu:
-        return "lab"
+        return "stock"
     from ..lab.qemu_runtime import QEMU_ENV
     os.environ[QEMU_ENV] = os.path.abspath(os.path.expanduser(args.qemu))
     return os.environ[QEMU_ENV]
