@@ -105,11 +105,18 @@ def check_devmem(sent: dict, got: dict, vram: tuple[int, int]) -> None:
     assert got["returned"] == COUNT and got["mapped_after_unbind"] == []
 
 
-def test_header_split_into_vram_type1(nic2_lab):
-    sent, got = transfer(nic2_lab, f"--queue 1 --steer {FLOW} --gpu --vram-offset 0x100000 --vram-length 1M "
-                                   f"--count {COUNT} --seed {SEED} --timeout 120",
-                         f"--to {FLOW} --count {COUNT} --size {SIZE} --seed {SEED}", "type1")
+def header_split_into_vram(lab, backend: str) -> dict:
+    """host1's queue 1 bound to 1 MiB of gpu1's VRAM at 1 MiB, COUNT frames from host0; checked
+    (check_devmem); -> the receiver's report."""
+    sent, got = transfer(lab, f"--queue 1 --steer {FLOW} --gpu --vram-offset 0x100000 --vram-length 1M "
+                              f"--count {COUNT} --seed {SEED} --timeout 120",
+                         f"--to {FLOW} --count {COUNT} --size {SIZE} --seed {SEED}", backend)
     check_devmem(sent, got, (0x100000, 1 << 20))
+    return got
+
+
+def test_header_split_into_vram_type1(nic2_lab):
+    got = header_split_into_vram(nic2_lab, "type1")
     assert any("VFIO_IOMMU_MAP_DMA" in note for note in got["kernel"].values()), got["kernel"]
 
 
@@ -251,10 +258,7 @@ def test_iommufd_frames_and_header_split_into_vram(nic2_lab_kernel_lab):
                          f"--to {FLOW} --count {COUNT} --size {SIZE} --seed {SEED}", "iommufd")
     assert got["vfio_backend"] == "iommufd"
     check_delivery(sent, got)
-    sent, got = transfer(lab, f"--queue 1 --steer {FLOW} --gpu --vram-offset 0x100000 --vram-length 1M "
-                              f"--count {COUNT} --seed {SEED} --timeout 120",
-                         f"--to {FLOW} --count {COUNT} --size {SIZE} --seed {SEED}", "iommufd")
-    check_devmem(sent, got, (0x100000, 1 << 20))
+    got = header_split_into_vram(lab, "iommufd")
     # iommufd cannot pin a BAR mmap: the range went in as a VFIO dma-buf
     assert any("IOMMU_IOAS_MAP_FILE accepted" in note for note in got["kernel"].values()), got["kernel"]
 
