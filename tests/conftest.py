@@ -51,7 +51,8 @@ def pytest_terminal_summary(terminalreporter, config):
         f"{counted['guest_commands']} guest commands, {counted['guest_python']} of them starting "
         "the guest's Python")
     by_file = ", ".join(f"{name} {n}" for name, n in counted["boots_by_file"].most_common())
-    terminalreporter.write_line(f"vfio-cxl usage: lab boots by test file: {by_file}")
+    if by_file:
+        terminalreporter.write_line(f"vfio-cxl usage: lab boots by test file: {by_file}")
     for why in counted["reboots"]:
         terminalreporter.write_line(f"vfio-cxl usage: a pooled lab was booted again: {why}")
 
