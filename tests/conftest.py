@@ -61,3 +61,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/tests/vm/" in str(item.fspath):
             item.add_marker(pytest.mark.vm)
+
+
+@pytest.fixture(autouse=True)
+def _lab_environment_unchanged():
+    """A test leaves the lab's environment variables (VFIO_CXL_*) as it found them: every later
+    `vfio-cxl` the session runs reads them (one test's VFIO_CXL_QEMU once failed every VM test
+    after it)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("VFIO_CXL_")}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith("VFIO_CXL_")}
+    assert after == before, (f"the test changed the lab's environment: {sorted(set(before.items()) ^ set(after.items()))}; "
+                             "use monkeypatch.setenv/delenv (delenv of an unset name restores nothing)")

@@ -69,7 +69,11 @@ def test_qemu_names_the_build_the_lab_boots(monkeypatch, tmp_path):
     import argparse
     from vfio_cxl.bench.options import use_qemu_build
     from vfio_cxl.lab.qemu_runtime import QEMU_ENV
-    monkeypatch.delenv(QEMU_ENV, raising=False)
+    # set, then deleted: monkeypatch then restores "unset" after the test, though use_qemu_build
+    # sets the variable itself (a bare delenv of an unset name records nothing to restore, and
+    # the path leaked into every later test's `vfio-cxl`: CI's VM tests all failed so)
+    monkeypatch.setenv(QEMU_ENV, "")
+    monkeypatch.delenv(QEMU_ENV)
     assert use_qemu_build(argparse.Namespace(qemu=None)) == "stock" and QEMU_ENV not in __import__("os").environ
     path = str(tmp_path / "qemu-system-x86_64")
     assert use_qemu_build(argparse.Namespace(qemu=path)) == path
