@@ -130,3 +130,45 @@ def test_a_guest_that_panicked_says_why_though_its_trace_scrolled_past(tmp_path)
     assert shown[-1] == "Kernel Offset: 0x2f400000" and len(shown) == 18
     console.write_text("one\ntwo\n")
     assert tail(console) == "one\ntwo"   # nothing scrolled out: the tail alone
+
+
+
+def test_a_child_whose_parent_died_before_it_asked_for_pdeathsig_ends_itself():
+    """die_with_parent (every process the lab starts): PR_SET_PDEATHSIG set after the parent died
+    would never fire.  Here the parent is SIGKILLed while its child waits in its preexec_fn,
+    before die_with_parent: the child must end there, not exec and live on under init."""
+    import sys
+    go_r, go_w = os.pipe()
+    middle = subprocess.Popen([sys.executable, "-c", f"""
+import os, subprocess, sys
+from vfio_cxl.lab.vm import die_with_parent
+def preexec():
+    os.write(1, b"child %d\\n" % os.getpid())
+    os.read({go_r}, 1)            # until the test has killed this child's parent
+    die_with_parent()
+subprocess.Popen([sys.executable, "-c", "print('exec-ed'); import time; time.sleep(60)"], preexec_fn=preexec,
+                 pass_fds=[{go_r}])
+"""], stdout=subprocess.PIPE, text=True, pass_fds=[go_r])
+    os.close(go_r)
+    try:
+        line = middle.stdout.readline()
+        assert line.startswith("child "), line
+        child = int(line.split()[1])
+        middle.kill()
+        middle.wait(30)
+        os.write(go_w, b"x")
+        # the orphan ends itself: waited for through its pidfd (it is init's child, not ours)
+        try:
+            fd = os.pidfd_open(child)
+        except ProcessLookupError:
+            fd = None                 # ended and reaped already
+        if fd is not None:
+            try:
+                import select
+                assert select.select([fd], [], [], 30)[0], "the orphaned child is still running"
+            finally:
+                os.close(fd)
+        assert "exec-ed" not in middle.stdout.read()
+    finally:
+        os.close(go_w)
+        middle.stdout.close()

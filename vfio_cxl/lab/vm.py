@@ -123,9 +123,27 @@ class BoundedQMP(QEMUMonitorProtocol):
             raise
 
 
+# The pid of the process about to fork, set just before each fork (subprocess runs the at-fork
+# hooks when it has a preexec_fn): the child inherits it and so knows who its parent was.
+_forking_pid = os.getpid()
+
+
+def _note_forking_pid() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+os.register_at_fork(before=_note_forking_pid)
+
+
 def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL when the lab process dies, however it dies."""
+    """preexec_fn: the child gets SIGKILL when the lab process dies, however it dies.  A parent
+    that died between the fork and this prctl would leave the child to init with nothing to
+    kill it (a fast test leaked such a process for an hour): the child checks that its parent
+    is still the process that forked it, and ends itself if not."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != _forking_pid:
+        os._exit(1)
 
 
 def tail(path: Path, lines: int = 15) -> str:
