@@ -60,7 +60,7 @@ GRANT_BATCH = 32                    # descriptors posted before the receiver gra
 # split puts the header elsewhere: a 1088-byte frame needs a second descriptor posted behind its
 # own.  The receiver grants a frame only once a descriptor follows it, and behind a write's last
 # frame posts a guard whose buffers are guest RAM (GUARD_IOVA), taken back when the write ends.
-GUARD_IOVA = HEADER_IOVA - 2 * PAGE
+GUARD_IOVA = HEADER_IOVA + 0x0100_0000   # above the header buffers (a ring's worth, at most 256 KiB)
 DATA_MAC = bytes.fromhex("020000000201")   # the receiver steers this MAC to its data queue
 PATTERN_BLOCK = 4096
 
