@@ -460,7 +460,7 @@ class RdmaEndpoint:
             except WriteFailed as err:
                 status, error = err.status, str(err)
             finally:
-                self._abandon()     # the guard, or a failed write's descriptors: nothing lands later
+                self._take_back_posted()     # the guard, or a failed write's descriptors: nothing lands later
             frames = w.landed
         else:
             error = str(refusal(status, f"write {request.write_id} (key {request.key:#x}, offset "
@@ -546,7 +546,7 @@ class RdmaEndpoint:
         w.landed += 1
         self.counts["frames_received"] += 1
 
-    def _abandon(self, enable: bool = True) -> None:
+    def _take_back_posted(self, enable: bool = True) -> None:
         """A write ended: take back what is still posted for it (zero-copy: the guard, or a
         failed write's descriptors), so nothing more lands; the queue stays enabled, empty,
         for the next write unless ``enable`` is false."""
@@ -555,7 +555,7 @@ class RdmaEndpoint:
 
     def close(self) -> None:
         """Stop the data queue (zero-copy), free every region, unmap the header buffers."""
-        self._abandon(enable=False)
+        self._take_back_posted(enable=False)
         for region in self.keys.live():
             self.dereg_mr(region)
         if self._header_mapping is not None:
