@@ -50,6 +50,9 @@ def pytest_terminal_summary(terminalreporter, config):
         f"vfio-cxl usage: {sum(boots.values())} lab boots ({by_topology or 'none'}); "
         f"{counted['guest_commands']} guest commands, {counted['guest_python']} of them starting "
         "the guest's Python")
+    if counted["boot_s"] or counted["stop_s"]:
+        terminalreporter.write_line(f"vfio-cxl usage: the labs took {counted['boot_s']:.0f} s to come up "
+                                    f"(SSH and regions) and {counted['stop_s']:.0f} s to stop")
     by_file = ", ".join(f"{name} {n}" for name, n in counted["boots_by_file"].most_common())
     if by_file:
         terminalreporter.write_line(f"vfio-cxl usage: lab boots by test file: {by_file}")

@@ -16,6 +16,9 @@ def test_boots_commands_python_starts_and_reboots_are_counted(tmp_path, monkeypa
     usage.record("guest", "sh -c 'true'")
     usage.record("guest", "VFIO_CXL_PYC=$(mktemp -d) python3 -c pass")
     usage.record("reboot", "single: VM host0: no /dev/dax0.0")
+    usage.record("booted", "3.250")
+    usage.record("booted", "4.500")
+    usage.record("stopped", "0.125")
     # a child process counts into the same file
     subprocess.run([sys.executable, "-c", "from vfio_cxl.lab import usage; usage.record('boot', 'shared (lab kernel)')"],
                    check=True)
@@ -23,6 +26,7 @@ def test_boots_commands_python_starts_and_reboots_are_counted(tmp_path, monkeypa
     assert counted["boots"] == {"single (debian kernel)": 1, "shared (lab kernel)": 1}
     assert counted["guest_commands"] == 3 and counted["guest_python"] == 2
     assert counted["reboots"] == ["single: VM host0: no /dev/dax0.0"]
+    assert counted["boot_s"] == 7.75 and counted["stop_s"] == 0.125
     # each boot is laid to the test that asked for it (pytest's PYTEST_CURRENT_TEST, inherited)
     assert counted["boots_by_file"] == {"test_lab_usage.py": 2}
 

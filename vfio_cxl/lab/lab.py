@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import LabError
@@ -235,6 +236,7 @@ class Lab:
         self.runtime = self.runtime or find_runtime(log=self.log)
         self.image = self.image or find_image(log=self.log)
         usage.record("boot", f"{self.topology.name} ({self.kernel.label if self.kernel else 'debian'} kernel)")
+        started_at = time.monotonic()
         remove_stale_rundirs()
         if self.rundir_request is not None:
             self.rundir = self.rundir_request
@@ -303,6 +305,7 @@ class Lab:
         except BaseException:
             self.stop()
             raise
+        usage.record("booted", f"{time.monotonic() - started_at:.3f}")
         return self
 
     def unhealthy(self) -> str | None:
@@ -334,6 +337,8 @@ class Lab:
         return None
 
     def stop(self) -> None:
+        started_at = time.monotonic()
+        was_up = bool(self.vms)
         for vm in self.vms.values():
             vm.stop()
         for server in [*self.gpu_servers.values(), *self.smc_servers.values()]:
@@ -346,6 +351,8 @@ class Lab:
         if self.rundir:
             shutil.rmtree(self.rundir, ignore_errors=True)
             self.rundir = None
+        if was_up:
+            usage.record("stopped", f"{time.monotonic() - started_at:.3f}")
 
     def __enter__(self) -> "Lab":
         return self.start() if not self.vms else self

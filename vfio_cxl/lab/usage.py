@@ -18,8 +18,9 @@ _PYTHON = re.compile(r"(^|[\s;&|(`'\"=])(python3?|vfio-cxl)(\s|$)")
 
 
 def record(kind: str, detail: str) -> None:
-    """One line for a ``boot`` (detail: the topology), a ``guest`` command (detail: the command) or
-    a ``reboot`` of a pooled lab (detail: why)."""
+    """One line for a ``boot`` (detail: the topology), a ``guest`` command (detail: the command),
+    a ``reboot`` of a pooled lab (detail: why), or the seconds a lab took to come up (``booted``:
+    until SSH and its regions) or to stop (``stopped``)."""
     path = os.environ.get(ENV)
     if not path:
         return
@@ -43,12 +44,14 @@ def starts_python(command: str) -> bool:
 
 def summary(path: str) -> dict:
     """{"boots": Counter(topology), "boots_by_file": Counter(test file), "guest_commands": N,
-    "guest_python": N, "reboots": [why]} of a usage log (a reboot: a pooled lab that a test left
-    changed, booted again)."""
+    "guest_python": N, "reboots": [why], "boot_s": S, "stop_s": S} of a usage log (a reboot: a
+    pooled lab that a test left changed, booted again; boot_s and stop_s: the seconds every lab
+    took to come up and to stop, summed)."""
     boots: Counter = Counter()
     by_file: Counter = Counter()
     reboots: list[str] = []
     commands = python = 0
+    seconds = {"booted": 0.0, "stopped": 0.0}
     try:
         lines = open(path).read().splitlines()
     except FileNotFoundError:
@@ -63,8 +66,13 @@ def summary(path: str) -> dict:
             by_file[(entry.get("test") or "?").split("::", 1)[0].rsplit("/", 1)[-1]] += 1
         elif entry.get("kind") == "reboot":
             reboots.append(entry.get("detail", "?"))
+        elif entry.get("kind") in seconds:
+            try:
+                seconds[entry["kind"]] += float(entry.get("detail", 0))
+            except ValueError:
+                pass
         elif entry.get("kind") == "guest":
             commands += 1
             python += starts_python(entry.get("detail", ""))
     return {"boots": boots, "boots_by_file": by_file, "guest_commands": commands, "guest_python": python,
-            "reboots": reboots}
+            "reboots": reboots, "boot_s": seconds["booted"], "stop_s": seconds["stopped"]}
