@@ -148,6 +148,9 @@ class Case:
     exit: int = 0                  # the exit status the docs promise
     files: tuple[tuple[str, str], ...] = ()   # (name, text) written into the cwd first
     until: str | None = None       # a server or a follower: once a line matches, Ctrl-C (SIGINT) it
+    # group "borrowed": the (topology, kernel) of the running detached lab the command runs in,
+    # typed as shown with $VFIO_CXL_LAB naming it (vfio_cxl/lab/borrow.py) rather than booting its own
+    borrows: tuple[str, str | None] | None = None
 
 
 def skip(reason: str) -> Case:
@@ -240,11 +243,12 @@ CASES.update({
     "vfio-cxl demo tour": same(SCRIPT_DEMO),      # ./scripts/demo runs these three lines as typed
     "vfio-cxl demo dma": same(SCRIPT_DEMO),
     "vfio-cxl demo share": same(SCRIPT_DEMO),
-    "vfio-cxl demo dma [--size N] [--offset N]": Case(group="demo", run="vfio-cxl demo dma --size 65536 --offset 4096",
+    "vfio-cxl demo dma [--size N] [--offset N]": Case(group="borrowed", borrows=("single", None),
+                                                      run="vfio-cxl demo dma --size 65536 --offset 4096",
                                                       timeout=900, expect=(r"bytes into /dev/dax0\.0 \(region0\) at "
                                                                            r"offset 0x1000$",)),
     "vfio-cxl demo share [--records N]": same(SCRIPT_DEMO),
-    "vfio-cxl demo p2p": Case(group="p2p", timeout=1800, expect=(r"^\s+host memcpy, cold \(reference\)\s+\d+ MB/s",)),
+    "vfio-cxl demo p2p": Case(group="borrowed", borrows=("p2p", None), timeout=1800, expect=(r"^\s+host memcpy, cold \(reference\)\s+\d+ MB/s",)),
     "vfio-cxl demo p2p [--size N]": same("vfio-cxl demo p2p"),
     "scripts/boot-vm": Case(group="boot", timeout=900, until=r"^lab running; Ctrl-C stops it$"),
     "scripts/boot-shared": Case(group="boot", timeout=900, until=r"^lab running; Ctrl-C stops it$"),
@@ -276,8 +280,9 @@ CASES.update({
         Case(group="lab-kernel", skip=LAB_KERNEL, timeout=900),
     "vfio-cxl demo dma --kernel lab --vfio-backend iommufd": Case(group="lab-kernel", skip=LAB_KERNEL, timeout=900),
     "vfio-cxl selftest vfio [--kernel lab|PATH] [--backend type1|iommufd|all] [-k FILTER] [--json]":
-        Case(group="selftest", run="vfio-cxl selftest vfio --backend type1 -k vfio_pci_device_test --json",
-             timeout=1800),
+        Case(group="borrowed", borrows=("selftest", None),
+             run="vfio-cxl selftest vfio --backend type1 -k vfio_pci_device_test --json", timeout=1800,
+             expect=(r'^ "passed": [1-9]\d*,$', r'^ "failed": 0,$')),
     "vfio-cxl selftest vfio": skip("every test on every mode: 13 min warm on this machine; its smallest form "
                                    "(--backend type1 -k vfio_pci_device_test) is run"),
     "vfio-cxl selftest vfio --kernel lab": skip("every test on every mode on the lab kernel: 13 min warm, "
@@ -285,20 +290,23 @@ CASES.update({
     "vfio-cxl selftest vfio --kernel lab --json": skip("as `selftest vfio --kernel lab`, as JSON"),
     "vfio-cxl selftest vfio --kernel lab --backend iommufd -k '*mix_and_match' --json":
         Case(group="lab-kernel", skip=LAB_KERNEL, timeout=1800),
-    # benchmarks: each with its smallest arguments (each boots its own lab)
+    # benchmarks: each with its smallest arguments (each boots its own lab, or borrows the session's)
     "scripts/bench boot": Case(group="bench", run="scripts/bench boot --runs 1 --kernel debian --json", timeout=900,
                                expect=(r'^ "rows": \[',)),   # --json: the table goes to stderr, so both run
-    "scripts/bench guest-start": Case(group="bench", run="scripts/bench guest-start --runs 1 --kernel debian",
+    "scripts/bench guest-start": Case(group="borrowed", borrows=("single", None), run="scripts/bench guest-start --runs 1 --kernel debian",
                                       timeout=900, expect=(r"^vfio-cxl gpu ls +\d",)),
     "scripts/bench boot --runs 3 --kernel lab --kernel debian":
         Case(group="lab-kernel", skip=LAB_KERNEL, run="scripts/bench boot --runs 1 --kernel lab --kernel debian",
              timeout=900, expect=(r"^single +lab +1 ", r"^single +debian +1 ")),
     "scripts/bench fabric --moves 6": same("scripts/bench fabric"),
-    "scripts/bench routes": Case(group="bench", run="scripts/bench routes --sizes 1M --runs 1", timeout=900),
+    "scripts/bench routes": same("VFIO_CXL_LAB=single-1 scripts/bench routes"),
+    # the README's borrowing example: {lab} is the session's lab of that topology
+    "VFIO_CXL_LAB=single-1 scripts/bench routes": Case(group="borrowed", borrows=("single", None), timeout=900,
+                                                       run="VFIO_CXL_LAB={lab} scripts/bench routes --sizes 1M --runs 1"),
     "scripts/bench share": Case(group="bench", run="scripts/bench share --records 0 --plan 64:2:paced", timeout=1200),
     "scripts/bench share --records 0 --json": same("scripts/bench share"),
     "scripts/bench supervision": Case(group="bench", timeout=900),
-    "scripts/bench p2p": Case(group="bench", run="scripts/bench p2p --size 1M", timeout=1200),
+    "scripts/bench p2p": Case(group="borrowed", borrows=("p2p", None), run="scripts/bench p2p --size 1M", timeout=1200),
     "scripts/bench fabric": Case(group="bench", run="scripts/bench fabric --moves 1", timeout=900),
     "scripts/bench matrix-node": Case(group="bench", timeout=600,
                                       expect=(r"^ray start \(head: .*\d+\.\d s +\d+\.\d s$",
@@ -325,7 +333,7 @@ CASES.update({
     "vfio-cxl gpu run KERNEL --mode uvm|uvm-naive|cxl|cxl+sr|cxl+ds|cxl+sr+ds --latency cxl-80ns|cxl-250ns|ssd "
     "--working-set SIZE [--vram-cache SIZE] [--unit 4K|64K|2M] [--warm] [--json]":
         same("vfio-cxl gpu run stencil --mode cxl+sr+ds --latency cxl-80ns --working-set 1M"),
-    "scripts/bench gpumem --quick": Case(group="bench", timeout=1800,
+    "scripts/bench gpumem --quick": Case(group="borrowed", borrows=("single", None), timeout=1800,
                                          expect=(r"stream.*cxl-80ns.*cxl\+sr\+ds", )),
     "scripts/bench gpumem": skip("the full sweep (working set 0.5x-8x, every kernel, mode and latency): "
                                  "its --quick form is run"),
@@ -367,7 +375,7 @@ CASES.update({
     "vfio-cxl nic rdma-write --to 52:54:00:1e:02:00 --key 0x100 --sizes 16M --seed 5": Case(group="nic", timeout=900),
     "vfio-cxl nic ls|stats|send|recv|rdma-recv|rdma-write": same("vfio-cxl nic ls"),
     "vfio-cxl nic ls|stats|send|recv": same("vfio-cxl nic ls"),
-    "scripts/bench nic --quick": Case(group="bench", run="scripts/bench nic --sizes 64K --json", timeout=2400),
+    "scripts/bench nic --quick": Case(group="borrowed", borrows=("nic2", None), run="scripts/bench nic --sizes 64K --json", timeout=2400),
     "scripts/bench nic": same("scripts/bench nic --quick"),
     "scripts/bench boot [--topology NAME | --all] | gpu-server | routes | share | supervision | channel | storage":
         same("scripts/bench boot"),
@@ -494,16 +502,18 @@ class Ran:
         return f"$ {self.command}\n(exit {self.returncode}, {self.seconds:.1f} s)\n{tail}"
 
 
-def run(command: str, case: Case, cwd: Path, stdin: str | None = None) -> Ran:
-    """``bash -c COMMAND`` in its own session, as a terminal runs it.  A command with ``until``
-    runs until a line matches, then gets SIGINT on its process group (Ctrl-C)."""
+def run(command: str, case: Case, cwd: Path, stdin: str | None = None, env: dict | None = None) -> Ran:
+    """``bash -c COMMAND`` in its own session, as a terminal runs it, with ``env`` added to the
+    user's environment.  A command with ``until`` runs until a line matches, then gets SIGINT on
+    its process group (Ctrl-C)."""
     for name, text in case.files:
         (cwd / name).parent.mkdir(parents=True, exist_ok=True)
         (cwd / name).write_text(text)
     t0 = time.monotonic()
     if case.until is None:
         try:
-            done = subprocess.run(["bash", "-c", command], cwd=cwd, env=environment(), input=stdin or "",
+            done = subprocess.run(["bash", "-c", command], cwd=cwd, env={**environment(), **(env or {})},
+                                  input=stdin or "",
                                   capture_output=True, text=True, timeout=case.timeout, start_new_session=True)
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -512,7 +522,8 @@ def run(command: str, case: Case, cwd: Path, stdin: str | None = None) -> Ran:
                    time.monotonic() - t0)
     # As in a terminal's foreground: SIGINT at its default even when this test runs as a background
     # job (which starts with SIGINT ignored, and bash cannot trap a signal ignored on entry).
-    proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=environment(), stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env={**environment(), **(env or {})},
+                            stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: queue.Queue[str | None] = queue.Queue()

@@ -24,6 +24,7 @@ import shlex
 import signal
 import sys
 
+from .lab.borrow import add_lab_option
 from .lab.fm import commands as fm_cli
 from .errors import LabError
 
@@ -126,6 +127,7 @@ def _selftest(args) -> int:
     import time
 
     from .lab import selftests, topology
+    from .lab.borrow import asked_kernel, borrow
     from .lab.fm.registry import reserve_name
     from .lab.kernel import resolve
     from .lab.lab import Lab
@@ -140,14 +142,26 @@ def _selftest(args) -> int:
     if args.backend not in selftests.BACKENDS:
         raise LabError(f"--backend {args.backend}: unknown backend",
                        f"use one of: {', '.join(selftests.BACKENDS)}")
-    kernel = resolve(args.kernel, log=log)          # a file with VFIO in its config, or 'lab'
+    # a file with VFIO in its config, or 'lab'; a borrowed lab (--lab) is checked to run the one named
+    kernel = None if args.lab else resolve(args.kernel, log=log)
     topo = topology.load("selftest")
+
+    def borrowed():
+        return borrow(args.lab, topo.name, command="vfio-cxl selftest vfio", kernel=asked_kernel(args.kernel))
+
+    if args.lab:
+        borrowed().close()   # a lab that cannot serve fails here, before the selftests build
     build = selftests.build_selftests(log=log)
     plan = selftests.Plan.make(build, args.backend, args.k)
+    if args.lab:
+        lab = borrowed()
+        logdir = lab.logdir
+    else:
+        name, logdir = reserve_name(topo.name)
+        lab = Lab(topo, kernel=kernel, logdir=logdir, log=log)
     log(f"VFIO selftests of {build.version} ({'cached' if build.cached else f'built in {build.seconds:.0f} s'}): "
-        f"{plan.count()} cases, modes {', '.join(plan.modes)}; kernel {kernel.label if kernel else 'debian'}")
-    name, logdir = reserve_name(topo.name)
-    lab = Lab(topo, kernel=kernel, logdir=logdir, log=log)
+        f"{plan.count()} cases, modes {', '.join(plan.modes)}; "
+        + (f"lab {args.lab}" if args.lab else f"kernel {kernel.label if kernel else 'debian'}"))
     with lab:
         results, guest = selftests.run(lab, "host0", build, plan, logdir / "selftests", log)
     report = selftests.summary(results)
@@ -229,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("-k", action="append", metavar="FILTER",
                     help="only cases whose TEST.CASE contains FILTER (or matches it as a glob); repeatable")
     st.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_lab_option(st, "selftest")
     st.set_defaults(func=_selftest)
 
     from .matrix.command import add_parser as add_matrix_parser

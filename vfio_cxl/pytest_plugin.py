@@ -23,7 +23,6 @@ session pool (``lab_pool``) also runs in-process labs (``lab_pool.get(TOPOLOGY)`
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -135,24 +134,10 @@ class RunningLab:
 
     def shell(self, vm: str):
         """The open SSH connection to ``vm`` (vfio_cxl.lab.ssh.GuestShell), made at first use."""
-        from .lab.ssh import GuestShell
+        from .lab.borrow import guest_shell
 
         if vm not in self._shells:
-            info = self.fm.ssh_info(vm)   # fails naming the VM's state if it is not running
-            host_key = None
-            with open(info["known_hosts"]) as f:
-                for line in f:
-                    host, kind, key = line.split()[:3]
-                    if host == f"[127.0.0.1]:{info['port']}" and kind == "ssh-ed25519":
-                        host_key = key
-            if host_key is None:
-                from .errors import LabError
-
-                raise LabError(f"lab {self.name}: no host key of VM {vm} in {info['known_hosts']}",
-                               f"vfio-cxl vm down {self.name}, then boot it again")
-            shell = GuestShell(f"{self.name}/{vm}", info["port"], info["key"], host_key, info.get("socket"))
-            shell.connect(time.monotonic() + 60)
-            self._shells[vm] = shell
+            self._shells[vm] = guest_shell(self.fm, self.name, vm)
         return self._shells[vm]
 
     def ssh(self, vm: str, command: str, *, check: bool = True, timeout: float = 600) -> str:

@@ -40,7 +40,8 @@ def test_each_case_says_how_it_runs():
             # "matrix": the matrix example, run as typed by tests/vm/test_matrix.py; "nic": the NIC's
             # guest commands, run as typed on nic2 by tests/vm/test_nic.py
             assert case.group in ("fast", "demo", "p2p", "boot", "detached", "fabric", "selftest", "bench",
-                                  "lab-kernel", "matrix", "nic"), (command, case.group)
+                                  "lab-kernel", "matrix", "nic", "borrowed"), (command, case.group)
+            assert (case.group == "borrowed") == (case.borrows is not None), command
 
 
 def test_the_parser_reads_blocks_spans_and_console_output(tmp_path, monkeypatch):

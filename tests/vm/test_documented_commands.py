@@ -24,6 +24,7 @@ import pytest
 import documented_commands as docs
 from documented_commands import CASES, Case
 from vfio_cxl.errors import LabError
+from vfio_cxl.lab.borrow import LAB_ENV
 from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.kernel import lab_kernel
 
@@ -64,10 +65,11 @@ def session(first: str) -> list[docs.Shown]:
     return [s for s in SHOWN if s.block == start.block]
 
 
-def run_checked(command: str, tmp_path, *, line: str | None = None, shown=(), stdin: str | None = None) -> docs.Ran:
+def run_checked(command: str, tmp_path, *, line: str | None = None, shown=(), stdin: str | None = None,
+                env: dict | None = None) -> docs.Ran:
     case = CASES[command]
     line = line or case.run or command
-    ran = docs.run(line, case, docs.cwd_for(line, tmp_path), stdin=stdin)
+    ran = docs.run(line, case, docs.cwd_for(line, tmp_path), stdin=stdin, env=env)
     TIMES.append((line, ran.returncode, ran.seconds))
     print(f"{ran.seconds:7.1f} s  exit {ran.returncode}  $ {line}", flush=True)
     docs.check(ran, case, list(shown))
@@ -86,15 +88,6 @@ def test_the_demo_script_runs_the_three_demos(quiet_host, tmp_path):
     ran = run_checked(docs.SCRIPT_DEMO, tmp_path)
     for header in ("== demo tour", "== demo dma", "== demo share"):
         assert any(line.startswith(header) for line in ran.lines), ran.describe()
-
-
-def test_demo_dma_with_its_options(quiet_host, tmp_path):
-    run_checked("vfio-cxl demo dma [--size N] [--offset N]", tmp_path)
-
-
-def test_demo_p2p(quiet_host, tmp_path):
-    """Issue 23 item 11: it died at its last line formatting the memcpy reference."""
-    run_checked("vfio-cxl demo p2p", tmp_path)
 
 
 @pytest.mark.parametrize("command", ["scripts/boot-vm", "scripts/boot-shared"])
@@ -138,11 +131,21 @@ def test_fabric_session_as_the_readme_shows_it(quiet_host, tmp_path):
             assert fm_status_json(tmp_path)["gpus"]["gpu0"]["state"] == "free"
 
 
-def test_selftest_vfio_smallest(quiet_host, tmp_path):
-    ran = run_checked("vfio-cxl selftest vfio [--kernel lab|PATH] [--backend type1|iommufd|all] [-k FILTER] [--json]",
-                      tmp_path)
-    report = json.loads(ran.stdout)   # --json prints one indented document
-    assert report["passed"] > 0 and report["failed"] == 0, report
+# Each borrows the session's detached lab of its topology through the plugin's ``lab`` fixture:
+# the session orders them with the plugin's other tests of that topology (tests/vm/conftest.py),
+# so that lab boots once for all of them.
+BORROWED = [pytest.param(command, marks=pytest.mark.lab(case.borrows[0], kernel=case.borrows[1]))
+            for command, case in sorted(CASES.items()) if case.group == "borrowed" and not case.skip]
+
+
+@pytest.mark.parametrize("command", BORROWED)
+def test_in_the_sessions_lab(lab, tmp_path, command):
+    """A demo, bench or selftest typed as the docs show it, with $VFIO_CXL_LAB naming the session's
+    running detached lab of its topology: the command runs there and leaves it up, as healthy as
+    it found it."""
+    line = (CASES[command].run or command).replace("{lab}", lab.name)
+    run_checked(command, tmp_path, line=line, env={LAB_ENV: lab.name})
+    assert lab.healthy(), f"{command} left lab {lab.name} unfit for the next test: {lab.status()}"
 
 
 BENCHES = sorted(command for command, case in CASES.items() if case.group == "bench" and not case.skip)

@@ -29,7 +29,13 @@ def main(argv=None) -> int:
         print("usage: python -m vfio_cxl.bench {" + ",".join(SUBCOMMANDS) + "} [args...]",
               file=sys.stderr)
         return 2
-    return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+    from vfio_cxl.errors import LabError
+
+    try:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+    except LabError as err:   # a problem the user can fix: one line, as the vfio-cxl CLI prints it
+        print(f"scripts/bench {argv[0]}: error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

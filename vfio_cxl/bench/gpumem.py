@@ -1,6 +1,6 @@
 """GPU memory expanded over CXL: modelled time per kernel and memory mode (boots ``single``).
 
-    scripts/bench gpumem [--quick] [--json] [--figure PATH] [--backend type1|iommufd]
+    scripts/bench gpumem [--quick] [--json] [--figure PATH] [--backend type1|iommufd] [--lab NAME]
 
 Sweeps kernel x working set (0.5x .. 8x the VRAM cache) x latency profile x mode; every
 run is verified by the guest.  Modes ``uvm`` (NVIDIA's driver: fault batches, 2 MiB VA
@@ -28,8 +28,9 @@ import time
 
 from ..devices.gpu import model, regs
 from ..lab import topology
+from ..lab.borrow import add_lab_option, booted_or_borrowed
 from ..lab.lab import Lab
-from .options import add_kernel_option, guest_kernel
+from .options import add_kernel_option, guest_kernel, kernel_asked
 
 MODES = list(regs.MODES)  # cxl, cxl+sr, cxl+ds, cxl+sr+ds, uvm, uvm-naive
 UVM_MODES = ("uvm", "uvm-naive")
@@ -154,13 +155,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backend", choices=("type1", "iommufd"), default=None,
                         help="the guest's VFIO backend (iommufd needs --kernel lab)")
     add_kernel_option(parser)
+    add_lab_option(parser, "single")
     args = parser.parse_args(argv)
-    kernel = guest_kernel(args)
     runs = plan(args.quick, args.vram)
     env = f"VFIO_CXL_VFIO_BACKEND={args.backend} " if args.backend else ""
     load = os.getloadavg()[0]
     t0 = time.monotonic()
-    with Lab(topology.load("single"), kernel=kernel, log=lambda *_: None) as lab:
+    def boot():
+        return Lab(topology.load("single"), kernel=guest_kernel(args), log=lambda *_: None)
+
+    with booted_or_borrowed(args, "single", boot, command="scripts/bench gpumem", kernel=kernel_asked(args)) as lab:
         vm = lab["host0"]
         vm.run("vfio-cxl gpu bind")
         rows = json.loads(vm.run(f"{env}python3 -m vfio_cxl.guest.cmd.gpumem --plan -", stdin=json.dumps(runs),

@@ -21,7 +21,7 @@ import sys
 import time
 
 from ..errors import LabError
-from ..lab.fm import registry
+from ..lab.borrow import add_lab_option, borrow
 
 # (label, guest command, in-guest reference, through-`vm ssh` reference)
 COMMANDS = [
@@ -97,8 +97,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m vfio_cxl.bench guest-start", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--lab", metavar="NAME", help="a running detached lab of topology single "
-                                                      "(vfio-cxl vm ls); default: boot one")
+    add_lab_option(parser, "single")
     parser.add_argument("--kernel", choices=("debian", "lab"), default=None,
                         help="the kernel of the lab it boots (default: lab when built, else debian)")
     parser.add_argument("--json", action="store_true")
@@ -109,10 +108,7 @@ def main(argv: list[str]) -> int:
     booted = None
     try:
         if args.lab:
-            record = registry.find(args.lab)
-            if record.topology != "single":
-                raise LabError(f"lab {args.lab} is of topology {record.topology!r}; this bench needs 'single'",
-                               "vfio-cxl vm up single --detach, then --lab with its name")
+            borrow(args.lab, "single", command="scripts/bench guest-start", kernel=args.kernel).close()
             name = args.lab
         else:
             from ..lab.fm.launch import launch

@@ -2,7 +2,7 @@
 host1, each a GPU and an igb behind one PCIe switch, the igbs wired to each other).
 
     scripts/bench nic [--quick] [--sizes 4K,1M] [--json] [--backend type1|iommufd] [--kernel distro|lab]
-                      [--qemu PATH]
+                      [--qemu PATH] [--lab NAME]
 
 Paths, host0's VRAM into host1's (docs/nic.md, "RDMA-shaped writes"):
 
@@ -23,7 +23,8 @@ Target (issue 35): zero-copy >= the bounce's MB/s with <= 50 % of its receiver C
 By default it runs on the lab's own QEMU (Debian's 11.1.3 package, unpatched: "stock"), where
 DMA into a BAR is bounced and written out 8 bytes at a time; ``--qemu PATH`` runs it on another
 build (VFIO_CXL_QEMU), e.g. one that makes that DMA direct: how QEMU carries DMA into a BAR
-decides the zero-copy path's pace.
+decides the zero-copy path's pace.  ``--lab NAME`` (or ``$VFIO_CXL_LAB``) runs in that running
+detached ``nic2`` lab instead of booting one (vfio_cxl/lab/borrow.py).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import time
 
 from ..errors import LabError
 from ..lab import topology
+from ..lab.borrow import add_lab_option, booted_or_borrowed
 from ..lab.lab import Lab
-from .options import add_kernel_option, add_qemu_build_option, guest_kernel, use_qemu_build
+from .options import add_kernel_option, add_qemu_build_option, guest_kernel, kernel_asked, use_qemu_build
 from .p2p import parse_size
 
 PATHS = ("zero-copy", "bounce", "tcp")
@@ -129,13 +131,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--backend", choices=("type1", "iommufd"), default="type1")
     add_kernel_option(parser)
     add_qemu_build_option(parser)
+    add_lab_option(parser, "nic2")
     args = parser.parse_args(argv)
-    qemu = use_qemu_build(args)
     sizes = args.sizes or list(QUICK_SIZES if args.quick else SIZES)
-    kernel = guest_kernel(args)
     load = os.getloadavg()[0]
     cells, reports = [], {}
-    with Lab(topology.load("nic2"), kernel=kernel, log=lambda *_: None) as lab:
+    qemu = f"lab {args.lab}'s" if args.lab else "stock"
+
+    def boot():
+        nonlocal qemu
+        qemu = use_qemu_build(args)
+        return Lab(topology.load("nic2"), kernel=guest_kernel(args), log=lambda *_: None)
+
+    with booted_or_borrowed(args, "nic2", boot, command="scripts/bench nic", kernel=kernel_asked(args)) as lab:
         for path in PATHS:
             sent, got = run_path(lab, path, sizes, args.backend)
             cells += cells_of(path, sent, got)

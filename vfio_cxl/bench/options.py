@@ -21,6 +21,12 @@ def guest_kernel(args: argparse.Namespace) -> Path | None:
     return lab_kernel(provision=False)
 
 
+def kernel_asked(args: argparse.Namespace) -> str | None:
+    """The kernel a borrowed lab (``--lab``) must run: "lab" when ``--kernel lab`` was given; the
+    default asks for none."""
+    return "lab" if args.kernel == "lab" else None
+
+
 def add_qemu_build_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qemu", metavar="PATH",
                         help="another qemu-system-x86_64 build (e.g. a stock one), checked as the lab's is; "

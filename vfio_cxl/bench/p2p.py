@@ -1,7 +1,7 @@
 """Peer-to-peer DMA figures, side by side in one run (boots ``p2p``: gpu0 and gpu1 behind
 one PCIe switch, gpu2 on a root port of its own).
 
-    scripts/bench p2p [--size 16M] [--json] [--backend type1|iommufd]
+    scripts/bench p2p [--size 16M] [--json] [--backend type1|iommufd] [--kernel lab] [--lab NAME]
 
 * P2P A->B, peer fast path, behind the switch: A's engine writes into B's VRAM
   through the IOVA of B's BAR2; the device holds a proof for the range and
@@ -21,6 +21,8 @@ one PCIe switch, gpu2 on a root port of its own).
 
 Targets (issue 12): the best P2P path >= 2x the bounce and >= 50 % of host memcpy (cold).
 ``--backend iommufd`` needs the lab kernel with CONFIG_VFIO_PCI_DMABUF (``--kernel lab``).
+``--lab NAME`` (or ``$VFIO_CXL_LAB``) runs in that running detached ``p2p`` lab instead of
+booting one (vfio_cxl/lab/borrow.py).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import json
 import os
 
 from ..lab import topology
+from ..lab.borrow import add_lab_option, booted_or_borrowed
 from ..lab.lab import Lab
 from ..lab.memcpy_reference import host_memcpy
-from .options import add_kernel_option, guest_kernel
+from .options import add_kernel_option, guest_kernel, kernel_asked
 
 
 def parse_size(text: str) -> int:
@@ -49,10 +52,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--backend", choices=("type1", "iommufd"), default="type1")
     add_kernel_option(parser)
+    add_lab_option(parser, "p2p")
     args = parser.parse_args(argv)
-    kernel = guest_kernel(args)
     load = os.getloadavg()[0]
-    with Lab(topology.load("p2p"), kernel=kernel, log=lambda *_: None) as lab:
+
+    def boot():
+        return Lab(topology.load("p2p"), kernel=guest_kernel(args), log=lambda *_: None)
+
+    with booted_or_borrowed(args, "p2p", boot, command="scripts/bench p2p", kernel=kernel_asked(args)) as lab:
         out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.cmd.p2p --bench --size {args.size} "
                                           f"--backend {args.backend}", timeout=900).stdout)
         reference = host_memcpy(args.size)   # same run, same machine load

@@ -15,6 +15,7 @@ import json
 from ..errors import LabError
 from ..guest.payload import MESSAGE, expected_payload
 from ..lab import topology
+from ..lab.borrow import add_lab_option, asked_kernel, booted_or_borrowed
 from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
 from ..lab.topology import Topology, format_size
@@ -57,28 +58,32 @@ def run_in_lab(lab: Lab, size: int, offset: int, vfio_backend: str | None = None
     return result
 
 
-def add_payload_options(parser: argparse.ArgumentParser) -> None:
-    """--size and --offset of the payload, and the guest kernel's options (demo dma, demo share)."""
+def add_payload_options(parser: argparse.ArgumentParser, topology_name: str) -> None:
+    """--size and --offset of the payload, the guest kernel's options and --lab (demo dma, demo share)."""
     parser.add_argument("--size", type=lambda s: int(s, 0), default=1 << 20, help="bytes (default 1 MiB)")
     parser.add_argument("--offset", type=lambda s: int(s, 0), default=0, help="offset in devdax (4 KiB-aligned)")
     add_kernel_options(parser)
+    add_lab_option(parser, topology_name)
 
 
-def payload_lab(topology_name: str, vm: str, args: argparse.Namespace) -> Lab:
-    """The lab a payload demo boots (not started yet), once the payload of ``args`` is known to
-    fit the GPU and the devdax region of ``vm``: checked before anything boots."""
+def payload_lab(topology_name: str, vm: str, args: argparse.Namespace, command: str):
+    """The lab a payload demo runs in (a Lab to boot, or the lab ``--lab`` borrows), once the
+    payload of ``args`` is known to fit the GPU and the devdax region of ``vm``: checked before
+    anything boots."""
     topo = topology.load(topology_name)
     check_request(topo, vm, args.size, args.offset)
-    return Lab(topo, kernel=resolve(args.kernel, args.modules, args.append or ""))
+    return booted_or_borrowed(args, topology_name,
+                              lambda: Lab(topo, kernel=resolve(args.kernel, args.modules, args.append or "")),
+                              command=command, kernel=asked_kernel(args.kernel))
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vfio-cxl demo dma", description=__doc__)
-    add_payload_options(parser)
+    add_payload_options(parser, "single")
     parser.add_argument("--vfio-backend", choices=["auto", "type1", "iommufd"],
                         help="the guest's VFIO backend (default auto: iommufd if the kernel has it)")
     args = parser.parse_args(argv)
-    with payload_lab("single", "host0", args) as lab:
+    with payload_lab("single", "host0", args, "vfio-cxl demo dma") as lab:
         r = run_in_lab(lab, args.size, args.offset, args.vfio_backend)
     print(f"GPU → CXL: {r['message']!r} + {r['size'] - len(r['message'])} bytes, "
           f"{r['bytes']} bytes into {r['dax']} ({r['region']}) at offset {r['offset']:#x}")

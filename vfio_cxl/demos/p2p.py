@@ -7,7 +7,7 @@ port of its own).  In the guest the GPUs join one VFIO container, each BAR2
 byte is checked through both BAR mmaps.  Then the figures of `scripts/bench p2p`
 for one size.
 
-    vfio-cxl demo p2p [--size 16M] [--kernel PATH|lab]
+    vfio-cxl demo p2p [--size 16M] [--kernel PATH|lab] [--lab NAME]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import json
 
 from ..lab import topology
+from ..lab.borrow import add_lab_option, asked_kernel, booted_or_borrowed
 from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
 from ..lab.memcpy_reference import Memcpy, host_memcpy
@@ -27,10 +28,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", type=lambda text: topology.parse_size(text, "--size"), default=16 << 20,
                         help="bytes: 16M, 4M, 65536 ... (default 16M)")
     add_kernel_options(parser)
+    add_lab_option(parser, "p2p")
     args = parser.parse_args(argv)
-    kernel = resolve(args.kernel, args.modules, args.append or "")
-    print("booting p2p (two GPUs behind one PCIe switch, a third on its own root port) ...")
-    with Lab(topology.load("p2p"), kernel=kernel) as lab:
+
+    def boot():
+        print("booting p2p (two GPUs behind one PCIe switch, a third on its own root port) ...")
+        return Lab(topology.load("p2p"), kernel=resolve(args.kernel, args.modules, args.append or ""))
+
+    with booted_or_borrowed(args, "p2p", boot, command="vfio-cxl demo p2p", kernel=asked_kernel(args.kernel)) as lab:
         vm = lab["host0"]
         print(vm.run(f"python3 -m vfio_cxl.guest.cmd.p2p --size {args.size}", timeout=600).stdout, end="")
         figures = json.loads(vm.run(f"python3 -m vfio_cxl.guest.cmd.p2p --bench --size {args.size}",

@@ -35,10 +35,10 @@ def seed_flow(lab: Lab, size: int, offset: int) -> dict:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vfio-cxl demo share", description=__doc__)
-    add_payload_options(parser)
+    add_payload_options(parser, "shared")
     parser.add_argument("--records", type=int, default=200, help="records to stream A -> B (0: none)")
     args = parser.parse_args(argv)
-    with payload_lab("shared", "a", args) as lab:
+    with payload_lab("shared", "a", args, "vfio-cxl demo share") as lab:
         r = seed_flow(lab, args.size, args.offset)
         print(f"[a] GPU DMA'd {r['a']['message']!r} + {args.size - len(r['a']['message'])} bytes into shared "
               f"CXL at {args.offset:#x} (doorbell→MSI-X {r['a']['dma_ms']:.2f} ms); checksum "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..lab import topology
+from ..lab.borrow import add_lab_option, asked_kernel, booted_or_borrowed
 from ..lab.kernel import add_kernel_options, resolve
 from ..lab.lab import Lab
 
@@ -20,9 +21,13 @@ SECTIONS = [
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vfio-cxl demo tour", description=__doc__)
     add_kernel_options(parser)
+    add_lab_option(parser, "single")
     args = parser.parse_args(argv)
-    kernel = resolve(args.kernel, args.modules, args.append or "")
-    with Lab(topology.load("single"), kernel=kernel) as lab:
+
+    def boot():
+        return Lab(topology.load("single"), kernel=resolve(args.kernel, args.modules, args.append or ""))
+
+    with booted_or_borrowed(args, "single", boot, command="vfio-cxl demo tour", kernel=asked_kernel(args.kernel)) as lab:
         vm = lab["host0"]
         for title, command in SECTIONS:
             print(f"\n== {title}\n{vm.run(command).stdout.rstrip()}")

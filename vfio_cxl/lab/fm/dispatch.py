@@ -126,6 +126,7 @@ class Dispatcher:
         now = time.time()
         return {
             "name": record.name, "topology": record.topology, "state": state.state,
+            "kernel": getattr(fm.lab, "kernel_label", None),
             "fm_pid": os.getpid(), "created": record.created, "uptime": now - record.created,
             "rundir": record.rundir, "logdir": record.logdir, "socket": str(record.socket),
             "vms": {vm.name: {"state": vm.state, "ssh_port": vm.ssh_port, "pid": vm.popen.pid,

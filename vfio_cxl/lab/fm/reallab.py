@@ -60,6 +60,11 @@ class RealLab:
         return self.lab.topology
 
     @property
+    def kernel_label(self) -> str:
+        """The kernel the lab booted: "debian" (the image's), "lab", or "custom" (a --kernel PATH)."""
+        return self.lab.kernel.label if self.lab.kernel else "debian"
+
+    @property
     def known_hosts(self) -> Path:
         return self.rundir / "known_hosts"
 
