@@ -275,6 +275,7 @@ class DevmemReceiver:
         deadline = time.monotonic() + timeout
         frames: list[DevmemFrame] = []
         while len(frames) < count:
+            self._look()                               # each round: frames may keep coming
             frames += self._reap(b, count - len(frames))
             if len(frames) < count and not self.nic.wait_rx(b.queue, deadline):
                 self._look()                           # a release request also ends the wait

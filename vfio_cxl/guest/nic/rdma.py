@@ -1,6 +1,7 @@
 """RDMA-shaped writes between two hosts' VRAM over the userspace igb driver.
 
-    ep = RdmaEndpoint(nic)                                    # nic and gpu in one IOMMU context
+    ep = RdmaEndpoint(nic)          # nic and gpu in one IOMMU context; NicSession.endpoint() also
+                                    # watches the GPU's release request (docs/nic.md)
     mr = ep.reg_mr(gpu, vram_offset=0, length=16 << 20, access=Access.REMOTE_WRITE)
     # responder (host1): mr.key goes to the peer out of band; then, per write
     done = ep.serve(timeout=60)                               # -> Completion (imm, bytes, frames)
@@ -526,6 +527,7 @@ class RdmaEndpoint:
         deadline = time.monotonic() + timeout
         self._post(w)
         while w.landed < len(w.plan):
+            self._look()                # each round, and after each wait (a release request ends it)
             if self._reap(w):
                 self._post(w)
                 deadline = time.monotonic() + timeout
@@ -537,7 +539,6 @@ class RdmaEndpoint:
                                                   f"for {timeout:g} s: the writer is gone")
             else:
                 self.nic.wait_rx(self.queue, deadline)
-                self._look()            # a release request also ends the wait
 
     def _post(self, w: _Write) -> None:
         """Zero-copy: post descriptors for the next frames, each at its payload's address;
