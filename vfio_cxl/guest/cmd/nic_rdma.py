@@ -69,7 +69,8 @@ class RdmaSide:
     def describe(self) -> dict:
         from ..drivers.igb import format_mac
         nic = self.session.nic
-        return {"bdf": nic.bdf, "mac": format_mac(nic.mac), "data_mac": format_mac(self.ep.data_mac),
+        return {"bdf": nic.bdf, "gpu": self.gpu.device.bdf, "mac": format_mac(nic.mac),
+                "data_mac": format_mac(self.ep.data_mac),
                 "link": nic.link, "vfio_backend": self.session.backend, "kernel": self.kernel}
 
     def close(self) -> dict:
