@@ -4,11 +4,15 @@ rings' bookkeeping, the frames the lab sends, and the CLI's usage errors.
 
 The real NIC (QEMU's igb on the nic2 topology) is driven by tests/vm/test_nic.py."""
 
+import os
 import struct
+import time
+from types import SimpleNamespace
 
 import pytest
 
 from vfio_cxl.guest.cmd import cli
+from vfio_cxl.guest.drivers.igb import IgbDevice
 from vfio_cxl.guest.drivers.igb import spec
 from vfio_cxl.guest.drivers.igb.errors import IgbError
 from vfio_cxl.guest.drivers.igb.ring import Ring, RxRing, TxRing
@@ -182,3 +186,26 @@ def test_send_refuses_a_bad_mac_and_an_oversized_payload(capsys):
     assert "not a MAC address" in capsys.readouterr().err
     assert cli.main(["nic", "send", "--to", "02:00:00:00:01:01", "--size", "1500"]) == 1
     assert "8 to 1472" in capsys.readouterr().err
+
+
+def test_wait_rx_ends_on_a_wake_fd_and_says_the_queue_did_not_fire():
+    """A GPU's release request (a wake fd) ends a wait on the queue's vector at once; only the
+    vector itself counts as the queue firing."""
+    vector, wake = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
+
+    def pending(_):
+        try:
+            return os.eventfd_read(vector)
+        except BlockingIOError:
+            return 0
+    nic = SimpleNamespace(vectors=SimpleNamespace(eventfds=[vector], pending=pending), wake_fds=(wake,))
+    try:
+        os.eventfd_write(wake, 1)
+        t0 = time.monotonic()
+        assert IgbDevice.wait_rx(nic, 0, t0 + 30) is False and time.monotonic() - t0 < 5
+        os.eventfd_write(vector, 1)
+        assert IgbDevice.wait_rx(nic, 0, time.monotonic() + 30) is True
+        assert pending(0) == 0                       # the vector's count was consumed
+    finally:
+        os.close(vector)
+        os.close(wake)

@@ -6,6 +6,7 @@ byte copied by the CPU, a bad frame ending the write with nothing outside the re
 written, stale / freed / unknown keys and out-of-range writes refused with a NAK.  The real
 path, QEMU's igbs between two guests, is tests/vm/test_nic.py's."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -250,6 +251,9 @@ def test_a_write_lands_in_place_with_no_payload_byte_copied(responder):
     # the ring holds ENTRIES - 1; a frame is granted once a descriptor follows its own (QEMU's
     # buffer check), the last one once the guard follows it
     assert grants[0].seq == ENTRIES - 2 and grants[-1].seq == 41 and all(g.write_id == 1 for g in grants)
+    # each grant acknowledges the frames placed when it was sent: none yet, then more each time
+    assert grants[0].length == 0 and [g.length for g in grants] == sorted(g.length for g in grants)
+    assert all(g.length < g.seq for g in grants) and grants[-1].length > 0
     assert nic.dropped == 0
     (fin,) = answers(nic, Op.DONE)
     assert (fin.imm, fin.seq, fin.length) == (0x77, 41, len(source))
@@ -276,8 +280,12 @@ def test_a_write_whose_frames_stop_coming_times_out_and_takes_its_descriptors_ba
     mr = ep.reg_mr(gpu, 0, 0x4000, Access.REMOTE_WRITE)
     nic.control_in.append(request(mr.key, 0, 4 * rdma.MTU))
     nic.wire += data_frames(mr.key, 0, pattern(3, 0, 4 * rdma.MTU))[:2]
+    t0 = time.monotonic()
     done = ep.serve(timeout=0.05)
+    assert time.monotonic() - t0 < 5                   # bounded: the silence timeout, not a hang
     assert done.status is Status.TIMEOUT and "2 of 4 frames came" in done.error and done.frames == 2
+    # the error names the writer and the offset its frames reached
+    assert "from 52:54:00:00:00:01" in done.error and "[0x0, 0x800) placed" in done.error, done.error
     assert answers(nic, Op.NAK)[0].status is Status.TIMEOUT and nic.rx[1].ring.posted == 0
 
 
@@ -428,3 +436,28 @@ def test_no_request_and_no_answer_are_timeouts_naming_what_to_start(responder):
     nic.control_in.append(Header(Op.GRANT, 0x100, 99, 1).pack(OWN, PEER))     # another write's: not an answer
     with pytest.raises(IgbTimeout, match="write 1 to 52:54:00:00:00:01: no answer.*rdma-recv"):
         ep.write(mr, 0, 0x100, 0x100, 0, to=PEER, timeout=0.01)
+
+
+def test_a_writer_whose_peer_goes_silent_mid_write_names_it_and_what_it_acknowledged(responder):
+    ep, nic, gpu = responder
+    mr = ep.reg_mr(gpu, 0, 0x10000)
+    data_mac = int.from_bytes(rdma.DATA_MAC, "big")
+    nic.control_in += [Header(Op.GRANT, 0x300, 1, 8, data_mac, 0).pack(OWN, PEER),
+                       Header(Op.GRANT, 0x300, 1, 16, data_mac, 6).pack(OWN, PEER)]   # then the peer's lab dies
+    t0 = time.monotonic()
+    with pytest.raises(rdma.PeerLost) as lost:
+        ep.write(mr, 0, 32 * rdma.MTU, 0x300, 0x1000, to=PEER, timeout=0.05)
+    assert time.monotonic() - t0 < 5
+    text = str(lost.value)
+    assert "write 1 to 52:54:00:00:00:01: the peer went silent mid-transfer" in text, text
+    assert "acknowledged 6 of 32 frames placed (remote offsets [0x1000, 0x2800))" in text, text
+    assert "granted 16, 16 sent" in text and "write again from offset 0x2800" in text, text
+    assert isinstance(lost.value, RdmaError) and len(nic.gathered) == 16
+
+
+def test_the_writer_command_names_a_lost_peer_and_a_released_gpu_by_status():
+    from vfio_cxl.guest.cmd.nic_rdma import _failure
+    from vfio_cxl.guest.nic.release import GpuReleased
+    assert _failure(rdma.PeerLost("gone", "fix")) == "PEER_LOST"
+    assert _failure(GpuReleased("gone", "fix")) == "GPU_RELEASED"
+    assert _failure(RdmaError("refused", "fix")) == "REFUSED"

@@ -137,6 +137,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)   # stable: file order within a topology
 
 
+def pci_ids(vm) -> set[str]:
+    """The qdev ids of the VM's PCI devices, as QEMU lists them (query-pci)."""
+    ids = set()
+
+    def walk(devices):
+        for dev in devices:
+            ids.add(dev.get("qdev_id", ""))
+            walk(dev.get("pci_bridge", {}).get("devices", []))
+    for bus in vm.connect_qmp().cmd_obj({"execute": "query-pci"})["return"]:
+        walk(bus["devices"])
+    return ids
+
+
 def guest_json(vm, command: str):
     return json.loads(vm.run(command).stdout)
 

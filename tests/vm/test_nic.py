@@ -11,7 +11,8 @@ nothing by its timeout.  ``nic rdma-write`` of 16 MiB from gpu0's VRAM lands in 
 registered VRAM byte for byte with no payload byte copied by host1's CPU; the bounce and the
 TCP reference land the same bytes; a write beyond the region, with a freed region's key, a
 stale key or an unknown one is refused by name and writes nothing.  Type1 on the image's
-Debian kernel, iommufd on the lab kernel.
+Debian kernel, iommufd on the lab kernel.  Last, two tests that break their lab: gpu1 hot-
+removed (QMP device_del) while rdma-recv holds its VRAM, and host1's QEMU killed mid-write.
 
 The receiver runs first, in the background (``start_command``), and writes ``--ready-file``
 once its buffers are posted; the sender starts when that file exists.
@@ -21,6 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +33,8 @@ import documented_commands as docs
 from vfio_cxl.guest.drivers.igb.spec import parse_mac
 from vfio_cxl.guest.nic import frames
 from vfio_cxl.guest.nic.rdma import HEADER, MTU, pattern
+
+from .conftest import pci_ids
 
 FLOW = "02:00:00:00:01:01"          # the MAC host1 steers to queue 1
 READY = "/tmp/nic-ready"
@@ -248,6 +255,91 @@ def test_rdma_refuses_a_stale_key_and_one_never_handed_out(nic2_lab):
     assert stale["status"] == "REFUSED" and "earlier registration" in stale["error"], stale
     assert unknown["status"] == "REFUSED" and "names no registration" in unknown["error"], unknown
     assert [w["status"] for w in got["writes"]] == ["OK", "STALE_KEY", "UNKNOWN_KEY"], got["writes"]
+
+
+# -- the GPU moved away, the peer's lab gone: each breaks the lab (run last, then closed) ------
+
+def test_the_gpu_moved_away_while_registered_ends_the_responder_naming_it(nic2_lab, labs):
+    """gpu1 is hot-removed from host1 (QMP device_del, what the fabric manager sends to move it)
+    while rdma-recv holds 1 MiB of its VRAM registered and waits for a write: vfio-pci's release
+    request wakes the wait, the responder tears the registration down and closes the GPU --
+    the removal completes in the guest and in QEMU -- and ends naming the GPU's BDF, nothing
+    left mapped; the NIC still works for guest-RAM traffic."""
+    rx = nic2_lab["host1"]
+    try:
+        rx.run(f"rm -f {READY}")
+        with rx.start_command(f"vfio-cxl nic rdma-recv --length 1M --timeout 600 --backend type1 "
+                              f"--ready-file {READY} --json", timeout=900) as receiving:
+            wait_ready(rx)
+            answer = rx.connect_qmp().cmd_obj({"execute": "device_del", "arguments": {"id": "gpu1"}})
+            assert "error" not in answer, answer
+            t0 = time.monotonic()
+            done = receiving.join(check=False)
+        ended_after = time.monotonic() - t0
+        out = json.loads(done.stdout)
+        assert done.exited == 1 and out["writes"] == [], (done.exited, out)
+        assert f"the GPU {out['gpu']} was released by the host" in out["released"], out["released"]
+        assert "bind again once a GPU is there" in out["released"] and out["mapped_after_close"] == []
+        assert ended_after < 60, f"the responder took {ended_after:.0f} s to let the GPU go"
+        deadline = time.monotonic() + 60
+        while "gpu1" in pci_ids(rx):                                   # QEMU finishes the unplug
+            assert time.monotonic() < deadline, "QEMU still lists gpu1 60 s after the guest released it"
+        assert rx.run(f"test -e /sys/bus/pci/devices/{out['gpu']}", check=False).exited != 0
+        stats = guest_json(rx, "vfio-cxl nic stats --seconds 0 --json")    # the NIC outlives the GPU
+        assert stats["bdf"] == out["bdf"], stats
+    finally:
+        labs.close()                  # host1 has no GPU now: the next test gets a fresh lab
+
+
+def vram(lab, gpu: str, offset: int, length: int) -> bytes:
+    """Bytes of ``gpu``'s VRAM, read on the host from the memfd its server holds (QEMU maps it)."""
+    pid = lab.gpu_servers[gpu].process.pid
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        if "vfio-cxl-gpu-vram" in os.readlink(fd):
+            with open(fd, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+    raise AssertionError(f"{gpu}'s server (pid {pid}) holds no VRAM memfd")
+
+
+LOST_SEED = 23                      # a pattern no earlier write left in gpu1's VRAM
+
+
+def test_the_peer_lab_dying_mid_write_ends_the_writer_naming_it_with_nothing_mapped(nic2_lab, labs):
+    """rdma-recv on host1, a 16 MiB rdma-write from host0 (--timeout 10: the seconds the peer
+    may stay silent); once the write's first 4 KiB are in gpu1's VRAM (read on the host),
+    host1's QEMU is killed.  The writer ends within its timeout (and some slack), exit status 1,
+    its write PEER_LOST naming host1's MAC and what it last acknowledged, nothing left mapped."""
+    rx, tx = nic2_lab["host1"], nic2_lab["host0"]
+    try:
+        rx.run(f"rm -f {READY}")
+        receiving = rx.start_command(f"vfio-cxl nic rdma-recv --length 16M --seed {LOST_SEED} --timeout 600 "
+                                     f"--backend type1 --ready-file {READY} --json", timeout=1800)
+        wait_ready(rx)
+        ready = json.loads(rx.run(f"cat {READY}").stdout)
+        with tx.start_command(f"vfio-cxl nic rdma-write --to {ready['mac']} --key {ready['key']} --length 16M "
+                              f"--sizes 16M --seed {LOST_SEED} --timeout 10 --backend type1 --json",
+                              timeout=1800) as writing:
+            first = pattern(LOST_SEED, 0, 4096)
+            deadline = time.monotonic() + 600
+            while vram(nic2_lab, "gpu1", 0, 4096) != first:
+                assert time.monotonic() < deadline, "the write's first frames never landed in gpu1's VRAM"
+                time.sleep(0.02)      # the host watching VRAM, not synchronising the guests
+            os.killpg(rx.process.pid, signal.SIGKILL)                # host1's lab goes down mid-write
+            rx.process.wait()
+            killed = time.monotonic()
+            done = writing.join(check=False)
+        ended_after = time.monotonic() - killed
+        receiving.cancel()            # its SSH connection died with the VM
+    finally:
+        labs.close()                  # the lab lost a VM: never reuse it
+    out = json.loads(done.stdout)
+    (w,) = out["writes"]
+    assert done.exited == 1 and w["status"] == "PEER_LOST", (done.exited, w)
+    assert f"to {ready['mac']}: the peer went silent mid-transfer" in w["error"], w["error"]
+    assert "it last acknowledged" in w["error"] and "frames placed" in w["error"], w["error"]
+    assert ended_after < 10 + 30, f"the writer took {ended_after:.0f} s after the peer died"
+    assert out["mapped_after_close"] == [] and w["payload_bytes_copied"] == 0, out
 
 
 # -- iommufd: the lab kernel -------------------------------------------------------------------

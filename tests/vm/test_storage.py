@@ -18,6 +18,8 @@ import pytest
 
 import documented_commands as docs
 
+from .conftest import pci_ids
+
 KIB, MIB = 1 << 10, 1 << 20
 MODES = ("p2p", "compat", "cmb")     # StorageSession's modes
 
@@ -250,19 +252,6 @@ def test_iommufd_p2p_and_gpu_initiated(storage_lab_kernel_lab):
     assert host_sha256(lab, cmb["written_at"], MIB) == cmb["sha256_written"]
     sq = storage_check(lab, "gpu-initiated", "--count 64 --size 4096 --depth 16 --sq-in-cmb", backend="iommufd")
     assert sq["statuses_ok"] and sq["mismatched"] == [] and sq["sq_in_cmb"], sq
-
-
-def pci_ids(vm) -> set[str]:
-    """The qdev ids of the VM's PCI devices, as QEMU lists them (query-pci)."""
-    ids = set()
-
-    def walk(devices):
-        for dev in devices:
-            ids.add(dev.get("qdev_id", ""))
-            walk(dev.get("pci_bridge", {}).get("devices", []))
-    for bus in vm.connect_qmp().cmd_obj({"execute": "query-pci"})["return"]:
-        walk(bus["devices"])
-    return ids
 
 
 def test_hot_removal_mid_batch_fails_the_batch_and_releases_the_device(storage_lab, labs):

@@ -30,7 +30,6 @@ class RdmaSide:
     """One end over the userspace igb: a NicSession (NIC and GPU in one context) and an endpoint."""
 
     def __init__(self, args):
-        from ..nic.rdma import RdmaEndpoint
         from ..nic.session import NicSession
         from ..vfio.backend import choose_backend
         from ..vfio.bind import bind_vfio_pci
@@ -41,7 +40,7 @@ class RdmaSide:
         self.session = NicSession.open(nic, gpu, backend=choose_backend(nic, args.backend), queues=2)
         self.gpu, self.kernel = self.session.gpu, self.session.kernel
         try:
-            self.ep = RdmaEndpoint(self.session.nic, placement=args.path)
+            self.ep = self.session.endpoint(placement=args.path)
         except BaseException:
             self.session.close()
             raise
@@ -70,7 +69,8 @@ class RdmaSide:
     def describe(self) -> dict:
         from ..drivers.igb import format_mac
         nic = self.session.nic
-        return {"bdf": nic.bdf, "mac": format_mac(nic.mac), "data_mac": format_mac(self.ep.data_mac),
+        return {"bdf": nic.bdf, "gpu": self.gpu.device.bdf, "mac": format_mac(nic.mac),
+                "data_mac": format_mac(self.ep.data_mac),
                 "link": nic.link, "vfio_backend": self.session.backend, "kernel": self.kernel}
 
     def close(self) -> dict:
@@ -174,31 +174,48 @@ def _landed(gpu, region_offset: int, write: dict, seed: int | None) -> dict:
             "verified": seed is not None and data == pattern(seed, write["offset"], write["length"])}
 
 
+def _failure(err) -> str:
+    """A write's status word for ``err``: the GPU released by the host, the peer gone, or refused."""
+    from ..nic.rdma import PeerLost
+    from ..nic.release import GpuReleased
+    return "GPU_RELEASED" if isinstance(err, GpuReleased) else "PEER_LOST" if isinstance(err, PeerLost) else "REFUSED"
+
+
 def cmd_rdma_recv(args) -> int:
+    from ..nic.release import GpuReleased
     _check_recv_args(args)
     side = _side(args)
-    out = {"path": args.path, **side.describe(), "region": [args.vram_offset, args.length], "keys": []}
+    out = {"path": args.path, **side.describe(), "region": [args.vram_offset, args.length], "keys": [],
+           "writes": [], "released": None}
     try:
         region = side.register(args.vram_offset, args.length, remote=True)
         out["keys"].append(getattr(region, "key", None))
         _ready(args.ready_file, {"key": out["keys"][0], **{k: out.get(k) for k in ("mac", "data_mac")}})
-        out["writes"] = []
-        for n in range(1, args.writes + 1):
-            before = side.copied()
-            w = side.serve(args.timeout, region)
-            w.update({k: v - before[k] for k, v in side.copied().items()})
-            w.update(_landed(side.gpu, args.vram_offset, w, args.seed))
-            out["writes"].append(w)
-            if n == args.free_after:
-                side.free(region)
-                if args.reregister:
-                    region = side.register(args.vram_offset, args.length, remote=True)
-                    out["keys"].append(region.key)
+        try:
+            _serve_writes(side, region, args, out)
+        except GpuReleased as err:          # the host moved the GPU away: nothing to place into
+            out["released"] = str(err)
         out["stats"] = side.session.nic.stats() if args.path != "tcp" else {}
     finally:
         out.update(side.close())
     _print_recv(args, out)
-    return 0 if all(w["status"] == "OK" and (args.seed is None or w["verified"]) for w in out["writes"]) else 1
+    return 0 if out["released"] is None and all(
+        w["status"] == "OK" and (args.seed is None or w["verified"]) for w in out["writes"]) else 1
+
+
+def _serve_writes(side, region, args, out: dict) -> None:
+    """Serve ``--writes`` writes into ``region``, each checked and appended to ``out["writes"]``."""
+    for n in range(1, args.writes + 1):
+        before = side.copied()
+        w = side.serve(args.timeout, region)
+        w.update({k: v - before[k] for k, v in side.copied().items()})
+        w.update(_landed(side.gpu, args.vram_offset, w, args.seed))
+        out["writes"].append(w)
+        if n == args.free_after:
+            side.free(region)
+            if args.reregister:
+                region = side.register(args.vram_offset, args.length, remote=True)
+                out["keys"].append(region.key)
 
 
 def _print_recv(args, out: dict) -> None:
@@ -210,6 +227,8 @@ def _print_recv(args, out: dict) -> None:
               + (f" ({w['error']})" if w["error"] else "")
               + f", imm {w['imm']}, payload bytes copied by this CPU {w['payload_bytes_copied']}"
               + (f", verified {w['verified']}" if args.seed is not None else ""))
+    if out["released"]:
+        print(f"{args.path}: stopped: {out['released']}")
 
 
 def _parse_sizes(text: str, parse_size) -> list[int]:
@@ -227,6 +246,7 @@ def _parse_sizes(text: str, parse_size) -> list[int]:
 
 def cmd_rdma_write(args) -> int:
     from ..nic.rdma import RdmaError, pattern
+    from ..nic.release import GpuReleased
     sizes = _parse_sizes(args.sizes, args.parse_size)
     if args.path != "tcp" and (args.to is None or args.key is None):
         raise VfioError(f"--path {args.path} without --to and --key", "pass the peer NIC's MAC (--to, from "
@@ -244,10 +264,12 @@ def cmd_rdma_write(args) -> int:
                 entry.update({"status": "OK", "error": None, "mb_s": size / entry["seconds"] / 1e6,
                               "frames_s": (entry["frames"] or 0) / entry["seconds"],
                               "cpu_s_per_gb": entry["cpu_seconds"] / (size / 1e9)})
-            except RdmaError as err:
-                entry.update({"status": "REFUSED", "error": str(err)})
+            except (RdmaError, GpuReleased) as err:
+                entry.update({"status": _failure(err), "error": str(err)})
             entry.update({k: v - before[k] for k, v in side.copied().items()})
             out["writes"].append(entry)
+            if entry["status"] in ("GPU_RELEASED", "PEER_LOST"):
+                break                   # no later write can go: the GPU or the peer is gone
         out["stats"] = side.session.nic.stats() if args.path != "tcp" else {}
     finally:
         out.update(side.close())
@@ -261,7 +283,8 @@ def _print_write(args, out: dict) -> None:
         return
     for w in out["writes"]:
         if w["error"]:
-            print(f"{args.path}: write of {w['size']} bytes at {w['offset']:#x} refused: {w['error']}")
+            how = "refused" if w["status"] == "REFUSED" else f"failed ({w['status']})"
+            print(f"{args.path}: write of {w['size']} bytes at {w['offset']:#x} {how}: {w['error']}")
         else:
             print(f"{args.path}: {w['size']} bytes at {w['offset']:#x} in {w['seconds']:.3f} s, "
                   f"{w['mb_s']:.1f} MB/s, imm {w['imm']}, payload bytes copied by this CPU {w['payload_bytes_copied']}")

@@ -186,18 +186,26 @@ class DevmemFrame:
 
 
 class DevmemReceiver:
-    """devmem-shaped receive over ``nic``: bindings of GPU VRAM to its RX queues."""
+    """devmem-shaped receive over ``nic``: bindings of GPU VRAM to its RX queues.  ``watch``
+    (a ReleaseWatch, NicSession's): looked at in every call and after every wait, so a GPU
+    the host released ends the call with GpuReleased."""
 
-    def __init__(self, nic: IgbDevice):
-        self.nic = nic
+    def __init__(self, nic: IgbDevice, watch=None):
+        self.nic, self.watch = nic, watch
         self.bindings: dict[int, RxBinding] = {}
         self.tokens = TokenTable()
+
+    def _look(self) -> None:
+        """GpuReleased if the watched GPU was released by the host (its bindings torn down)."""
+        if self.watch is not None:
+            self.watch.check()
 
     def bind_rx(self, queue: int, gpu, vram_offset: int, length: int, *, chunk: int = DEFAULT_CHUNK,
                 header_buffer: int = DEFAULT_HEADER, notes: dict | None = None) -> RxBinding:
         """Bind VRAM [vram_offset, vram_offset + length) of ``gpu`` (in the NIC's IOMMU context)
         to RX ``queue``: mapped for the NIC, carved into ``chunk``-byte payload buffers, as
         many posted as the ring holds, headers into guest RAM (``header_buffer`` bytes each)."""
+        self._look()
         self._check_bind(queue, gpu, vram_offset, length, chunk, header_buffer)
         pool = ChunkPool(vram_offset, length, chunk)
         iova = VRAM_IOVA + vram_offset
@@ -262,12 +270,15 @@ class DevmemReceiver:
     def recv(self, binding: RxBinding, count: int = 1, timeout: float = 1.0) -> list[DevmemFrame]:
         """Up to ``count`` frames, waiting ``timeout`` seconds at most; [] if none came (a
         queue without free chunks receives nothing: the device drops what is steered there)."""
+        self._look()
         b = self._binding(binding)
         deadline = time.monotonic() + timeout
         frames: list[DevmemFrame] = []
         while len(frames) < count:
+            self._look()                               # each round: frames may keep coming
             frames += self._reap(b, count - len(frames))
             if len(frames) < count and not self.nic.wait_rx(b.queue, deadline):
+                self._look()                           # a release request also ends the wait
                 frames += self._reap(b, count - len(frames))
                 break
         return frames
@@ -296,11 +307,13 @@ class DevmemReceiver:
     def read(self, fragment: Fragment) -> bytes:
         """A fragment's bytes, read back from VRAM through the GPU's BAR2 (the check; the
         devmem path itself copies nothing)."""
+        self._look()
         b = self._binding(fragment.binding)
         return bytes(b.gpu.vram.view(fragment.vram_offset, fragment.size))
 
     def dontneed(self, tokens: list[int]) -> int:
         """Return the chunks of ``tokens`` (all checked first), then post them again; -> how many."""
+        self._look()
         returned = self.tokens.redeem(list(tokens))
         for binding, index in returned:
             binding.pool.release(index)
@@ -311,7 +324,10 @@ class DevmemReceiver:
     def unbind(self, binding: RxBinding) -> None:
         """Stop the queue (nothing more lands), take back its descriptors, void its tokens,
         unmap the VRAM range and the header buffers."""
-        b = self._binding(binding)
+        self._look()
+        self._unbind(self._binding(binding))
+
+    def _unbind(self, b: RxBinding) -> None:
         b.bound = False
         del self.bindings[b.queue]
         try:
@@ -323,12 +339,20 @@ class DevmemReceiver:
             b.header_mapping.close()
             b.headers.close()
 
+    def drop_gpu(self, gpu) -> None:
+        """The host released ``gpu``: unbind each of its bindings (queue stopped, descriptors
+        taken back, then its VRAM unmapped), each step run, the first failure raised at the end."""
+        self._unbind_all([b for b in self.bindings.values() if b.gpu is gpu])
+
     def close(self) -> None:
         """Unbind every binding (each step runs; the first failure is raised at the end)."""
+        self._unbind_all(list(self.bindings.values()))
+
+    def _unbind_all(self, bindings: list[RxBinding]) -> None:
         error = None
-        for b in list(self.bindings.values()):
+        for b in bindings:
             try:
-                self.unbind(b)
+                self._unbind(b)
             except Exception as err:
                 error = error or err
         if error is not None:

@@ -1,6 +1,7 @@
 """RDMA-shaped writes between two hosts' VRAM over the userspace igb driver.
 
-    ep = RdmaEndpoint(nic)                                    # nic and gpu in one IOMMU context
+    ep = RdmaEndpoint(nic)          # nic and gpu in one IOMMU context; NicSession.endpoint() also
+                                    # watches the GPU's release request (docs/nic.md)
     mr = ep.reg_mr(gpu, vram_offset=0, length=16 << 20, access=Access.REMOTE_WRITE)
     # responder (host1): mr.key goes to the peer out of band; then, per write
     done = ep.serve(timeout=60)                               # -> Completion (imm, bytes, frames)
@@ -69,6 +70,11 @@ class RdmaError(IgbError):
     """An RDMA-shaped call was refused or failed; the message names the rule and the fix."""
 
 
+class PeerLost(RdmaError, IgbTimeout):
+    """A write's peer went silent mid-transfer (its lab or its responder gone): the message
+    names the peer and what it last acknowledged."""
+
+
 class WriteFailed(RdmaError):
     """A write the responder accepted ended before every frame was placed; ``status`` says why."""
 
@@ -79,7 +85,7 @@ class WriteFailed(RdmaError):
 
 class Op(enum.IntEnum):
     REQUEST = 1         # requester -> responder: key, offset, length, imm of a write
-    GRANT = 2           # responder -> requester: frames [0, seq) may be sent
+    GRANT = 2           # responder -> requester: frames [0, seq) may be sent, [0, length) are placed
     DATA = 3            # one frame of payload
     DONE = 4            # responder -> requester: every frame placed (imm echoed)
     NAK = 5             # responder -> requester: refused (status says why)
@@ -123,10 +129,11 @@ class Header:
     op: Op
     key: int = 0
     write_id: int = 0
-    seq: int = 0            # DATA: the frame's number; GRANT: frames granted so far
+    seq: int = 0            # DATA: the frame's number; GRANT: frames granted so far (DONE, NAK: placed)
     offset: int = 0         # region offset: the write's (REQUEST) or this frame's payload's (DATA);
                             # GRANT: the MAC to send the data to (the responder's data queue)
-    length: int = 0         # the write's bytes (REQUEST, DONE) or this frame's payload bytes (DATA)
+    length: int = 0         # the write's bytes (REQUEST, DONE) or this frame's payload bytes (DATA);
+                            # GRANT: the frames placed so far (the acknowledgement)
     imm: int = 0
     status: Status = Status.OK
 
@@ -320,18 +327,21 @@ class RdmaEndpoint:
     ``data_mac`` is steered there.  ``placement``: ``zero-copy`` (payloads DMA'd from and into
     VRAM) or ``bounce`` (through guest RAM, copied by the CPU through BAR2).  ``first_write_id``:
     where this endpoint's write ids start (default: at random, so that no frame of an earlier
-    process's write is taken for one of this one's)."""
+    process's write is taken for one of this one's).  ``watch`` (a ReleaseWatch, NicSession's
+    ``endpoint()``): looked at in every call and after every wait, so a GPU the host released
+    ends the call with GpuReleased."""
 
     PLACEMENTS = ("zero-copy", "bounce")
 
     def __init__(self, nic: IgbDevice, queue: int = 1, placement: str = "zero-copy", data_mac: bytes = DATA_MAC,
-                 *, first_write_id: int | None = None):
+                 *, first_write_id: int | None = None, watch=None):
         if placement not in self.PLACEMENTS:
             raise RdmaError(f"placement {placement!r}", f"pick one of {', '.join(self.PLACEMENTS)}")
         if queue == 0:
             raise RdmaError("payloads on queue 0, the control queue", "use queue 1 or above")
         nic.rx_queue(queue)
         self.nic, self.queue, self.placement, self.data_mac = nic, queue, placement, data_mac
+        self.watch = watch
         self.keys = KeyTable()
         self.counts = dict.fromkeys(("payload_bytes_copied", "header_bytes_copied", "frames_sent",
                                      "frames_received"), 0)
@@ -348,12 +358,18 @@ class RdmaEndpoint:
             self._guard_mapping = nic.device.map_dma(self._guard, GUARD_IOVA)
             nic.configure_external_rx(queue, MTU, HEADER)
 
+    def _look(self) -> None:
+        """GpuReleased if the watched GPU was released by the host (its regions torn down)."""
+        if self.watch is not None:
+            self.watch.check()
+
     # -- registration ----------------------------------------------------------------------
 
     def reg_mr(self, gpu, vram_offset: int, length: int, access: Access = Access(0), *,
                notes: dict | None = None) -> MemoryRegion:
         """Register VRAM [vram_offset, vram_offset + length) of ``gpu`` (whole pages, inside
         VRAM): mapped for the NIC in a window of its own; -> the region, ``.key`` its key."""
+        self._look()
         access = self._check_access(access)
         if vram_offset < 0 or vram_offset % PAGE or length <= 0 or length % PAGE:
             raise RdmaError(f"VRAM offset {vram_offset:#x}, length {length:#x}",
@@ -389,7 +405,9 @@ class RdmaEndpoint:
         """Write [offset, offset + length) of ``local`` at ``remote_offset`` of the peer's
         region ``remote_key`` (the peer's NIC MAC ``to``); returns when the peer reported every
         frame placed, with its immediate.  A refusal is an RdmaError naming why; ``timeout``:
-        seconds the peer may stay silent."""
+        seconds the peer may stay silent: then PeerLost, naming the peer and what it last
+        acknowledged (a GRANT says how many frames were placed)."""
+        self._look()
         region = self.keys.lookup(local.key)
         if check_range(region, offset, length) is not Status.OK:
             raise RdmaError(f"a write of {length} bytes from offset {offset:#x} of {region.name} "
@@ -402,11 +420,17 @@ class RdmaEndpoint:
         plan = plan_frames(remote_offset, length)
         request = Header(Op.REQUEST, remote_key, write_id, len(plan), remote_offset, length, imm)
         self.nic.send([request.pack(to, self.nic.mac)])
-        sent = 0
+        sent = granted = acked = 0
         while True:
+            if granted:
+                what, fix = self._silence(write_id, to, plan, sent, granted, acked)
+            else:
+                what = f"write {write_id} to {spec.format_mac(to)}: no answer from the peer"
+                fix = "is the peer serving (vfio-cxl nic rdma-recv) and the link up?"
             h, _ = self._next_control(lambda h: h.write_id == write_id and h.op is not Op.DATA, timeout,
-                                      f"write {write_id} to {spec.format_mac(to)}: no answer from the peer",
-                                      "is the peer serving (vfio-cxl nic rdma-recv) and the link up?")
+                                      what, fix, PeerLost if granted else IgbTimeout)
+            if h.op is Op.GRANT:
+                granted, acked = max(granted, h.seq), max(acked, min(h.length, h.seq))
             if h.op is Op.NAK:
                 raise refusal(h.status, f"the peer refused write {write_id} (key {remote_key:#x}, "
                                         f"offset {remote_offset:#x}, {length} bytes)")
@@ -417,6 +441,18 @@ class RdmaEndpoint:
                 self._send_data(region, offset - remote_offset, plan[sent:h.seq], remote_key, write_id,
                                 h.offset.to_bytes(6, "big"))
                 sent = h.seq
+
+    @staticmethod
+    def _silence(write_id: int, to: bytes, plan: list[FramePlan], sent: int, granted: int,
+                 acked: int) -> tuple[str, str]:
+        """What a peer silent mid-write is told as: the peer, what it acknowledged placed."""
+        start = plan[0].offset
+        reached = plan[acked].offset if acked < len(plan) else plan[-1].offset + plan[-1].size
+        return (f"write {write_id} to {spec.format_mac(to)}: the peer went silent mid-transfer; it last "
+                f"acknowledged {acked} of {len(plan)} frames placed (remote offsets [{start:#x}, {reached:#x})), "
+                f"granted {granted}, {sent} sent: no answer",
+                "is the peer's lab up and its responder serving (vfio-cxl nic rdma-recv)? The write is "
+                f"incomplete there: write again from offset {reached:#x} once it serves")
 
     def _send_data(self, region: MemoryRegion, delta: int, frames: list[FramePlan], key: int, write_id: int,
                    dst: bytes) -> None:
@@ -430,15 +466,19 @@ class RdmaEndpoint:
             self.nic.send([h + p for h, p in zip(headers, payloads)])
         self.counts["frames_sent"] += len(frames)
 
-    def _next_control(self, wanted, timeout: float, what: str, fix: str) -> tuple[Header, bytes]:
+    def _next_control(self, wanted, timeout: float, what: str, fix: str,
+                      error: type[IgbTimeout] = IgbTimeout) -> tuple[Header, bytes]:
         """The next frame on queue 0 whose header ``wanted`` accepts, and its source MAC (other
-        frames are dropped); IgbTimeout ``what`` after ``timeout`` seconds."""
+        frames are dropped); ``error`` ``what`` after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             got = self.nic.recv(0, 1, left) if left > 0 else []
+            self._look()                # a release request also ends the wait
+            if not got and time.monotonic() >= deadline:
+                raise error(f"{what} within {timeout:g} s", fix)
             if not got:
-                raise IgbTimeout(f"{what} within {timeout:g} s", fix)
+                continue
             h = unpack_header(got[0])
             if h is not None and wanted(h):
                 return h, source_mac(got[0])
@@ -448,7 +488,8 @@ class RdmaEndpoint:
     def serve(self, timeout: float = 30.0) -> Completion:
         """Take the next write request (waiting ``timeout`` s at most), place its frames,
         answer DONE (or NAK) -> what happened.  A write whose frames stop coming for
-        ``timeout`` s fails (TIMEOUT)."""
+        ``timeout`` s fails (TIMEOUT), naming the writer and the offset its frames reached."""
+        self._look()
         request, peer = self._next_control(lambda h: h.op is Op.REQUEST, timeout, "no write request",
                                            "start the writer (vfio-cxl nic rdma-write)")
         t0, c0 = time.perf_counter(), time.process_time()
@@ -486,12 +527,16 @@ class RdmaEndpoint:
         deadline = time.monotonic() + timeout
         self._post(w)
         while w.landed < len(w.plan):
+            self._look()                # each round, and after each wait (a release request ends it)
             if self._reap(w):
                 self._post(w)
                 deadline = time.monotonic() + timeout
             elif time.monotonic() >= deadline:
-                raise WriteFailed(Status.TIMEOUT, f"write {w.request.write_id}: {w.landed} of {len(w.plan)} "
-                                                  f"frames came, then none for {timeout:g} s")
+                reached = w.plan[w.landed].offset
+                raise WriteFailed(Status.TIMEOUT, f"write {w.request.write_id} from {spec.format_mac(w.peer)}: "
+                                                  f"{w.landed} of {len(w.plan)} frames came (region offsets "
+                                                  f"[{w.plan[0].offset:#x}, {reached:#x}) placed), then none "
+                                                  f"for {timeout:g} s: the writer is gone")
             else:
                 self.nic.wait_rx(self.queue, deadline)
 
@@ -511,7 +556,8 @@ class RdmaEndpoint:
             grantable = w.posted = min(len(w.plan), w.landed + self.nic.rx[self.queue].ring.posted)
         waiting = w.landed == w.granted         # the requester sent all it may: it waits for this grant
         if grantable > w.granted and (waiting or grantable - w.granted >= GRANT_BATCH or grantable == len(w.plan)):
-            grant = Header(Op.GRANT, w.request.key, w.request.write_id, grantable, int.from_bytes(self.data_mac, "big"))
+            grant = Header(Op.GRANT, w.request.key, w.request.write_id, grantable, int.from_bytes(self.data_mac, "big"),
+                           w.landed)
             self.nic.send([grant.pack(w.peer, self.nic.mac)])
             w.granted = grantable
 
@@ -549,9 +595,18 @@ class RdmaEndpoint:
     def _take_back_posted(self, enable: bool = True) -> None:
         """A write ended: take back what is still posted for it (zero-copy: the guard, or a
         failed write's descriptors), so nothing more lands; the queue stays enabled, empty,
-        for the next write unless ``enable`` is false."""
+        for the next write unless ``enable`` is false (or the GPU was released: it stays off)."""
         if self.placement == "zero-copy":
-            self.nic.take_back_rx(self.queue, enable=enable)
+            released = self.watch is not None and self.watch.released
+            self.nic.take_back_rx(self.queue, enable=enable and not released)
+
+    def drop_gpu(self, gpu) -> None:
+        """The host released ``gpu``: the data queue stopped and emptied (zero-copy: its
+        descriptors point into VRAM), then every region of ``gpu`` freed (unmapped)."""
+        self._take_back_posted(enable=False)
+        for region in self.keys.live():
+            if region.gpu is gpu:
+                self.dereg_mr(region)
 
     def close(self) -> None:
         """Stop the data queue (zero-copy), free every region, unmap the header buffers."""

@@ -111,6 +111,7 @@ class IgbDevice:
         self._totals = dict.fromkeys([*spec.STATS32, *spec.STATS64, "rx_overrun_events"], 0)
         self._steered: dict[bytes, int] = {}
         self.vectors = None
+        self.wake_fds: tuple[int, ...] = ()    # eventfds that also end a wait_rx (a GPU's release request)
         command = device.config.read16(PCI_COMMAND)
         device.config.write16(PCI_COMMAND, command | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER)
         self.bar0 = device.bar(0)
@@ -498,17 +499,18 @@ class IgbDevice:
         return held
 
     def wait_rx(self, queue: int, deadline: float) -> bool:
-        """Until RX ``queue``'s vector fires or ``deadline`` (time.monotonic()) passes;
-        whether it fired.  Polled mode: one short poll interval (the ring is read again)."""
+        """Until RX ``queue``'s vector fires, one of ``wake_fds`` becomes readable or
+        ``deadline`` (time.monotonic()) passes; whether the queue's vector fired (a wake fd
+        alone: False, the caller looks at what woke it).  Polled mode: one short poll interval
+        (the ring is read again)."""
         left = deadline - time.monotonic()
         if left <= 0:
             return False
         if self.vectors is None:
             time.sleep(min(left, 0.001))        # polled mode: no event to wait on
             return True
-        fired = wait_readable((self.vectors.eventfds[queue],), left)
-        self.vectors.pending(queue)             # consumed: the ring is read next either way
-        return fired
+        wait_readable((self.vectors.eventfds[queue], *self.wake_fds), left)
+        return self.vectors.pending(queue) > 0  # consumed: the ring is read next either way
 
     def _doorbell(self, queue: int) -> None:
         self.write(spec.rx_reg(spec.RDT0, queue), self.rx_queue(queue).ring.tail)
