@@ -63,12 +63,11 @@ def test_pid_1_never_redirects_a_special_builtin():
     ("none", 0, "PLAN\n", ""),                           # nothing started (no fw_cfg): runs it here
 ])
 def test_the_lab_collects_the_regions_the_init_brought_up(tmp_path, state, rc, out, err):
-    """vfio_cxl.lab.lab.REGIONS_RESULT, as the lab runs it in the guest (its paths moved into
-    tmp_path, the fallback's cxltool stood in for by cat: it gets the plan on stdin)."""
-    from vfio_cxl.lab.lab import REGIONS_RESULT
+    """vfio_cxl.lab.lab.regions_result, as the lab runs it in the guest (its paths moved into
+    tmp_path, the fallback's ram_regions.sh or cxltool stood in for by cat: it gets the plan on stdin)."""
+    from vfio_cxl.lab.lab import regions_result
     r = tmp_path / "regions"
-    script = REGIONS_RESULT.replace("/run/vfio-cxl/regions", str(r)).replace(
-        "python3 -m vfio_cxl.guest.cmd.cxltool regions", "cat")
+    script = regions_result("cat").replace("/run/vfio-cxl/regions", str(r))
     if state == "started":
         Path(f"{r}.started").touch()
         Path(f"{r}.out").write_text(out)

@@ -315,15 +315,18 @@ def test_the_bytecode_cache_is_the_last_device_and_writable():
 
 
 def test_a_vm_with_regions_gets_its_plan_as_a_fw_cfg_file(tmp_path):
-    """The guest's init reads the region plan from fw_cfg (opt/vfio-cxl/regions) and brings the
-    regions up while SSH starts; a VM without regions gets no such file."""
+    """The guest's init reads the region plan from fw_cfg and brings the regions up while SSH
+    starts: a plan of ram regions only as text (opt/vfio-cxl/ram-regions, for ram_regions.sh),
+    one with pmem as JSON (opt/vfio-cxl/regions, for cxltool); a VM without regions gets no file."""
     from vfio_cxl.lab.lab import region_plan
     topo = topology.load("single")
     (vm,) = Lab(topo).plan(tmp_path)
-    assert vm.res.regions_plan == tmp_path / "host0" / "regions.json"
+    assert vm.res.regions_plan == tmp_path / "host0" / "regions.txt"
     argv = vm.argv()
-    assert argv[-2:] == ["-fw_cfg", f"name=opt/vfio-cxl/regions,file={tmp_path}/host0/regions.json"]
+    assert argv[-2:] == ["-fw_cfg", f"name=opt/vfio-cxl/ram-regions,file={tmp_path}/host0/regions.txt"]
     assert region_plan(topo, vm.spec)["regions"], "single has a region to plan"
+    (vm,) = Lab(topology.load("pmem")).plan(tmp_path / "p")
+    assert vm.argv()[-2:] == ["-fw_cfg", f"name=opt/vfio-cxl/regions,file={tmp_path}/p/host0/regions.json"]
     storage = topology.load("storage")   # no CXL: no plan, no fw_cfg
     (vm,) = Lab(storage).plan(tmp_path / "s")
     assert vm.res.regions_plan is None and "-fw_cfg" not in vm.argv()

@@ -344,16 +344,20 @@ def _control(vm: Vm, res: VmResources) -> list[str]:
     ]
 
 
-REGIONS_FW_CFG = "opt/vfio-cxl/regions"   # the guest reads /sys/firmware/qemu_fw_cfg/by_name/<this>/raw
+# the guest reads /sys/firmware/qemu_fw_cfg/by_name/<this>/raw
+REGIONS_FW_CFG = "opt/vfio-cxl/regions"            # a JSON plan, for cxltool regions (cxl-cli)
+RAM_REGIONS_FW_CFG = "opt/vfio-cxl/ram-regions"    # ram regions only: the text plan of ram_regions.sh
 
 
 def _regions_plan(res: VmResources) -> list[str]:
     """The region plan as a fw_cfg file: the guest's init starts bringing the regions up while
-    its SSH server starts, rather than the lab asking once SSH answers."""
+    its SSH server starts, rather than the lab asking once SSH answers.  Its name says which
+    plan it is (the lab writes regions.txt for a plan of ram regions only, else regions.json)."""
     if res.regions_plan is None:
         return []
+    name = RAM_REGIONS_FW_CFG if res.regions_plan.suffix == ".txt" else REGIONS_FW_CFG
     path = str(res.regions_plan).replace(",", ",,")
-    return ["-fw_cfg", f"name={REGIONS_FW_CFG},file={path}"]
+    return ["-fw_cfg", f"name={name},file={path}"]
 
 
 def qemu_argv(topo: Topology, vm: Vm, res: VmResources) -> list[str]:

@@ -59,13 +59,23 @@ def _backend_path(rundir: Path, name: str) -> Path:
     return rundir / f"{name}.mem"
 
 
-# The regions' result: the guest's init started `cxltool regions` on the plan it read from
-# fw_cfg (images/rootfs/sbin/vfio-cxl-init); this waits for it and hands over what it printed and
-# its exit status.  A kernel without fw_cfg in sysfs (a --kernel of the user's): the init started
-# nothing, and the plan on stdin goes to cxltool here, as before.
+# The regions' result: the guest's init started ram_regions.sh (a plan of ram regions only) or
+# `cxltool regions` on the plan it read from fw_cfg (images/rootfs/sbin/vfio-cxl-init); this waits
+# for it and hands over what it printed and its exit status.  A kernel without fw_cfg in sysfs (a
+# --kernel of the user's): the init started nothing, and the plan on stdin goes to the same
+# program here.
+RAM_REGIONS = "sh /opt/vfio-cxl/vfio_cxl/guest/ram_regions.sh"
+CXLTOOL_REGIONS = "python3 -m vfio_cxl.guest.cmd.cxltool regions"
+
+
+def regions_result(start: str) -> str:
+    """The guest command that collects the regions the init brought up, or runs ``start``."""
+    return REGIONS_RESULT.replace("{start}", start)
+
+
 REGIONS_RESULT = (
     "r=/run/vfio-cxl/regions; "
-    "if [ ! -e $r.started ]; then exec python3 -m vfio_cxl.guest.cmd.cxltool regions; fi; "
+    "if [ ! -e $r.started ]; then exec {start}; fi; "
     "exec < /dev/null; i=0; "
     "until [ -e $r.rc ]; do i=$((i+1)); [ $i -le 15000 ] || { echo 'the regions the guest init started did not finish in 300 s' >&2; exit 1; }; "
     "sleep 0.02; done; "
@@ -74,6 +84,16 @@ REGIONS_RESULT = (
 
 def _has_regions(plan: dict) -> bool:
     return bool(plan["regions"] or plan["pmem"])
+
+
+def ram_regions_plan(plan: dict) -> str | None:
+    """A plan of ram regions for devdax only, as the text vfio_cxl/guest/ram_regions.sh reads (one
+    region a line: name, window, granularity, serials in position order); None for any other
+    plan (pmem, namespaces: cxltool regions with cxl-cli)."""
+    if plan["pmem"] or any(r["type"] != "ram" or r["use"] != "devdax" for r in plan["regions"]):
+        return None
+    return "".join(f"{r['name']} {r['window']} {r['granularity']} {','.join(map(str, r['serials']))}\n"
+                   for r in plan["regions"])
 
 
 def region_plan(topo: Topology, vm: Vm) -> dict:
@@ -206,11 +226,18 @@ class Lab:
                 tsc_khz=host_tsc_khz(),
                 guest_hz=guest_hz,
                 bytecode=bytecode,
-                regions_plan=vmdir / "regions.json" if _has_regions(region_plan(self.topology, spec)) else None,
+                regions_plan=self._regions_file(vmdir, spec),
             )
             extra = [p for p in (res.kernel, res.modules) if custom and p is not None]
             vms.append(VirtualMachine(spec, res, runtime, image, topology=self.topology, extra_ro=extra))
         return vms
+
+    def _regions_file(self, vmdir: Path, spec: Vm) -> Path | None:
+        """Where the VM's region plan goes (none: no regions): text for ram regions only."""
+        plan = region_plan(self.topology, spec)
+        if not _has_regions(plan):
+            return None
+        return vmdir / ("regions.txt" if ram_regions_plan(plan) is not None else "regions.json")
 
     def _smc_socket(self, rundir: Path, vm: str) -> Path | None:
         found = self.topology.smc_of(vm)
@@ -259,7 +286,9 @@ class Lab:
                         with open(vm.res.nvme_files[nvme.drive_id(nsid)], "wb") as f:
                             f.truncate(size)
                 if vm.res.regions_plan is not None:   # read by QEMU at start (fw_cfg)
-                    vm.res.regions_plan.write_text(json.dumps(region_plan(self.topology, vm.spec)))
+                    plan = region_plan(self.topology, vm.spec)
+                    text = ram_regions_plan(plan)
+                    vm.res.regions_plan.write_text(json.dumps(plan) if text is None else text)
                 for t3 in vm.spec.type3:
                     if t3.persistent:   # the label storage area: private to the device, zeroed
                         with open(vm.res.lsa_file(t3.name), "wb") as f:
@@ -289,8 +318,9 @@ class Lab:
                     self.log(f"[{vm.name}] ready in {seconds:.1f} s (ssh 127.0.0.1:{vm.res.ssh_port}, "
                              f"console {vm.res.console_log})")
                     if vm.res.regions_plan is not None:
+                        start = RAM_REGIONS if vm.res.regions_plan.suffix == ".txt" else CXLTOOL_REGIONS
                         running[vm.name] = started.enter_context(vm.start_command(
-                            REGIONS_RESULT, stdin=vm.res.regions_plan.read_text(), timeout=300))
+                            regions_result(start), stdin=vm.res.regions_plan.read_text(), timeout=300))
                 results = join_all(running)
             for name, out in results.items():
                 vm = self.vms[name]
