@@ -61,9 +61,9 @@ def fd_target(pid: int, fd: int) -> str | None:
         return None   # it has ended
 
 
-def client(guest, *args: str, **kwargs) -> subprocess.CompletedProcess:
+def client(guest, *args: str, module: str = MODULE, **kwargs) -> subprocess.CompletedProcess:
     script = guest["root"] / "vfio_cxl/guest/cmd/warm_client.py"
-    return subprocess.run([sys.executable, "-S", str(script), MODULE, *args], env=guest["env"], cwd=guest["cwd"],
+    return subprocess.run([sys.executable, "-S", str(script), module, *args], env=guest["env"], cwd=guest["cwd"],
                           capture_output=True, text=True, timeout=60, **kwargs)
 
 
@@ -82,6 +82,21 @@ def test_the_first_command_runs_itself_and_starts_the_server_the_next_one_is_for
     second = client(guest, "gpu", "ls", "--json")
     assert (second.returncode, json.loads(second.stdout)) == (0, {"gpus": []}), second.stderr
     assert len(server_pids(guest["sock"])) == 1
+
+
+def test_any_guest_command_runs_forked_as_vfio_cxl_m_runs_it(guest):
+    """The image's vfio-cxl-m: ``python3 -m vfio_cxl.guest.cmd.NAME ARGS``, forked from the server
+    (the module imported in the fork: an edit of it is seen by the next command)."""
+    client(guest, "gpu", "ls")
+    wait_for("server socket", guest["sock"].exists)
+    pids = server_pids(guest["sock"])
+    bad = client(guest, "frobnicate", module="vfio_cxl.guest.cmd.cxltool")
+    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr, bad.stderr
+    tool = guest["root"] / "vfio_cxl/guest/cmd/cxltool.py"
+    tool.write_text(tool.read_text().replace("unknown command", "no such command"))
+    again = client(guest, "frobnicate", module="vfio_cxl.guest.cmd.cxltool")
+    assert again.returncode == 2 and "no such command 'frobnicate'" in again.stderr, again.stderr
+    assert server_pids(guest["sock"]) == pids   # the same server forked both
 
 
 def test_exit_status_and_stderr_are_the_commands(guest):
@@ -160,6 +175,8 @@ def test_a_bad_request_is_refused_and_the_server_serves_on(guest):
     try:
         cli = "vfio_cxl.guest.cmd.cli"
         for fields, why in ((["v2", "x"], "not a v1 request"), (["v1", "os", "/", "022", "0"], "module 'os' is not one"),
+                            (["v1", "vfio_cxl.guest.cmd.warm", "/", "022", "0"], "is not one this server runs"),
+                            (["v1", "vfio_cxl.guest.cmd.x.y", "/", "022", "0"], "is not one this server runs"),
                             (["v1", cli, "/", "x", "0"], "umask 'x'"), (["v1", cli, "/", "022", "9", "a"], "the argument count"),
                             (["v1", cli, "/", "022", "0", "NOEQUALS"], "NAME=VALUE"), (None, "request of 2097152 bytes")):
             body = None if fields is None else "\0".join(fields).encode()

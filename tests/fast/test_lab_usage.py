@@ -15,6 +15,7 @@ def test_boots_commands_python_starts_and_reboots_are_counted(tmp_path, monkeypa
     usage.record("guest", "vfio-cxl gpu ls")
     usage.record("guest", "sh -c 'true'")
     usage.record("guest", "VFIO_CXL_PYC=$(mktemp -d) python3 -c pass")
+    usage.record("guest", "vfio-cxl-m vfio_cxl.guest.cmd.p2p --size 1M")
     usage.record("reboot", "single: VM host0: no /dev/dax0.0")
     usage.record("booted", "3.250")
     usage.record("booted", "4.500")
@@ -24,7 +25,7 @@ def test_boots_commands_python_starts_and_reboots_are_counted(tmp_path, monkeypa
                    check=True)
     counted = usage.summary(str(log))
     assert counted["boots"] == {"single (debian kernel)": 1, "shared (lab kernel)": 1}
-    assert counted["guest_commands"] == 3 and counted["guest_python"] == 2
+    assert counted["guest_commands"] == 4 and counted["guest_python"] == 3
     assert counted["reboots"] == ["single: VM host0: no /dev/dax0.0"]
     assert counted["boot_s"] == 7.75 and counted["stop_s"] == 0.125
     # each boot is laid to the test that asked for it (pytest's PYTEST_CURRENT_TEST, inherited)

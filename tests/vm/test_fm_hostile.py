@@ -152,7 +152,7 @@ def test_a_peer_unmaps_the_vram_of_a_gpu_whose_server_ended(p2p_lab, labs):
     VRAM: nothing of that owner stays in a peer (issue 23, item 8).  Ends the lab."""
     lab = labs.hand_over(p2p_lab)
     try:
-        result = guest_json(lab["host0"], "python3 -m vfio_cxl.guest.cmd.p2p --size 4096 --json")
+        result = guest_json(lab["host0"], "vfio-cxl-m vfio_cxl.guest.cmd.p2p --size 4096 --json")
         assert all(copy["path"] == "peer fast path" for copy in result["copies"]), result["copies"]
         a, b = lab.gpu_servers["gpu0"].process.pid, lab.gpu_servers["gpu1"].process.pid
         theirs = {own_vram(b)}   # gpu1's VRAM, which gpu0 maps as a peer's

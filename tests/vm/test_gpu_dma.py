@@ -28,7 +28,7 @@ def test_demo_dma_lands_byte_exact_in_devdax_and_the_host_file(single_lab):
 
 def test_unmapped_iova_faults_without_touching_memory(single_lab):
     vm = single_lab["host0"]
-    result = json.loads(vm.run("python3 -m vfio_cxl.guest.cmd.gpu_checks isolation", timeout=300).stdout)
+    result = json.loads(vm.run("vfio-cxl-m vfio_cxl.guest.cmd.gpu_checks isolation", timeout=300).stdout)
     fault = result["fault"]
     assert fault is not None, "a DMA to an unmapped IOVA succeeded"
     # the device checks QEMU's DMA_MAPs itself, like an IOMMU: only the fault's 4-byte report
@@ -41,7 +41,7 @@ def test_unmapped_iova_faults_without_touching_memory(single_lab):
 
 def test_100_random_transfers_verify_and_leave_nothing_mapped(single_lab):
     vm = single_lab["host0"]
-    result = json.loads(vm.run("python3 -m vfio_cxl.guest.cmd.gpu_checks random --count 100 --seed 7",
+    result = json.loads(vm.run("vfio-cxl-m vfio_cxl.guest.cmd.gpu_checks random --count 100 --seed 7",
                                timeout=600).stdout)
     assert result["verified"] == 100, result["failures"]
     assert result["mappings_after_unmap"] == 0

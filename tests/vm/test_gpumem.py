@@ -26,7 +26,7 @@ def plan_all(vram_cache: int) -> list[dict]:
 
 def run_plan(vm, plan, env="", gpu=None):
     gpu_arg = f" --gpu {gpu}" if gpu else ""
-    out = vm.run(f"{env}python3 -m vfio_cxl.guest.cmd.gpumem --plan -{gpu_arg}", stdin=json.dumps(plan),
+    out = vm.run(f"{env}vfio-cxl-m vfio_cxl.guest.cmd.gpumem --plan -{gpu_arg}", stdin=json.dumps(plan),
                  timeout=1800).stdout
     return json.loads(out)
 

@@ -13,7 +13,7 @@ SPRAY_OUT = "/tmp/unmapped-spray.json"
 
 
 def unmapped(vm, backend, count=1):
-    return json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} python3 -m vfio_cxl.guest.cmd.gpu_checks "
+    return json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} vfio-cxl-m vfio_cxl.guest.cmd.gpu_checks "
                              f"unmapped --count {count}", timeout=300).stdout)
 
 

@@ -10,16 +10,16 @@ import os
 
 def test_bytes_written_in_a_are_read_in_b_and_in_the_backend_file(shared_lab):
     a, b = shared_lab["a"], shared_lab["b"]
-    dax_a = json.loads(a.run("python3 -m vfio_cxl.guest.cmd.cxltool up").stdout)
-    dax_b = json.loads(b.run("python3 -m vfio_cxl.guest.cmd.cxltool up").stdout)
+    dax_a = json.loads(a.run("vfio-cxl-m vfio_cxl.guest.cmd.cxltool up").stdout)
+    dax_b = json.loads(b.run("vfio-cxl-m vfio_cxl.guest.cmd.cxltool up").stdout)
     assert dax_a["size"] == dax_b["size"] == 256 << 20
 
     payload = os.urandom(4096)
     offset = 0x2345000
-    a.run(f"python3 -m vfio_cxl.guest.cmd.cxltool write {dax_a['path']} {offset:#x}",
+    a.run(f"vfio-cxl-m vfio_cxl.guest.cmd.cxltool write {dax_a['path']} {offset:#x}",
           stdin=base64.b64encode(payload).decode())
     seen_by_b = base64.b64decode(
-        b.run(f"python3 -m vfio_cxl.guest.cmd.cxltool read {dax_b['path']} {offset:#x} 4096").stdout)
+        b.run(f"vfio-cxl-m vfio_cxl.guest.cmd.cxltool read {dax_b['path']} {offset:#x} 4096").stdout)
     assert seen_by_b == payload
 
     # The region covers the memdev from DPA 0, so devdax offset == file offset.
@@ -28,7 +28,7 @@ def test_bytes_written_in_a_are_read_in_b_and_in_the_backend_file(shared_lab):
 
 def test_region_up_is_idempotent(shared_lab):
     a = shared_lab["a"]
-    first = json.loads(a.run("python3 -m vfio_cxl.guest.cmd.cxltool up").stdout)
-    again = json.loads(a.run("python3 -m vfio_cxl.guest.cmd.cxltool up").stdout)
+    first = json.loads(a.run("vfio-cxl-m vfio_cxl.guest.cmd.cxltool up").stdout)
+    again = json.loads(a.run("vfio-cxl-m vfio_cxl.guest.cmd.cxltool up").stdout)
     assert first == again
     assert a.run("ls /sys/bus/cxl/devices | grep -c '^region'").stdout.strip() == "1"

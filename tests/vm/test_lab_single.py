@@ -33,7 +33,7 @@ def test_guest_sees_cxl_switch_with_one_memdev(lab):
     (memdev,) = switch[f"memdevs:{switch['port']}"]
     assert memdev["memdev"] == "mem0" and memdev["ram_size"] == 256 << 20
     # Our pyudev discovery agrees with cxl-cli.
-    ours = json.loads(lab.ssh("host0", "python3 -m vfio_cxl.guest.cmd.cxltool list"))
+    ours = json.loads(lab.ssh("host0", "vfio-cxl-m vfio_cxl.guest.cmd.cxltool list"))
     assert ours["switches"] == [switch["port"]]
     assert [(m["name"], m["ram_size"]) for m in ours["memdevs"]] == [("mem0", 256 << 20)]
 

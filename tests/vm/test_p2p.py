@@ -28,7 +28,7 @@ def check_routes(result):
 @pytest.mark.parametrize("size", SIZES, ids=["4KiB", "1MiB", "16MiB"])
 def test_p2p_both_ways_every_byte(p2p_lab, size):
     vm = p2p_lab["host0"]
-    result = guest_json(vm, f"python3 -m vfio_cxl.guest.cmd.p2p --size {size} --json")
+    result = guest_json(vm, f"vfio-cxl-m vfio_cxl.guest.cmd.p2p --size {size} --json")
     check_routes(result)
     for copy in result["copies"]:
         assert copy["bytes"] == size
@@ -51,7 +51,7 @@ def test_p2p_streamed_copies_fill_every_slot(p2p_lab):
 
 def test_p2p_message_path_is_still_correct(p2p_lab):
     vm = p2p_lab["host0"]
-    result = guest_json(vm, "python3 -m vfio_cxl.guest.cmd.p2p --size 1M --path message --one-way --json")
+    result = guest_json(vm, "vfio-cxl-m vfio_cxl.guest.cmd.p2p --size 1M --path message --one-way --json")
     assert [c["route"]["kind"] for c in result["copies"]] == ["switch", "root complex"]
     for copy in result["copies"]:
         assert copy["match"] and copy["path"] == "message path" and copy["peer_kib"] == 0, copy
@@ -62,7 +62,7 @@ def test_p2p_pull_over_the_message_path_reads_every_byte_through_qemu(p2p_lab):
     messages of 64 KiB that QEMU 11.1 answers, at most two outstanding (QEMU drops
     what does not fit its socket buffer); every byte lands in the initiator's VRAM."""
     vm = p2p_lab["host0"]
-    result = guest_json(vm, "python3 -m vfio_cxl.guest.cmd.p2p --size 4M --path message --pull "
+    result = guest_json(vm, "vfio-cxl-m vfio_cxl.guest.cmd.p2p --size 4M --path message --pull "
                             "--one-way --json")
     assert [c["route"]["kind"] for c in result["copies"]] == ["switch", "root complex"]
     for copy in result["copies"]:
@@ -73,7 +73,7 @@ def test_p2p_pull_over_the_message_path_reads_every_byte_through_qemu(p2p_lab):
 
 def test_p2p_isolation_unmapped_and_after_unmap(p2p_lab):
     vm = p2p_lab["host0"]
-    result = guest_json(vm, "python3 -m vfio_cxl.guest.cmd.p2p --check isolation")
+    result = guest_json(vm, "vfio-cxl-m vfio_cxl.guest.cmd.p2p --check isolation")
     assert result["mapped_copy"]["match"] and result["mapped_copy"]["peer_kib"] == 1024, result
     for case in ("never_mapped", "after_unmap"):
         fault = result[case]["fault"]
@@ -86,7 +86,7 @@ def test_p2p_isolation_unmapped_and_after_unmap(p2p_lab):
 
 def test_p2p_bad_input_is_refused_and_leaves_nothing_mapped(p2p_lab):
     vm = p2p_lab["host0"]
-    result = guest_json(vm, "python3 -m vfio_cxl.guest.cmd.p2p --check bad-input")
+    result = guest_json(vm, "vfio-cxl-m vfio_cxl.guest.cmd.p2p --check bad-input")
     for case, words in (("bar_not_mmappable", "not mmappable"), ("size_beyond_bar", "beyond"),
                         ("peer_in_other_container", "same VFIO container")):
         assert result[case]["error"] and words in result[case]["error"], (case, result[case])
@@ -96,12 +96,12 @@ def test_p2p_bad_input_is_refused_and_leaves_nothing_mapped(p2p_lab):
 
 def test_p2p_cli_reports_groups_and_kernel(p2p_lab):
     vm = p2p_lab["host0"]
-    out = vm.run("python3 -m vfio_cxl.guest.cmd.p2p --size 64K").stdout
+    out = vm.run("vfio-cxl-m vfio_cxl.guest.cmd.p2p --size 64K").stdout
     assert out.count("IOMMU group") == 3, out
     assert out.count("VFIO_IOMMU_MAP_DMA of the BAR mmap accepted") == 3, out
     assert out.count("checksum MATCH") == 4, out
     assert out.count("behind the PCIe switch") == 2 and out.count("through the root complex (") == 2, out
-    err = vm.run("python3 -m vfio_cxl.guest.cmd.p2p --size 1G", check=False)
+    err = vm.run("vfio-cxl-m vfio_cxl.guest.cmd.p2p --size 1G", check=False)
     assert err.exited == 1 and "beyond" in err.stderr and "Traceback" not in err.stderr, err.stderr
 
 
@@ -112,7 +112,7 @@ def test_p2p_on_iommufd_lab_kernel(lab_kernel_lab):
     then take both routes like type1; without it every refusal is reported, naming the option,
     and nothing stays open (type1 P2P works right after)."""
     vm = lab_kernel_lab["host0"]
-    result = guest_json(vm, "python3 -m vfio_cxl.guest.cmd.p2p --check iommufd --size 1M")
+    result = guest_json(vm, "vfio-cxl-m vfio_cxl.guest.cmd.p2p --check iommufd --size 1M")
     assert result["config"]["CONFIG_IOMMUFD"] == "y" and result["config"]["CONFIG_VFIO_DEVICE_CDEV"] == "y", result
     notes = list(result["kernel"].values())
     assert notes and all("IOMMU_IOAS_MAP of the BAR mmap refused" in n and "EFAULT" in n for n in notes), notes

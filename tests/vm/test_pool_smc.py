@@ -14,7 +14,7 @@ import pytest
 from vfio_cxl.guest.cmd.smc_checks import holder_may_die
 from vfio_cxl.lab.ssh import join_all
 
-CHECKS = "python3 -m vfio_cxl.guest.cmd.smc_checks"
+CHECKS = "vfio-cxl-m vfio_cxl.guest.cmd.smc_checks"
 BASE = 0x200000              # smc_checks' words (counter, ready, record) in the shared slice
 CHAN = 0x400000              # the channel, 4 MiB
 NAMES = ("a", "b", "c")

@@ -15,13 +15,13 @@ import pytest
 from vfio_cxl.guest.cmd.smc_checks import holder_may_die
 from vfio_cxl.lab.ssh import join_all
 
-CHECKS = "python3 -m vfio_cxl.guest.cmd.smc_checks"
+CHECKS = "vfio-cxl-m vfio_cxl.guest.cmd.smc_checks"
 BASE = 0x100000
 
 
 @pytest.fixture
 def daxes(smc_lab):
-    return {name: json.loads(smc_lab[name].run("python3 -m vfio_cxl.guest.cmd.cxltool up").stdout)["path"]
+    return {name: json.loads(smc_lab[name].run("vfio-cxl-m vfio_cxl.guest.cmd.cxltool up").stdout)["path"]
             for name in ("a", "b")}
 
 

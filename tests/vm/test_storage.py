@@ -124,7 +124,7 @@ def test_iommufd_bring_up_and_round_trips(storage_lab_kernel_lab):
 # -- GPUDirect-Storage-shaped paths and GPU-initiated I/O (vfio_cxl.guest.storage) --------------
 
 def storage_check(lab, check: str, args: str = "", backend: str = "type1") -> dict:
-    result = lab["host0"].run(f"python3 -m vfio_cxl.guest.cmd.storage_checks {check} --backend {backend} {args}",
+    result = lab["host0"].run(f"vfio-cxl-m vfio_cxl.guest.cmd.storage_checks {check} --backend {backend} {args}",
                               timeout=900, check=False)
     assert result.exited == 0, result.stderr
     return json.loads(result.stdout)
@@ -265,7 +265,7 @@ def test_hot_removal_mid_batch_fails_the_batch_and_releases_the_device(storage_l
         bdf = controllers(vm)["vfio-cxl-nvme1"]["bdf"]
         marker = "/tmp/storage-hot-remove.inflight"
         vm.run(f"rm -f {marker}")
-        running = vm.start_command(f"python3 -m vfio_cxl.guest.cmd.storage_checks hot-remove --nvme {bdf} "
+        running = vm.start_command(f"vfio-cxl-m vfio_cxl.guest.cmd.storage_checks hot-remove --nvme {bdf} "
                                    f"--marker {marker}", timeout=900)
         deadline = time.monotonic() + 300
         while vm.run(f"test -e {marker}", check=False).exited != 0:     # the first batch is out

@@ -174,7 +174,7 @@ def check_interleave(lab, topo, spec, vm) -> None:
         chunks = [bytes([0x41 + i]) * 64 + os.urandom(64) for i in range(region.ways)]
         device = f"/dev/{vm.regions[region.name]['dax']}"
         for i, chunk in enumerate(chunks):
-            vm.run(f"python3 -m vfio_cxl.guest.cmd.cxltool write {device} {i * granularity}",
+            vm.run(f"vfio-cxl-m vfio_cxl.guest.cmd.cxltool write {device} {i * granularity}",
                    stdin=base64.b64encode(chunk).decode())
         for i, memdev in enumerate(spec.region_order(region)):
             backend = spec.type3_named(memdev).volatile

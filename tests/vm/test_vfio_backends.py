@@ -15,7 +15,7 @@ from vfio_cxl.devices.gpu import regs
 
 
 def isolation(vm, backend):
-    return json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} python3 -m vfio_cxl.guest.cmd.gpu_checks isolation",
+    return json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} vfio-cxl-m vfio_cxl.guest.cmd.gpu_checks isolation",
                              timeout=300).stdout)
 
 
@@ -77,7 +77,7 @@ def test_iommu_isolation_on_the_lab_kernel(lab_kernel_lab, backend):
 def test_routes_a_and_b_on_the_lab_kernel(lab_kernel_lab, backend):
     size = 1 << 20
     vm = lab_kernel_lab["host0"]
-    rows = json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} python3 -m vfio_cxl.guest.cmd.bench_routes "
+    rows = json.loads(vm.run(f"VFIO_CXL_VFIO_BACKEND={backend} vfio-cxl-m vfio_cxl.guest.cmd.bench_routes "
                              f"--sizes 1M --runs 1", timeout=300).stdout)
     assert [(r["copies"], r["size"]) for r in rows] == [(2, size), (1, size)]
     assert all(r["mb_per_s"] > 0 for r in rows)

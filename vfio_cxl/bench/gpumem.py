@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
     with booted_or_borrowed(args, "single", boot, command="scripts/bench gpumem", kernel=kernel_asked(args)) as lab:
         vm = lab["host0"]
         vm.run("vfio-cxl gpu bind")
-        rows = json.loads(vm.run(f"{env}python3 -m vfio_cxl.guest.cmd.gpumem --plan -", stdin=json.dumps(runs),
+        rows = json.loads(vm.run(f"{env}vfio-cxl-m vfio_cxl.guest.cmd.gpumem --plan -", stdin=json.dumps(runs),
                                  timeout=3600).stdout)
         speed = json.loads(vm.run(f"{env}vfio-cxl gpu run stream --mode cxl --working-set {SPEED_WS} --json",
                                   timeout=900).stdout)

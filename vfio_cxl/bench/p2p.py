@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
         return Lab(topology.load("p2p"), kernel=guest_kernel(args), log=lambda *_: None)
 
     with booted_or_borrowed(args, "p2p", boot, command="scripts/bench p2p", kernel=kernel_asked(args)) as lab:
-        out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.cmd.p2p --bench --size {args.size} "
+        out = json.loads(lab["host0"].run(f"vfio-cxl-m vfio_cxl.guest.cmd.p2p --bench --size {args.size} "
                                           f"--backend {args.backend}", timeout=900).stdout)
         reference = host_memcpy(args.size)   # same run, same machine load
     memcpy = reference.cold_mb_s

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
         return Lab(topology.load("single"), log=lambda *_: None)
 
     with booted_or_borrowed(args, "single", boot, command="scripts/bench routes") as lab:
-        out = lab["host0"].run(f"python3 -m vfio_cxl.guest.cmd.bench_routes --sizes {args.sizes} --runs {args.runs}",
+        out = lab["host0"].run(f"vfio-cxl-m vfio_cxl.guest.cmd.bench_routes --sizes {args.sizes} --runs {args.runs}",
                                timeout=600).stdout
     print(f"{'route':42} {'size':>8} {'copies':>6} {'median ms':>10} {'MB/s':>8}")
     for r in json.loads(out):

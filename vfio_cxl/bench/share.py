@@ -45,7 +45,7 @@ from ..lab import topology
 from ..lab.lab import Lab
 from ..lab.record_stream import B_LINK_ADDRESS, STREAM, latencies_ms, stream, what_failed
 
-SHARE_BENCH = "python3 -m vfio_cxl.guest.cmd.share_bench"
+SHARE_BENCH = "vfio-cxl-m vfio_cxl.guest.cmd.share_bench"
 BOOT_TIMEOUT = 600          # s per VM to SSH: a loaded 2-core host took over 180 s
 
 

@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
         topo = with_bounce_buffer(topo, args.bounce_buffer, parser)
     with Lab(topo, kernel=kernel, log=lambda *_: None) as lab:
         with LoadSampler() as sampler:
-            out = json.loads(lab["host0"].run(f"python3 -m vfio_cxl.guest.cmd.storage_bench --backend {args.backend}"
+            out = json.loads(lab["host0"].run(f"vfio-cxl-m vfio_cxl.guest.cmd.storage_bench --backend {args.backend}"
                                               + (" --quick" if args.quick else ""), timeout=3600).stdout)
             returned = time.time()
         host_mb_s, host_sha = host_odirect(lab.nvme_file("host0", "nvme0"), out["data_bytes"])

@@ -49,7 +49,7 @@ def run_in_lab(lab: Lab, size: int, offset: int, vfio_backend: str | None = None
     VM with the GPU (single's host0); ``backend``: the memory backend of its RAM region."""
     machine = lab[vm]
     env = f"VFIO_CXL_VFIO_BACKEND={vfio_backend} " if vfio_backend else ""
-    result = json.loads(machine.run(f"{env}python3 -m vfio_cxl.guest.cmd.demo_dma --json --size {size} --offset {offset}",
+    result = json.loads(machine.run(f"{env}vfio-cxl-m vfio_cxl.guest.cmd.demo_dma --json --size {size} --offset {offset}",
                                timeout=300).stdout)
     # The RAM region maps the memdev from DPA 0: devdax offset == backend file offset.
     host_bytes = lab.read_backend(backend, offset, size)

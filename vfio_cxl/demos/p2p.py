@@ -37,8 +37,8 @@ def main(argv: list[str]) -> int:
 
     with booted_or_borrowed(args, "p2p", boot, command="vfio-cxl demo p2p", kernel=asked_kernel(args.kernel)) as lab:
         vm = lab["host0"]
-        print(vm.run(f"python3 -m vfio_cxl.guest.cmd.p2p --size {args.size}", timeout=600).stdout, end="")
-        figures = json.loads(vm.run(f"python3 -m vfio_cxl.guest.cmd.p2p --bench --size {args.size}",
+        print(vm.run(f"vfio-cxl-m vfio_cxl.guest.cmd.p2p --size {args.size}", timeout=600).stdout, end="")
+        figures = json.loads(vm.run(f"vfio-cxl-m vfio_cxl.guest.cmd.p2p --bench --size {args.size}",
                                     timeout=900).stdout)
         memcpy = host_memcpy(args.size)
     print(report(args.size, figures, memcpy), end="")

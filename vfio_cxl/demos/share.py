@@ -24,9 +24,9 @@ from .dma import add_payload_options, payload_lab, run_in_lab
 def seed_flow(lab: Lab, size: int, offset: int) -> dict:
     """A's GPU places the payload in the shared memory; b and the host's backend file read it back."""
     b = lab["b"]
-    dax_b = json.loads(b.run("python3 -m vfio_cxl.guest.cmd.cxltool up").stdout)
+    dax_b = json.loads(b.run("vfio-cxl-m vfio_cxl.guest.cmd.cxltool up").stdout)
     produced = run_in_lab(lab, size, offset, vm="a", backend="shared")
-    consumed = json.loads(b.run(f"python3 -m vfio_cxl.guest.cmd.cxltool digest {dax_b['path']} {offset} {size}").stdout)
+    consumed = json.loads(b.run(f"vfio-cxl-m vfio_cxl.guest.cmd.cxltool digest {dax_b['path']} {offset} {size}").stdout)
     expected = hashlib.sha256(expected_payload(size)).hexdigest()
     return {"a": produced, "b": consumed, "expected_sha256": expected,
             "a_match": produced["sha256_read"] == expected, "b_match": consumed["sha256"] == expected,

@@ -329,7 +329,7 @@ class Lab:
                     f"{r['name']}={r['region']}" + (f" {r['dax']}" if r.get("dax") else "")
                     + (f" {r['blockdev']}" if r.get("blockdev") else "") for r in vm.regions.values()))
             with contextlib.ExitStack() as started:
-                up = "python3 -m vfio_cxl.guest.cmd.netconfig up"
+                up = "vfio-cxl-m vfio_cxl.guest.cmd.netconfig up"
                 join_all({vm.name: started.enter_context(vm.start_command(up, timeout=120))
                           for vm in self.vms.values() if vm.res.link_sockets})
         except BaseException:

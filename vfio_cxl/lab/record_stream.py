@@ -13,7 +13,7 @@ import json
 from ..errors import LabError
 from .lab import Lab
 
-STREAM = "python3 -m vfio_cxl.guest.cmd.stream"
+STREAM = "vfio-cxl-m vfio_cxl.guest.cmd.stream"
 B_LINK_ADDRESS = "169.254.0.2"   # vfio_cxl.guest.cmd.netconfig: 169.254.<link>.<VM index>, link 0
 
 

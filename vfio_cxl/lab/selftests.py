@@ -448,7 +448,7 @@ def run(lab, vm_name: str, build: Build, plan: Plan, logdir: Path, log=print) ->
     for test in plan.cases:
         vm.put(str(build.path / test), f"{GUEST_DIR}/{test}")
     vm.run(f"chmod +x {GUEST_DIR}/*")
-    guest = json.loads(vm.run("python3 -m vfio_cxl.guest.cmd.selftest prepare", timeout=300,
+    guest = json.loads(vm.run("vfio-cxl-m vfio_cxl.guest.cmd.selftest prepare", timeout=300,
                               stdin=json.dumps({"devices": [{"name": d.name, "id": d.pci_id}
                                                             for d in devices]})).stdout)
     for d in devices:

@@ -13,8 +13,9 @@ import re
 from collections import Counter
 
 ENV = "VFIO_CXL_USAGE_LOG"
-# a guest command that starts the guest's Python: python3 itself, or the image's vfio-cxl wrapper
-_PYTHON = re.compile(r"(^|[\s;&|(`'\"=])(python3?|vfio-cxl)(\s|$)")
+# a guest command that starts the guest's Python: python3 itself, or the image's vfio-cxl and
+# vfio-cxl-m wrappers (a fork of the warm server, once it runs)
+_PYTHON = re.compile(r"(^|[\s;&|(`'\"=])(python3?|vfio-cxl|vfio-cxl-m)(\s|$)")
 
 
 def record(kind: str, detail: str) -> None:

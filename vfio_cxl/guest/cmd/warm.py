@@ -35,6 +35,10 @@ import sys
 import time
 
 PRELOAD = ("vfio_cxl.guest.cmd.cli",)
+# Any other guest command it runs too (the image's vfio-cxl-m: ``python3 -m MODULE``, forked):
+# imported by the runner, after the fork, so an edit of it is always seen.
+COMMANDS = "vfio_cxl.guest.cmd."
+NOT_RUN = ("vfio_cxl.guest.cmd.warm", "vfio_cxl.guest.cmd.warm_client")
 REQUEST_MAX = 1 << 20          # bytes of one request (its arguments and environment)
 HEADER = struct.Struct("!I")
 CLIENT_GONE_GRACE = 5.0        # s between SIGTERM and SIGKILL to a runner whose client has gone
@@ -103,8 +107,9 @@ def parse(body: bytes) -> dict:
     if len(fields) < 5 or fields[0] != "v1":
         raise BadRequest("not a v1 request (v1, module, cwd, umask, argc, argv..., NAME=VALUE...)")
     _, module, cwd, umask, argc, *rest = fields
-    if module not in PRELOAD:
-        raise BadRequest(f"module {module!r} is not one this server runs ({', '.join(PRELOAD)})")
+    if not runnable(module):
+        raise BadRequest(f"module {module!r} is not one this server runs (the guest commands, "
+                         f"{COMMANDS}NAME)")
     try:
         umask_value, count = int(umask, 8), int(argc)
     except ValueError:
@@ -113,6 +118,13 @@ def parse(body: bytes) -> dict:
         raise BadRequest("the argument count or an environment entry (NAME=VALUE) is wrong")
     env = dict(item.split("=", 1) for item in rest[count:])
     return {"module": module, "cwd": cwd, "umask": umask_value, "argv": rest[:count], "env": env}
+
+
+def runnable(module: str) -> bool:
+    """A guest command this server runs: vfio_cxl.guest.cmd.NAME (NAME an identifier; not the
+    server and its client)."""
+    name = module[len(COMMANDS):]
+    return module.startswith(COMMANDS) and name.isidentifier() and module not in NOT_RUN
 
 
 def reply(conn: socket.socket, what: str, value) -> None:
@@ -166,7 +178,7 @@ def _become(request: dict, fds: list[int]) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGCHLD):
         signal.signal(signum, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    module = sys.modules[request["module"]]
+    module = importlib.import_module(request["module"])   # preloaded, or imported here, in the fork
     sys.argv = [module.__file__, *request["argv"]]
     try:
         code = module.main(request["argv"])      # what `python3 -m MODULE` runs: sys.exit(main())

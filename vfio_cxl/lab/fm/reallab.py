@@ -291,7 +291,7 @@ class RealLab:
 
     def guest(self, vm: str, args: str, timeout: float = 60) -> dict:
         """Run the guest's `vfio-cxl` CLI over SSH; its JSON answer."""
-        out = self.lab.vms[vm].run(f"python3 -m vfio_cxl.guest.cmd.cli {args} --json", timeout=timeout)
+        out = self.lab.vms[vm].run(f"vfio-cxl {args} --json", timeout=timeout)
         return json.loads(out.stdout)
 
     def stop_processes(self) -> None:
