@@ -259,6 +259,29 @@ def test_a_write_lands_in_place_with_no_payload_byte_copied(responder):
     assert (fin.imm, fin.seq, fin.length) == (0x77, 41, len(source))
 
 
+def test_a_lost_interrupt_costs_a_watchdog_period_not_the_write(responder, monkeypatch):
+    """The device lands frames but no interrupt comes (each wait lasts until its deadline): the
+    responder looks at its ring again every RX_WATCHDOG and the write completes."""
+    ep, nic, gpu = responder
+    monkeypatch.setattr(rdma, "RX_WATCHDOG", 0.05)
+    land = nic.wait_rx
+
+    def no_interrupt(queue, deadline):
+        land(queue, deadline)
+        time.sleep(max(0.0, deadline - time.monotonic()))   # the stand-in's wait: nothing wakes it
+        return False
+
+    nic.wait_rx = no_interrupt
+    mr = ep.reg_mr(gpu, 0, 0x20000, Access.REMOTE_WRITE)
+    source = pattern(2, 0, 40 * rdma.MTU)
+    nic.control_in.append(request(mr.key, 0, len(source)))
+    nic.wire += data_frames(mr.key, 0, source)
+    t0 = time.monotonic()
+    done = ep.serve(timeout=30)
+    assert done.status is Status.OK and bytes(gpu.memory[:len(source)]) == source
+    assert time.monotonic() - t0 < 5, "the responder waited out its timeout for an interrupt"
+
+
 def test_a_bad_frame_ends_the_write_and_nothing_lands_outside_the_region(responder):
     ep, nic, gpu = responder
     mr = ep.reg_mr(gpu, 0x10000, 0x4000, Access.REMOTE_WRITE)
