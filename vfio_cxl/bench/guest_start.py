@@ -31,6 +31,8 @@ COMMANDS = [
     ("vfio-cxl gpu ls", "vfio-cxl gpu ls", 0.3, 0.6),
     ("cxltool regions (already up)", "python3 -m vfio_cxl.guest.cmd.cxltool regions < /run/vfio-cxl-plan.json",
      None, None),
+    ("the same, by vfio-cxl-m (warm)", "vfio-cxl-m vfio_cxl.guest.cmd.cxltool regions < /run/vfio-cxl-plan.json",
+     None, None),
     ("FM's vfio-pci check (sh)", "sh -c '[ -d /sys/bus/pci/drivers/vfio-pci ]'", None, None),
 ]
 # The guest's clock around the command (sh: date, as the command, is a fork+exec both ends).
