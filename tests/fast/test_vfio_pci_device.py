@@ -76,6 +76,8 @@ class FakeVfio:
             self.events.append("set_container")
             return 0
         if request == uapi.VFIO_GROUP_UNSET_CONTAINER:
+            if self.container_fd is None:   # the kernel's vfio_group_ioctl_unset_container
+                raise OSError(errno.EINVAL, "no container")
             self.container_fd = None
             self.events.append("unset_container")
             return 0
@@ -158,6 +160,18 @@ def test_open_use_close_in_order_and_nothing_left_behind(tmp_path, sysfs):
     with pytest.raises(VfioError, match="closed"):
         gpu.bar(0)
     gpu.close()  # idempotent
+
+
+def test_a_device_hot_unplugged_while_open_closes_without_error(tmp_path, sysfs):
+    """A hot-unplug: vfio-pci asks the holder to let go, and once its device fd is closed the kernel
+    removes the device and detaches the group's container itself -- so the group's own
+    UNSET_CONTAINER then fails with EINVAL.  Closing still ends cleanly, every fd released."""
+    kernel = FakeVfio(tmp_path, sysfs)
+    before = open_fds()
+    gpu = open_gpu(kernel, sysfs)
+    kernel.container_fd = None          # what the kernel does once the removal went through
+    gpu.close()
+    assert open_fds() == before and "unset_container" not in kernel.events
 
 
 def test_group_not_viable_lists_its_devices_and_rolls_back(tmp_path, sysfs):

@@ -276,6 +276,7 @@ def test_the_gpu_moved_away_while_registered_ends_the_responder_naming_it(nic2_l
             t0 = time.monotonic()
             done = receiving.join(check=False)
         ended_after = time.monotonic() - t0
+        assert done.stdout.strip(), f"rdma-recv printed no report (exit {done.exited}): {done.stderr[-3000:]}"
         out = json.loads(done.stdout)
         assert done.exited == 1 and out["writes"] == [], (done.exited, out)
         assert f"the GPU {out['gpu']} was released by the host" in out["released"], out["released"]

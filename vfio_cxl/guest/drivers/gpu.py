@@ -25,6 +25,8 @@ the ring and the records, so no record of dropped work lands afterwards.
 
 from __future__ import annotations
 
+import contextlib
+
 import mmap
 from dataclasses import dataclass
 
@@ -307,18 +309,20 @@ class GpuDriver:
 
     # -- teardown ----------------------------------------------------------------
     def close(self) -> None:
-        if self.device is None:
+        """Reset the GPU and let everything go: each step runs even if one before it failed (the
+        first failure is raised after), and a second close does nothing -- the device is
+        forgotten first, so a close that failed half way never touches a closed BAR again."""
+        device, self.device = self.device, None
+        if device is None:
             return
-        try:
+        with contextlib.ExitStack() as steps:   # run last-in first: the reset, then the rest in order
+            steps.callback(self._control.close)
+            steps.callback(device.close)
+            steps.callback(self._control_view.release)
+            steps.callback(self._control_dma.close)
+            steps.callback(self._completions.release)
+            steps.callback(self._ring.release)
             self.bar0.write32(regs.REG_CONTROL, regs.CONTROL_RESET)
-        finally:
-            self._ring.release()
-            self._completions.release()
-            self._control_dma.close()
-            self._control_view.release()
-            self.device.close()
-            self._control.close()
-            self.device = None
 
     def __enter__(self) -> "GpuDriver":
         return self

@@ -70,8 +70,15 @@ class Group:
         """Detach from the container (all device fds must be closed first).  Safe to call again."""
         if self.container is None:
             return
-        self._call("VFIO_GROUP_UNSET_CONTAINER", uapi.VFIO_GROUP_UNSET_CONTAINER,
-                   fix="close every device fd of the group first")
+        try:
+            self._call("VFIO_GROUP_UNSET_CONTAINER", uapi.VFIO_GROUP_UNSET_CONTAINER,
+                       fix="close every device fd of the group first")
+        except IoctlError as err:
+            # EINVAL: the group has no container any more -- the kernel detached it when the
+            # group's last device went away (a hot-unplug waits for the device fd to close, then
+            # removes the device and detaches its group).  Nothing is left to undo.
+            if err.errno != errno.EINVAL:
+                raise
         self.container = None
 
     def device_fd(self, name: str) -> int:
