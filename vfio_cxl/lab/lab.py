@@ -55,6 +55,16 @@ def check_port_free(port: int) -> None:
                            "choose another --ssh-port, or leave it out to pick a free one") from None
 
 
+def read_at(path: Path, offset: int, length: int) -> bytes:
+    """Bytes of a file the VMs share as they are now: pread, not a buffered file object, which
+    would serve a stale copy when read again at the same place while the guests keep writing."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
 def _backend_path(rundir: Path, name: str) -> Path:
     return rundir / f"{name}.mem"
 
@@ -166,15 +176,8 @@ class Lab:
         return _backend_path(self.rundir, name)
 
     def read_backend(self, name: str, offset: int, length: int) -> bytes:
-        """Bytes of a memory backend file as the VMs see them now.
-
-        pread, not a buffered file object: that would serve a stale copy when
-        read again at the same place while the guests keep writing."""
-        fd = os.open(self.backend_file(name), os.O_RDONLY)
-        try:
-            return os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
+        """Bytes of a memory backend file as the VMs see them now."""
+        return read_at(self.backend_file(name), offset, length)
 
     def nvme_file(self, vm: str, nvme: str, nsid: int = 1) -> Path:
         """The raw file behind namespace ``nsid`` of NVMe controller ``nvme`` in VM ``vm``."""
