@@ -19,6 +19,7 @@ align=$((256 << 20))
 wait_ticks=1000                 # 10 ms each: what a device the kernel adds after a probe may take
 
 fail() { echo "ram_regions: $*" >&2; exit 1; }
+nap() { usleep 10000 2>/dev/null || sleep 0.01; }   # 10 ms: busybox's applet, else sleep(1)
 # echo: a regular builtin, so a failed write returns 1 instead of ending the shell.
 put() { echo "$2" 2>/dev/null > "$1" || { echo "ram_regions: writing '$2' to $1 failed" >&2; return 1; }; }
 
@@ -43,7 +44,7 @@ find_memdev() {
         [ -n "$endpoint" ] && return 0
         i=$((i + 1))
         [ $i -le $wait_ticks ] || fail "no memdev with serial $1 and an endpoint port: is cxl_mem loaded and every Type3 device enabled? (cxl list -M)"
-        usleep 10000
+        nap
     done
 }
 
@@ -93,7 +94,7 @@ make_region() {
         [ -n "$dax" ] && break
         i=$((i + 1))
         [ $i -le $wait_ticks ] || { echo "ram_regions: $2 has no dax device: is dax_cxl loaded?" >&2; return 1; }
-        usleep 10000
+        nap
     done
     if [ ! -e "$sys/bus/dax/devices/$dax/driver" ]; then
         put "$sys/bus/dax/drivers/device_dax/new_id" "$dax" 2>/dev/null \

@@ -74,7 +74,7 @@ def _backend_path(rundir: Path, name: str) -> Path:
 # for it and hands over what it printed and its exit status.  A kernel without fw_cfg in sysfs (a
 # --kernel of the user's): the init started nothing, and the plan on stdin goes to the same
 # program here.
-RAM_REGIONS = "sh /opt/vfio-cxl/vfio_cxl/guest/ram_regions.sh"
+RAM_REGIONS = "busybox sh /opt/vfio-cxl/vfio_cxl/guest/ram_regions.sh"   # the shell the init runs it in
 CXLTOOL_REGIONS = "python3 -m vfio_cxl.guest.cmd.cxltool regions"
 
 
