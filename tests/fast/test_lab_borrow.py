@@ -64,6 +64,13 @@ def test_a_gpu_moved_to_another_host_or_another_kernel_is_named(env):  # noqa: F
         assert _unfit(client.status(), fabric, None)[0] == "GPU gpu0 is free"
 
 
+def test_a_kernel_path_cannot_go_with_a_borrowed_lab(env):  # noqa: F811
+    fm = FakeFm()
+    with pytest.raises(LabError) as err:
+        borrow(fm.name, "fake", command="vfio-cxl demo tour", kernel="custom")
+    assert err.value.what.startswith(f"--kernel PATH boots that kernel, and --lab {fm.name} borrows")
+
+
 def test_a_dead_vm_is_named():
     single = topology.load("single")
     status = {"vms": {"host0": {"state": "dead"}}, "gpus": {}}

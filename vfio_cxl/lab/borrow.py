@@ -121,11 +121,16 @@ class BorrowedLab(AbstractContextManager):
 def borrow(name: str, topology: str, *, command: str, kernel: str | None = None) -> BorrowedLab:
     """The running detached lab ``name``, checked to be what ``command`` needs: of ``topology``,
     every VM running, every GPU attached where the topology puts it, and booted on ``kernel``
-    ("lab", "debian"; None: either).  Raises LabError naming the mismatch; changes nothing."""
+    ("lab", "debian"; None: either; "custom", a --kernel PATH, is refused: a lab does not say
+    which path it booted).  Raises LabError naming the mismatch; changes nothing."""
     from . import topology as topologies
     from .fm import registry
     from .fm.client import FmClient
 
+    if kernel == "custom":   # a lab reports "custom" for any kernel of the user's: no path to match
+        raise LabError(f"--kernel PATH boots that kernel, and --lab {name} borrows a running lab whose "
+                       "kernel cannot be matched to a path", "leave out --kernel, or leave out --lab "
+                       f"(and ${LAB_ENV})")
     try:
         record = registry.find(name)
     except LabError as err:
