@@ -550,3 +550,13 @@ def test_the_shipped_example_matrix_expands():
 def test_subprocess_cli_help_lists_matrix():
     out = subprocess.run([sys.executable, "-m", "vfio_cxl", "matrix", "run", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "--address auto|HOST:PORT" in out.stdout and "--kcidb" in out.stdout
+
+
+def test_ports_picked_together_are_distinct():
+    """free_ports holds every socket bound until all are picked: one bind at a time may hand the
+    same port back twice, and a Ray node given one port for two components refuses to start."""
+    from vfio_cxl.lab.lab import check_port_free, free_ports
+
+    ports = free_ports(64)
+    assert len(set(ports)) == 64
+    check_port_free(ports[0])   # released again for whoever binds it next

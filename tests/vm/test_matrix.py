@@ -31,7 +31,7 @@ from junitparser import JUnitXml
 from vfio_cxl.lab.fm.procs import cmdline, comm, descendants
 from vfio_cxl.lab.kernel import cached_lab_kernel
 from vfio_cxl.matrix.engine import session_processes
-from vfio_cxl.lab.lab import free_port
+from vfio_cxl.lab.lab import free_ports
 from vfio_cxl.paths import REPO_ROOT, runtime_root
 
 pytestmark = pytest.mark.vm
@@ -71,11 +71,11 @@ class RayNode:
         # A raylet aborts when its agents take over 15 s to start (ray issue 65983), which happens
         # at load 20 on 2 cores: start it again, as vfio_cxl.matrix.engine.LocalHead does.
         for attempt in range(1, 4):
-            self.node_manager_port = free_port()
-            ports = ["--node-manager-port", str(self.node_manager_port), "--object-manager-port", str(free_port()),
-                     "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port",
-                     str(free_port()), "--metrics-export-port", str(free_port()), "--runtime-env-agent-port",
-                     str(free_port())]
+            flags = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+                     "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
+            picked = free_ports(len(flags))
+            self.node_manager_port = picked[0]
+            ports = [x for flag, port in zip(flags, picked) for x in (flag, str(port))]
             with open(self.log, "w") as out:
                 self.proc = subprocess.Popen(
                     [str(VENV_BIN / "ray"), "start", "--block", "--node-ip-address", ip, "--num-cpus", "2",
@@ -123,7 +123,7 @@ def ray_cluster(env: dict, tmp_path: Path, worker_env: dict | None = None):
     temp = runtime_root() / f"ray-{os.getpid()}"
     nodes = []
     try:
-        port = free_port()
+        (port,) = free_ports(1)
         nodes.append(RayNode("head", ["--head", "--port", str(port), "--include-dashboard=false",
                                       "--disable-usage-stats", "--temp-dir", str(temp)], env, tmp_path))
         # Its own IP (all of 127/8 is this machine's): Ray attaches a driver to a raylet of the

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..lab.lab import free_port
+from ..lab.lab import free_ports
 from ..matrix import engine
 from ..paths import runtime_root
 
@@ -56,9 +56,9 @@ def settle_rss(sid: int, seconds: float = 20.0) -> float:
 
 def start_second_node(address: str, log_file: Path) -> tuple[subprocess.Popen, float]:
     ray_bin = Path(sys.executable).with_name("ray")
-    ports = [x for flag in ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-                            "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
-             for x in (flag, str(free_port()))]
+    flags = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+             "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port")
+    ports = [x for flag, port in zip(flags, free_ports(len(flags))) for x in (flag, str(port))]
     started = time.monotonic()
     with open(log_file, "w") as out:
         proc = subprocess.Popen([str(ray_bin), "start", "--block", "--address", address, "--node-ip-address",

@@ -37,13 +37,17 @@ from .topology import Topology, Vm
 from .vm import VirtualMachine
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now.  Whoever uses it binds it later, and another
-    process may take it in between: the lab's own SSH forwards do not use this (QEMU binds
-    port 0 and the lab reads the port back, vm.py); ray's ports in vfio_cxl/matrix still do."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 now: all held bound until every one is
+    picked (one bind at a time may get the same port back twice: a Ray node once got one port
+    for two of its components and refused to start).  Whoever uses them binds them later, and
+    another process may take one in between: the lab's own SSH forwards do not use this (QEMU
+    binds port 0 and the lab reads the port back, vm.py); ray's ports in vfio_cxl/matrix do."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def check_port_free(port: int) -> None:

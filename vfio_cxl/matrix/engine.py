@@ -366,9 +366,9 @@ class LocalHead:
                 log(f"[matrix] {err.what.splitlines()[0]}; starting it again ({attempt + 1} of {HEAD_ATTEMPTS})")
 
     def _start(self, slots: int, log) -> None:
-        from ..lab.lab import free_port
+        from ..lab.lab import free_ports
 
-        ports = {flag: free_port() for flag in self.FLAGS}
+        ports = dict(zip(self.FLAGS, free_ports(len(self.FLAGS))))
         self.address = f"127.0.0.1:{ports['--port']}"
         ray_bin = Path(sys.executable).with_name("ray")
         cmd = [str(ray_bin), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
