@@ -123,6 +123,7 @@ def _vm_up(args) -> int:
 
 
 def _selftest(args) -> int:
+    import contextlib
     import json
     import time
 
@@ -145,24 +146,19 @@ def _selftest(args) -> int:
     # a file with VFIO in its config, or 'lab'; a borrowed lab (--lab) is checked to run the one named
     kernel = None if args.lab else resolve(args.kernel, log=log)
     topo = topology.load("selftest")
-
-    def borrowed():
-        return borrow(args.lab, topo.name, command="vfio-cxl selftest vfio", kernel=asked_kernel(args.kernel))
-
-    if args.lab:
-        borrowed().close()   # a lab that cannot serve fails here, before the selftests build
-    build = selftests.build_selftests(log=log)
-    plan = selftests.Plan.make(build, args.backend, args.k)
-    if args.lab:
-        lab = borrowed()
-        logdir = lab.logdir
-    else:
-        name, logdir = reserve_name(topo.name)
-        lab = Lab(topo, kernel=kernel, logdir=logdir, log=log)
-    log(f"VFIO selftests of {build.version} ({'cached' if build.cached else f'built in {build.seconds:.0f} s'}): "
-        f"{plan.count()} cases, modes {', '.join(plan.modes)}; "
-        + (f"lab {args.lab}" if args.lab else f"kernel {kernel.label if kernel else 'debian'}"))
-    with lab:
+    with contextlib.ExitStack() as held:
+        if args.lab:   # a lab that cannot serve fails here, before the selftests build
+            lab = held.enter_context(borrow(args.lab, topo.name, command="vfio-cxl selftest vfio",
+                                            kernel=asked_kernel(args.kernel)))
+            logdir = lab.logdir
+        build = selftests.build_selftests(log=log)
+        plan = selftests.Plan.make(build, args.backend, args.k)
+        log(f"VFIO selftests of {build.version} ({'cached' if build.cached else f'built in {build.seconds:.0f} s'}): "
+            f"{plan.count()} cases, modes {', '.join(plan.modes)}; "
+            + (f"lab {args.lab}" if args.lab else f"kernel {kernel.label if kernel else 'debian'}"))
+        if not args.lab:
+            name, logdir = reserve_name(topo.name)
+            lab = held.enter_context(Lab(topo, kernel=kernel, logdir=logdir, log=log))   # boots it
         results, guest = selftests.run(lab, "host0", build, plan, logdir / "selftests", log)
     report = selftests.summary(results)
     seconds = time.monotonic() - started

@@ -161,6 +161,7 @@ def main(argv: list[str]) -> int:
     env = f"VFIO_CXL_VFIO_BACKEND={args.backend} " if args.backend else ""
     load = os.getloadavg()[0]
     t0 = time.monotonic()
+
     def boot():
         return Lab(topology.load("single"), kernel=guest_kernel(args), log=lambda *_: None)
 
