@@ -141,6 +141,23 @@ def test_rx_ring_reaps_written_back_descriptors():
     assert ring.reap() == [("a", done)] and ring.posted == 1
 
 
+def test_rx_ring_reaps_whole_frames_up_to_a_budget_and_leaves_the_rest_written_back():
+    """A frame of two descriptors, then two of one: a budget of one frame takes the first
+    frame's two descriptors and leaves the other frames in the ring, written back, for the
+    next call -- nothing taken off the ring is left unhandled."""
+    ring = RxRing(memoryview(bytearray(8 * 16)), 8, "rx")
+    for cookie in "abcd":
+        ring.post(spec.pack_rx(0x1000, 0), cookie)
+    part = spec.RxCompletion(1024, 0, False, False, False, False, 0, 0)
+    whole = spec.RxCompletion(100, 0, False, False, True, False, 0, 0)
+    for slot, c in enumerate((part, whole, whole, whole)):
+        ring.desc(slot)[:] = spec.pack_rx_writeback(c)
+    assert ring.reap(frames=1) == [("a", part), ("b", whole)] and ring.posted == 2
+    assert ring.reap(frames=0) == [] and ring.posted == 2
+    assert ring.reap(frames=1) == [("c", whole)]
+    assert ring.reap() == [("d", whole)] and ring.posted == 0
+
+
 # -- frames ----------------------------------------------------------------------------------
 
 def test_udp_frame_layout_and_ip_checksum():

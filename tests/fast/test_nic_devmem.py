@@ -61,8 +61,8 @@ class StandInNic:
             n += 1
         return n
 
-    def reap_rx(self, queue):
-        return self.rx[queue].ring.reap()
+    def reap_rx(self, queue, frames=None):
+        return self.rx[queue].ring.reap(frames)
 
     def wait_rx(self, queue, deadline):
         return False                       # nothing more will come: recv returns what is there
@@ -135,6 +135,22 @@ def test_recv_hands_out_fragments_and_reposts_only_after_dontneed(setup):
         rx.dontneed([tokens[2], 99])
     assert rx.tokens.outstanding == 1                 # all checked first: the good one stays out
     assert rx.dontneed([tokens[2]]) == 1 and ring.posted == ENTRIES - 1
+
+
+def test_recv_one_at_a_time_loses_no_frame_and_no_chunk(setup):
+    """Three frames landed together, taken one per ``recv(count=1)``: each is returned in
+    order with its chunk held for its token, none is reaped and forgotten (its chunk then
+    neither held nor free, lost until unbind)."""
+    nic, gpu, rx, _ = setup
+    b = rx.bind_rx(1, gpu, 0, (ENTRIES - 1) * 4096)
+    sent = [(bytes([k]) * 42, bytes([0x80 + k]) * 100) for k in range(3)]
+    for header, payload in sent:
+        land(nic, gpu, b, header, payload)
+    got = [rx.recv(b, count=1, timeout=0) for _ in range(4)]
+    assert [[(f.header, rx.read(f.fragments[0])) for f in frames] for frames in got] == [[s] for s in sent] + [[]]
+    assert len(b.pool.held) == 3 and nic.rx[1].ring.posted == ENTRIES - 1 - 3
+    assert rx.dontneed([frames[0].fragments[0].token for frames in got[:3]]) == 3
+    assert nic.rx[1].ring.posted == ENTRIES - 1
 
 
 def test_no_split_and_hbo_give_linear_fragments_and_a_bounded_header(setup):

@@ -152,11 +152,19 @@ class StandInNic:
             ring.post(spec.pack_rx(pkt, hdr), cookie)
         return len(buffers)
 
-    def reap_rx(self, queue):
-        return self.rx[queue].ring.reap()
+    def reap_rx(self, queue, frames=None):
+        return self.rx[queue].ring.reap(frames)
 
     def take_back_rx(self, queue, *, enable=False):
         return self.rx[queue].ring.reset()
+
+    def rx_ring_state(self, queue):
+        ring = self.rx[queue].ring
+        return {"head": ring.clean, "tail": ring.tail, "driver_clean": ring.clean, "driver_tail": ring.tail,
+                "posted": ring.posted, "oldest_done": False}
+
+    def stats(self):
+        return {"gprc": 0, "gptc": len(self.sent), "mpc": 0, "rnbc": 0, "rx_overrun_events": self.dropped}
 
     def send(self, frames, queue=0):
         self.sent += frames
@@ -309,6 +317,8 @@ def test_a_write_whose_frames_stop_coming_times_out_and_takes_its_descriptors_ba
     assert done.status is Status.TIMEOUT and "2 of 4 frames came" in done.error and done.frames == 2
     # the error names the writer and the offset its frames reached
     assert "from 52:54:00:00:00:01" in done.error and "[0x0, 0x800) placed" in done.error, done.error
+    # and what its NIC saw: the data queue's ring, its counters
+    assert "this NIC: data queue 1" in done.error and " posted, oldest written back False" in done.error and "gprc 0" in done.error
     assert answers(nic, Op.NAK)[0].status is Status.TIMEOUT and nic.rx[1].ring.posted == 0
 
 

@@ -285,7 +285,7 @@ class DevmemReceiver:
 
     def _reap(self, b: RxBinding, most: int) -> list[DevmemFrame]:
         frames = []
-        for index, c in self.nic.reap_rx(b.queue):
+        for index, c in self.nic.reap_rx(b.queue, frames=most):
             if b.header is None:                       # the first descriptor of a frame has its header
                 start = index * b.header_buffer
                 b.header = bytes(b.headers[start:start + min(c.hdr_len, b.header_buffer)])
@@ -299,8 +299,6 @@ class DevmemReceiver:
             if c.eop:
                 frames.append(DevmemFrame(b.header, tuple(b.partial), b.split))
                 b.partial, b.header = [], None
-            if len(frames) == most:
-                break
         self._replenish(b)
         return frames
 

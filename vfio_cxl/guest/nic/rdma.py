@@ -63,8 +63,7 @@ GRANT_BATCH = 32                    # descriptors posted before the receiver gra
 # frame posts a guard whose buffers are guest RAM (GUARD_IOVA), taken back when the write ends.
 GUARD_IOVA = HEADER_IOVA + 0x0100_0000   # above the header buffers (a ring's worth, at most 256 KiB)
 # The responder looks at its ring again after this long with no interrupt, as Linux's igb
-# watchdog (igb_watchdog_task) fires the queues' vectors every 2 s: a write once stalled for the
-# whole timeout with a ringful of frames landed and unseen (its last 254 of 16384; cause unknown).
+# watchdog (igb_watchdog_task) fires the queues' vectors every 2 s: a lost interrupt costs that.
 RX_WATCHDOG = 2.0
 DATA_MAC = bytes.fromhex("020000000201")   # the receiver steers this MAC to its data queue
 PATTERN_BLOCK = 4096
@@ -431,8 +430,11 @@ class RdmaEndpoint:
             else:
                 what = f"write {write_id} to {spec.format_mac(to)}: no answer from the peer"
                 fix = "is the peer serving (vfio-cxl nic rdma-recv) and the link up?"
-            h, _ = self._next_control(lambda h: h.write_id == write_id and h.op is not Op.DATA, timeout,
-                                      what, fix, PeerLost if granted else IgbTimeout)
+            try:
+                h, _ = self._next_control(lambda h: h.write_id == write_id and h.op is not Op.DATA, timeout,
+                                          what, fix, PeerLost if granted else IgbTimeout)
+            except PeerLost as err:
+                raise PeerLost(f"{err.what} ({self.nic_report()})", err.fix) from None
             if h.op is Op.GRANT:
                 granted, acked = max(granted, h.seq), max(acked, min(h.length, h.seq))
             if h.op is Op.NAK:
@@ -445,6 +447,17 @@ class RdmaEndpoint:
                 self._send_data(region, offset - remote_offset, plan[sent:h.seq], remote_key, write_id,
                                 h.offset.to_bytes(6, "big"))
                 sent = h.seq
+
+    def nic_report(self) -> str:
+        """What this end's NIC saw, for an error about frames that stopped coming: its data
+        queue's ring (device and driver) and its frame counters since open -- frames the peer
+        sent and this NIC never took (RXO, missed) against frames lost on the way."""
+        ring = self.nic.rx_ring_state(self.queue)
+        stats = self.nic.stats()
+        return (f"this NIC: data queue {self.queue} head {ring['head']} tail {ring['tail']} (driver: oldest "
+                f"{ring['driver_clean']}, {ring['posted']} posted, oldest written back {ring['oldest_done']}); "
+                + ", ".join(f"{name} {stats[name]}" for name in ("gprc", "gptc", "mpc", "rnbc", "rx_overrun_events"))
+                + f"; frames of ours sent {self.counts['frames_sent']}, received {self.counts['frames_received']}")
 
     @staticmethod
     def _silence(write_id: int, to: bytes, plan: list[FramePlan], sent: int, granted: int,
@@ -540,7 +553,7 @@ class RdmaEndpoint:
                 raise WriteFailed(Status.TIMEOUT, f"write {w.request.write_id} from {spec.format_mac(w.peer)}: "
                                                   f"{w.landed} of {len(w.plan)} frames came (region offsets "
                                                   f"[{w.plan[0].offset:#x}, {reached:#x}) placed), then none "
-                                                  f"for {timeout:g} s: the writer is gone")
+                                                  f"for {timeout:g} s: the writer is gone ({self.nic_report()})")
             else:   # at most a watchdog period: a lost interrupt costs that, not the write
                 self.nic.wait_rx(self.queue, min(deadline, time.monotonic() + RX_WATCHDOG))
 

@@ -445,7 +445,7 @@ class IgbDevice:
     def _reap_ram(self, rxq: RxQueue, most: int) -> list[bytes]:
         frames = []
         reposted = False
-        for slot, c in rxq.ring.reap():
+        for slot, c in rxq.ring.reap(frames=most):
             pkt = rxq.pkt_base + slot * rxq.packet_buffer
             hdr = rxq.hdr_base + slot * rxq.header_buffer
             head = bytes(self._view[hdr:hdr + min(c.hdr_len, rxq.header_buffer)]) if rxq.header_buffer else b""
@@ -455,8 +455,6 @@ class IgbDevice:
             if c.eop:
                 frames.append(b"".join(rxq.partial))
                 rxq.partial.clear()
-            if len(frames) == most:
-                break
         if reposted:
             self._doorbell(rxq.index)
         return frames
@@ -480,9 +478,10 @@ class IgbDevice:
             self._doorbell(queue)
         return n
 
-    def reap_rx(self, queue: int) -> list[tuple[object, spec.RxCompletion]]:
-        """``external`` queue: (cookie, completion) of every written-back descriptor."""
-        return self._external(queue).ring.reap()
+    def reap_rx(self, queue: int, frames: int | None = None) -> list[tuple[object, spec.RxCompletion]]:
+        """``external`` queue: (cookie, completion) of every written-back descriptor, or of
+        the first ``frames`` whole frames' (the rest stay in the ring for the next call)."""
+        return self._external(queue).ring.reap(frames)
 
     def take_back_rx(self, queue: int, *, enable: bool = False) -> list[object]:
         """Disable ``queue`` and take back every buffer still posted on it (their cookies):
@@ -497,6 +496,16 @@ class IgbDevice:
         if enable:
             self.write(spec.rx_reg(spec.RXDCTL0, queue), spec.QUEUE_ENABLE)
         return held
+
+    def rx_ring_state(self, queue: int) -> dict[str, int | bool]:
+        """RX ``queue`` as the device and the driver see it: the device's head and tail
+        (RDH, RDT), the driver's oldest posted slot and next slot, how many are posted, and
+        whether the device has written back the oldest one (its DD bit) -- what a receiver
+        that stopped seeing frames reports."""
+        ring = self.rx_queue(queue).ring
+        return {"head": self.read(spec.rx_reg(spec.RDH0, queue)), "tail": self.read(spec.rx_reg(spec.RDT0, queue)),
+                "driver_clean": ring.clean, "driver_tail": ring.tail, "posted": ring.posted,
+                "oldest_done": bool(ring.posted) and spec.rx_done(ring.desc(ring.clean))}
 
     def wait_rx(self, queue: int, deadline: float) -> bool:
         """Until RX ``queue``'s vector fires, one of ``wake_fds`` becomes readable or

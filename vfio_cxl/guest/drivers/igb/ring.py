@@ -77,10 +77,15 @@ class TxRing(Ring):
 
 
 class RxRing(Ring):
-    def reap(self) -> list[tuple[Any, spec.RxCompletion]]:
-        """(cookie, completion) of every written-back descriptor, oldest first."""
+    def reap(self, frames: int | None = None) -> list[tuple[Any, spec.RxCompletion]]:
+        """(cookie, completion) of the written-back descriptors, oldest first: all of them,
+        or those of the first ``frames`` whole frames (up to their EOP descriptor), as NAPI's
+        budget.  What is not taken stays written back in the ring for the next call: a caller
+        takes only what it will handle, so no frame is popped and then forgotten."""
         done = []
-        while self.posted and spec.rx_done(self.desc(self.clean)):
+        while self.posted and spec.rx_done(self.desc(self.clean)) and frames != 0:
             completion = spec.unpack_rx(self.desc(self.clean))
             done.append((self.pop(), completion))
+            if completion.eop and frames is not None:
+                frames -= 1
         return done
