@@ -259,39 +259,6 @@ def test_rdma_refuses_a_stale_key_and_one_never_handed_out(nic2_lab):
 
 # -- the GPU moved away, the peer's lab gone: each breaks the lab (run last, then closed) ------
 
-def test_the_gpu_moved_away_while_registered_ends_the_responder_naming_it(nic2_lab, labs):
-    """gpu1 is hot-removed from host1 (QMP device_del, what the fabric manager sends to move it)
-    while rdma-recv holds 1 MiB of its VRAM registered and waits for a write: vfio-pci's release
-    request wakes the wait, the responder tears the registration down and closes the GPU --
-    the removal completes in the guest and in QEMU -- and ends naming the GPU's BDF, nothing
-    left mapped; the NIC still works for guest-RAM traffic."""
-    rx = nic2_lab["host1"]
-    try:
-        rx.run(f"rm -f {READY}")
-        with rx.start_command(f"vfio-cxl nic rdma-recv --length 1M --timeout 600 --backend type1 "
-                              f"--ready-file {READY} --json", timeout=900) as receiving:
-            wait_ready(rx)
-            answer = rx.connect_qmp().cmd_obj({"execute": "device_del", "arguments": {"id": "gpu1"}})
-            assert "error" not in answer, answer
-            t0 = time.monotonic()
-            done = receiving.join(check=False)
-        ended_after = time.monotonic() - t0
-        assert done.stdout.strip(), f"rdma-recv printed no report (exit {done.exited}): {done.stderr[-3000:]}"
-        out = json.loads(done.stdout)
-        assert done.exited == 1 and out["writes"] == [], (done.exited, out)
-        assert f"the GPU {out['gpu']} was released by the host" in out["released"], out["released"]
-        assert "bind again once a GPU is there" in out["released"] and out["mapped_after_close"] == []
-        assert ended_after < 60, f"the responder took {ended_after:.0f} s to let the GPU go"
-        deadline = time.monotonic() + 60
-        while "gpu1" in pci_ids(rx):                                   # QEMU finishes the unplug
-            assert time.monotonic() < deadline, "QEMU still lists gpu1 60 s after the guest released it"
-        assert rx.run(f"test -e /sys/bus/pci/devices/{out['gpu']}", check=False).exited != 0
-        stats = guest_json(rx, "vfio-cxl nic stats --seconds 0 --json")    # the NIC outlives the GPU
-        assert stats["bdf"] == out["bdf"], stats
-    finally:
-        labs.close()                  # host1 has no GPU now: the next test gets a fresh lab
-
-
 def vram(lab, gpu: str, offset: int, length: int) -> bytes:
     """Bytes of ``gpu``'s VRAM, read on the host from the memfd its server holds (QEMU maps it)."""
     pid = lab.gpu_servers[gpu].process.pid
@@ -364,3 +331,38 @@ def test_iommufd_rdma_write_of_16m_and_a_range_beyond_the_region(nic2_lab_kernel
     check_placed({"writes": sent[0]["writes"]}, {**got, "writes": got["writes"][:1]}, 16 << 20)
     assert sent[1]["writes"][0]["status"] == "REFUSED" and got["writes"][1]["status"] == "OUT_OF_RANGE"
     assert any("IOMMU_IOAS_MAP_FILE accepted" in note for note in got["kernel"].values()), got["kernel"]
+
+
+def test_the_gpu_moved_away_while_registered_ends_the_responder_naming_it(nic2_lab_kernel_lab, labs):
+    """gpu1 is hot-removed from host1 (QMP device_del, what the fabric manager sends to move it)
+    while rdma-recv holds 1 MiB of its VRAM registered and waits for a write: vfio-pci's release
+    request wakes the wait, the responder tears the registration down and closes the GPU --
+    the removal completes in the guest and in QEMU -- and ends naming the GPU's BDF, nothing
+    left mapped; the NIC still works for guest-RAM traffic.  On the lab kernel's nic2, last of
+    its tests (type1 all the same): the lab it leaves cannot be reused, and the Debian kernel's
+    nic2 is closed by the killed-peer test, so neither needs a second boot."""
+    rx = nic2_lab_kernel_lab["host1"]
+    try:
+        rx.run(f"rm -f {READY}")
+        with rx.start_command(f"vfio-cxl nic rdma-recv --length 1M --timeout 600 --backend type1 "
+                              f"--ready-file {READY} --json", timeout=900) as receiving:
+            wait_ready(rx)
+            answer = rx.connect_qmp().cmd_obj({"execute": "device_del", "arguments": {"id": "gpu1"}})
+            assert "error" not in answer, answer
+            t0 = time.monotonic()
+            done = receiving.join(check=False)
+        ended_after = time.monotonic() - t0
+        assert done.stdout.strip(), f"rdma-recv printed no report (exit {done.exited}): {done.stderr[-3000:]}"
+        out = json.loads(done.stdout)
+        assert done.exited == 1 and out["writes"] == [], (done.exited, out)
+        assert f"the GPU {out['gpu']} was released by the host" in out["released"], out["released"]
+        assert "bind again once a GPU is there" in out["released"] and out["mapped_after_close"] == []
+        assert ended_after < 60, f"the responder took {ended_after:.0f} s to let the GPU go"
+        deadline = time.monotonic() + 60
+        while "gpu1" in pci_ids(rx):                                   # QEMU finishes the unplug
+            assert time.monotonic() < deadline, "QEMU still lists gpu1 60 s after the guest released it"
+        assert rx.run(f"test -e /sys/bus/pci/devices/{out['gpu']}", check=False).exited != 0
+        stats = guest_json(rx, "vfio-cxl nic stats --seconds 0 --json")    # the NIC outlives the GPU
+        assert stats["bdf"] == out["bdf"], stats
+    finally:
+        labs.close()                  # host1 has no GPU now: the next test gets a fresh lab
