@@ -2,8 +2,9 @@
 
 The head and the worker are started with `ray start` in sessions of their own, one
 ``tcg_vm`` slot each; the worker is killed (every process of its session, SIGKILL) while it runs
-a job, and that job must come back as an infrastructure retry on the head.  The documented
-example (the same 2 x 2) runs locally as typed.  Ctrl-C stops every job and leaves no VM.  Small labs
+a job, and that job must come back as an infrastructure retry on the head: two cells, so each
+node runs one at once.  The documented example (2 x 2: both kernels, on
+`single` and `hb2`) runs locally as typed.  Ctrl-C stops every job and leaves no VM.  Small labs
 (`single`, `hb2`: one VM each); every Ray process started here is killed by its session.
 """
 
@@ -202,7 +203,10 @@ def results(data: dict) -> dict:
 
 
 def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, ray_env, tmp_path):
-    matrix = write_matrix(tmp_path / "m.toml", ["single", "hb2"])
+    # two cells, one per node at once (a tcg_vm slot each): one per kernel on `single`, or `single`
+    # and `hb2` on the Debian kernel alone; more would only boot more labs (the documented
+    # example below runs the 2 x 2)
+    matrix = write_matrix(tmp_path / "m.toml", ["single"] if len(kernels()) == 2 else ["single", "hb2"])
     before = set(runtime_root().glob("matrix-*"))
     host = socket.gethostname()
     head = f"{host}:{cluster['head'].node_manager_port}"
@@ -228,7 +232,7 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
     (job,) = lost
     assert job["status"] == "pass" and job["node"] == head and job["retries"] == 0
     assert job["attempts"][0]["status"] == "infra" and job["attempts"][0]["node"] == worker
-    assert data["passed"] == 2 * len(kernels()) and data["failed"] == 0 and data["infra_retries"] == 1
+    assert data["passed"] == 2 and data["failed"] == 0 and data["infra_retries"] == 1
     assert "infrastructure failure on " + worker in cmd.stderr()
     for j in data["jobs"]:   # logs came back: the command's output and the lab's console log
         back = tmp_path / "out" / j["id"] / f"attempt-{len(j['attempts'])}"
@@ -245,7 +249,7 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
 def test_the_documented_example_runs_on_a_local_ray_as_typed(tmp_path):
     """`vfio-cxl matrix run docs/matrix-example.toml --junit junit.xml --kcidb kcidb.json`, typed in
     a directory that holds the example (its documented-commands case points here: one run for
-    both): the 2 x 2 of the cluster test above (kernel x single|hb2, uname -r) on a local Ray, with
+    both): kernel x single|hb2, uname -r, on a local Ray, with
     no --address; every cell passes, each kernel reports its own release, and nothing is left."""
     before = set(runtime_root().iterdir())
     line = "vfio-cxl matrix run docs/matrix-example.toml --junit junit.xml --kcidb kcidb.json"
