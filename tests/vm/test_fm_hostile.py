@@ -2,9 +2,10 @@
 
 A guest process named to forge the holders list's fields holds a GPU; a guest root replaces a
 tool the FM's bind check runs (``sleep``) with one that floods its output.  The FM kills the real holder and never pid 1,
-neither wedges the GPU nor dies, and says what the guest did.  Each test boots its own fabric lab
-(``detached("fabric")``) and it is brought down after: these tests leave gpu0 on a hot-plug port,
-and a lab handed on that way failed test_lab_fabric's check of the boot layout.  And on
+neither wedges the GPU nor dies, and says what the guest did.  The two share one fabric lab
+among themselves only (``detached("fabric", shared=MOVED)``): they leave gpu0 on a hot-plug port,
+and a lab handed on that way failed test_lab_fabric's check of the boot layout; the next test
+that needs another lab brings it down.  And on
 the p2p topology: a peer GPU server unmaps the VRAM of a GPU whose server ended.
 """
 
@@ -62,8 +63,12 @@ def restore_tool(lab: Detached, vm: str, tool: str) -> None:
     assert result.returncode == 0, result.stderr
 
 
+# the share of the fabric lab these tests leave with gpu0 off its boot port (healthy otherwise)
+MOVED = "gpu0 moved"
+
+
 def test_forced_release_kills_the_real_holder_never_pid_1(detached):
-    lab = detached("fabric")
+    lab = detached("fabric", shared=MOVED)
     [bdf] = bound_gpus(lab, "a")   # gpu0
     holder = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "ssh", "--lab", lab.name, "a", "--",
                                "python3", "-c", HOLDER, bdf, CRAFTED], stdout=subprocess.PIPE, text=True,
@@ -100,7 +105,7 @@ def test_a_guest_that_floods_the_bind_check(detached):
     b's root also takes the GPU's ID from vfio-pci, so the new GPU is still unbound at the bind
     check's first scan and it must poll: with the ID there, the kernel may bind the GPU before
     the check starts, which then never sleeps (CI saw the assign succeed that way)."""
-    lab = detached("fabric")
+    lab = detached("fabric", shared=MOVED)
     events = EventFollower(lab.name)
     try:
         result = lab.ssh("b", f"echo {GPU_ID} > /sys/bus/pci/drivers/vfio-pci/remove_id")

@@ -141,13 +141,18 @@ def detached(labs, kept_detached, request):
     """``detached(TOPOLOGY)``: a fresh `vm up --detach` lab, brought down after the test.
     ``detached(TOPOLOGY, shared=True)``: the lab of that topology an earlier test left up and
     healthy (every VM running, every GPU attached), else a fresh one; it stays up for the next
-    test that shares it, unless this test brings it down, breaks it or fails."""
+    test that shares it, unless this test brings it down, breaks it or fails.
+    ``detached(TOPOLOGY, shared=NAME)``: the same among the tests that name NAME only -- a lab
+    healthy but not as it booted (a GPU moved off its boot port) for tests that do not mind;
+    the plugin's ``lab`` fixture and ``shared=True`` never get it."""
     labs.close()   # one lab at a time on two cores
     started: list[Detached] = []
     failed_before = request.session.testsfailed
 
-    def start(topology: str, shared: bool = False) -> Detached:
-        key = (topology, None)   # the pool's key: the plugin's `lab` fixture shares these labs
+    def start(topology: str, shared: bool | str = False) -> Detached:
+        # the pool's key: the plugin's `lab` fixture shares (topology, kernel) labs; a named share
+        # has a key of its own
+        key = (topology, None) if isinstance(shared, bool) else (topology, None, shared)
         kept = kept_detached.get(key)
         if shared and kept is not None:
             if not isinstance(kept, Detached):   # the plugin's RunningLab: its connections go
