@@ -322,6 +322,21 @@ def test_a_write_whose_frames_stop_coming_times_out_and_takes_its_descriptors_ba
     assert answers(nic, Op.NAK)[0].status is Status.TIMEOUT and nic.rx[1].ring.posted == 0
 
 
+def test_the_nic_report_of_a_nic_that_cannot_be_read_says_so(responder):
+    """The report goes into a timeout's error: a NIC whose registers fail to read is named as
+    such, and the error stays the timeout's."""
+    ep, nic, gpu = responder
+    mr = ep.reg_mr(gpu, 0, 0x4000, Access.REMOTE_WRITE)
+    nic.control_in.append(request(mr.key, 0, 4 * rdma.MTU))
+
+    def unreadable():
+        raise OSError(5, "Input/output error")
+    nic.stats = unreadable
+    done = ep.serve(timeout=0.05)
+    assert done.status is Status.TIMEOUT and "0 of 4 frames came" in done.error, done.error
+    assert "the writer is gone (this NIC could not be read: [Errno 5] Input/output error)" in done.error
+
+
 @pytest.mark.parametrize("case,status", [("stale", Status.STALE_KEY), ("freed", Status.FREED),
                                          ("unknown", Status.UNKNOWN_KEY), ("beyond", Status.OUT_OF_RANGE),
                                          ("no-access", Status.ACCESS)])

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from ..drivers.igb import IgbDevice, IgbError, IgbTimeout
 from ..drivers.igb import spec
 from ..p2p import map_peer_bar
+from ..vfio.errors import VfioError
 
 ETHERTYPE = 0x88B5                  # IEEE 802 local experimental: these frames are no one else's
 MTU = 1024                          # payload bytes per frame: one 1 KiB packet buffer (BSIZEPACKET)
@@ -451,9 +452,13 @@ class RdmaEndpoint:
     def nic_report(self) -> str:
         """What this end's NIC saw, for an error about frames that stopped coming: its data
         queue's ring (device and driver) and its frame counters since open -- frames the peer
-        sent and this NIC never took (RXO, missed) against frames lost on the way."""
-        ring = self.nic.rx_ring_state(self.queue)
-        stats = self.nic.stats()
+        sent and this NIC never took (RXO, missed) against frames lost on the way.  A NIC that
+        cannot be read says so: the error it goes into stays the error."""
+        try:
+            ring = self.nic.rx_ring_state(self.queue)
+            stats = self.nic.stats()
+        except (OSError, VfioError) as err:
+            return f"this NIC could not be read: {err}"
         return (f"this NIC: data queue {self.queue} head {ring['head']} tail {ring['tail']} (driver: oldest "
                 f"{ring['driver_clean']}, {ring['posted']} posted, oldest written back {ring['oldest_done']}); "
                 + ", ".join(f"{name} {stats[name]}" for name in ("gprc", "gptc", "mpc", "rnbc", "rx_overrun_events"))
