@@ -257,7 +257,7 @@ def test_rdma_refuses_a_stale_key_and_one_never_handed_out(nic2_lab):
     assert [w["status"] for w in got["writes"]] == ["OK", "STALE_KEY", "UNKNOWN_KEY"], got["writes"]
 
 
-# -- the GPU moved away, the peer's lab gone: each breaks the lab (run last, then closed) ------
+# -- the peer's lab gone: it breaks the lab (run last of the Debian kernel's nic2, then closed) --
 
 def vram(lab, gpu: str, offset: int, length: int) -> bytes:
     """Bytes of ``gpu``'s VRAM, read on the host from the memfd its server holds (QEMU maps it)."""
@@ -332,6 +332,8 @@ def test_iommufd_rdma_write_of_16m_and_a_range_beyond_the_region(nic2_lab_kernel
     assert sent[1]["writes"][0]["status"] == "REFUSED" and got["writes"][1]["status"] == "OUT_OF_RANGE"
     assert any("IOMMU_IOAS_MAP_FILE accepted" in note for note in got["kernel"].values()), got["kernel"]
 
+
+# -- the GPU moved away: it breaks the lab (run last of the lab kernel's nic2, then closed) -----
 
 def test_the_gpu_moved_away_while_registered_ends_the_responder_naming_it(nic2_lab_kernel_lab, labs):
     """gpu1 is hot-removed from host1 (QMP device_del, what the fabric manager sends to move it)
