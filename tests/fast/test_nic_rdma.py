@@ -500,6 +500,9 @@ def test_a_writer_whose_peer_goes_silent_mid_write_names_it_and_what_it_acknowle
     assert "write 1 to 52:54:00:00:00:01: the peer went silent mid-transfer" in text, text
     assert "acknowledged 6 of 32 frames placed (remote offsets [0x1000, 0x2800))" in text, text
     assert "granted 16, 16 sent" in text and "write again from offset 0x2800" in text, text
+    # and what its NIC saw, before the fix (the fix stays the last words)
+    assert "granted 16, 16 sent: no answer within 0.05 s (this NIC: data queue 1 " in text, text
+    assert "gptc 1, " in text and text.endswith("once it serves"), text
     assert isinstance(lost.value, RdmaError) and len(nic.gathered) == 16
 
 
