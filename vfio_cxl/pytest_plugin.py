@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import pytest
 
 MARKER = "lab"
-KEPT = pytest.StashKey[list]()       # labs left up by --lab-keep: (test id, name, vms)
+KEPT = pytest.StashKey[list]()       # labs left up by --lab-keep: (test id, how to reach it)
+KEPT_OUTPUT = "vfio_cxl_kept"        # the same, from a pytest-xdist worker to its controller
 REPORTS = pytest.StashKey[dict]()    # item -> {phase: report}
 
 
@@ -312,9 +313,22 @@ def lab(request, lab_pool) -> RunningLab:
     lab_pool.forget(running)   # a failed test's lab is nobody's to reuse
     if request.config.getoption("--lab-keep"):
         running.disconnect()
-        request.config.stash[KEPT].append((request.node.nodeid, running))
+        request.config.stash[KEPT].append((request.node.nodeid, running.how_to_reach()))
     else:
         running.down()
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands the labs it left up to its controller, which prints them."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output[KEPT_OUTPUT] = session.config.stash.get(KEPT, [])
+
+
+@pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook, on its controller
+def pytest_testnodedown(node, error):
+    kept = getattr(node, "workeroutput", {}).get(KEPT_OUTPUT, [])
+    node.config.stash.setdefault(KEPT, []).extend(tuple(entry) for entry in kept)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -322,5 +336,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not kept:
         return
     terminalreporter.section("vfio-cxl labs left up (--lab-keep)")
-    for nodeid, running in kept:
-        terminalreporter.write_line(f"{nodeid} failed; {running.how_to_reach()}")
+    for nodeid, how_to_reach in kept:
+        terminalreporter.write_line(f"{nodeid} failed; {how_to_reach}")

@@ -118,6 +118,22 @@ def test_a_failed_tests_lab_is_brought_down_or_kept_with_lab_keep(project):
                                  "*vfio-cxl vm down single-1*"])
 
 
+def test_lab_keep_under_xdist_reports_the_workers_labs_on_the_controller(project):
+    """A worker's kept lab is printed by the controller (the worker's own summary is never shown)."""
+    project.makepyfile(test_x='''
+        import pytest
+
+        @pytest.mark.lab("single")
+        def test_fails(lab):
+            assert False, "on purpose"
+    ''')
+    result = project.runpytest_subprocess("-n", "1", "--lab-keep")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*vfio-cxl labs left up (--lab-keep)*",
+                                 "test_x.py::test_fails failed; lab single-1 (single) is up: VMs host0 (ssh port 40001)",
+                                 "*vfio-cxl vm down single-1*"])
+
+
 def test_the_fixture_without_a_marker_or_with_a_bad_one_says_how_to_write_it(project):
     project.makepyfile(test_u='''
         import pytest
