@@ -1,15 +1,21 @@
 """Shared test configuration: every test under tests/vm/ is a VM test; ``--soak`` runs the long
 repetitions (the ``soak`` fixture says which count a test takes); the session counts the labs it
-boots and the guest commands it runs (vfio_cxl.lab.usage) and says so at its end."""
+boots and the guest commands it runs (vfio_cxl.lab.usage) and says so at its end.
+
+Under pytest-xdist (scripts/test runs ``-n 2 --dist loadgroup``) the VM tests are one group: one
+worker runs them all, in the order tests/vm/conftest.py gives them (one lab at a time, each
+booted once), while the other workers run the fast tests beside them."""
 
 import os
 import tempfile
+from collections import Counter
 
 import pytest
 
 from vfio_cxl.lab import usage
 
 USAGE_LOG = pytest.StashKey[str]()
+FILE_SECONDS = pytest.StashKey["FileSeconds"]()
 
 
 def pytest_addoption(parser):
@@ -24,7 +30,29 @@ def soak(request):
     return lambda default, long: long if request.config.getoption("--soak") else default
 
 
+VM_GROUP = "vm"
+
+
+def is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+class FileSeconds:
+    """Seconds of setup, call and teardown by test file (on pytest-xdist's controller too: it
+    replays its workers' reports there)."""
+
+    def __init__(self):
+        self.by_file: Counter = Counter()
+
+    def pytest_runtest_logreport(self, report):
+        self.by_file[report.nodeid.split("::", 1)[0]] += report.duration
+
+
 def pytest_configure(config):
+    config.stash[FILE_SECONDS] = FileSeconds()
+    config.pluginmanager.register(config.stash[FILE_SECONDS], "vfio-cxl-file-seconds")
+    if is_xdist_worker(config):
+        return   # the controller made the log; its workers inherit $VFIO_CXL_USAGE_LOG
     # every process the session starts (detached labs, documented commands) inherits it
     # not "vfio-cxl-*": that is the lab's run directories' pattern in the same /tmp
     fd, path = tempfile.mkstemp(prefix="usage-of-vfio-cxl-tests-", suffix=".jsonl")
@@ -41,6 +69,12 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    if USAGE_LOG not in config.stash:
+        return
+    by_file = config.stash[FILE_SECONDS].by_file
+    slow = [f"{path.rsplit('/', 1)[-1]} {seconds:.0f}" for path, seconds in by_file.most_common() if seconds >= 10]
+    if slow:   # summed over the workers, which run side by side: more than the wall clock
+        terminalreporter.write_line(f"test seconds by file (10 s and more): {', '.join(slow)}")
     counted = usage.summary(config.stash[USAGE_LOG])
     boots = counted["boots"]
     if not boots and not counted["guest_commands"]:
@@ -60,10 +94,14 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"vfio-cxl usage: a pooled lab was booted again: {why}")
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's hook, which reads the group marker
 def pytest_collection_modifyitems(config, items):
+    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if "/tests/vm/" in str(item.fspath):
             item.add_marker(pytest.mark.vm)
+            if grouped:
+                item.add_marker(pytest.mark.xdist_group(VM_GROUP))
 
 
 @pytest.fixture(autouse=True)
