@@ -2,9 +2,9 @@
 repetitions (the ``soak`` fixture says which count a test takes); the session counts the labs it
 boots and the guest commands it runs (vfio_cxl.lab.usage) and says so at its end.
 
-Under pytest-xdist (scripts/test runs ``-n 2 --dist loadgroup``) the VM tests are one group: one
-worker runs them all, in the order tests/vm/conftest.py gives them (one lab at a time, each
-booted once), while the other workers run the fast tests beside them."""
+Under pytest-xdist (scripts/test runs ``-n 2``) the VM tests are one unit of work: one worker runs
+them all, in the order tests/vm/conftest.py gives them (one lab at a time, each booted once),
+while the other workers run the fast tests beside them, a module at a time."""
 
 import os
 import tempfile
@@ -28,9 +28,6 @@ def pytest_addoption(parser):
 def soak(request):
     """``soak(default, long)``: the repetition count of this run (``long`` under --soak)."""
     return lambda default, long: long if request.config.getoption("--soak") else default
-
-
-VM_GROUP = "vm"
 
 
 def is_xdist_worker(config) -> bool:
@@ -94,14 +91,17 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"vfio-cxl usage: a pooled lab was booted again: {why}")
 
 
-@pytest.hookimpl(tryfirst=True)   # before xdist's hook, which reads the group marker
 def pytest_collection_modifyitems(config, items):
-    grouped = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if "/tests/vm/" in str(item.fspath):
             item.add_marker(pytest.mark.vm)
-            if grouped:
-                item.add_marker(pytest.mark.xdist_group(VM_GROUP))
+
+
+@pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook
+def pytest_xdist_make_scheduler(config, log):
+    from one_vm_worker import make_scheduler
+
+    return make_scheduler(config, log)
 
 
 @pytest.fixture(autouse=True)
