@@ -1,8 +1,12 @@
 """VM tests: real QEMU, the real guest kernel, real SSH.
 
-One lab runs at a time (two cores under TCG): the ``labs`` pool keeps the lab
-of the topology the current test needs and stops the previous one.  Tests are
-ordered by topology so each boots once per session.
+One lab runs at a time per worker (two cores under TCG): the ``labs`` pool keeps the
+lab of the topology the current test needs and stops the previous one.  Tests are
+ordered by topology so each boots once per session.  scripts/test runs the tests of
+registered labs (tests/one_vm_worker.py REGISTERED: detached, the plugin's ``lab``,
+the documented commands) on one worker and the in-process labs on another, so two
+labs run side by side; a test that asks for a registered lab's fixture in another
+file is refused at collection.
 
 A boot costs tens of seconds, so a new VM test reuses a lab that is booted anyway:
 - ask for a topology's fixture (``single_lab``, ``shared_lab``, ``p2p_lab``, ``smc_lab``,
@@ -18,7 +22,8 @@ A boot costs tens of seconds, so a new VM test reuses a lab that is booted anywa
   docs/pytest-plugin.md) is a detached lab too, driven through ``lab.ssh`` and ``lab.fm``: a
   test that needs no QEMU internals (QMP, backend files) is written against it, as a user would.
 
-The pool (``labs``) is the plugin's ``lab_pool``: one lab at a time for all of them.
+The pool (``labs``) is the plugin's ``lab_pool``: one lab at a time for all of them
+(per worker).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from vfio_cxl.errors import LabError
 from vfio_cxl.lab.kernel import lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.pytest_plugin import LabPool, lab_key
+from one_vm_worker import REGISTERED, REGISTERED_FIXTURES
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "pool_lab": 4,
                   "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8,
@@ -115,8 +121,21 @@ def mark_smoke(items) -> None:
             item.add_marker(pytest.mark.smoke)
 
 
+def check_registered(items) -> None:
+    """A test that asks for a registered lab runs in one of one_vm_worker.REGISTERED's files: those
+    run on one worker, while another runs the in-process labs (tests/one_vm_worker.py)."""
+    for item in items:
+        asked = REGISTERED_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if asked and item.path.name not in REGISTERED:
+            raise pytest.UsageError(
+                f"{item.nodeid} asks for {', '.join(sorted(asked))} (a lab the fabric manager registers) "
+                f"but {item.path.name} is not in REGISTERED in tests/one_vm_worker.py: move the test to "
+                "a file there, or add its file (its tests then run on the registered labs' worker)")
+
+
 def pytest_collection_modifyitems(config, items):
     mark_smoke(items)
+    check_registered(items)
 
     def rank(item):
         fixtures = getattr(item, "fixturenames", ())

@@ -15,10 +15,12 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -108,6 +110,17 @@ class RayNode:
             self.kill(signal.SIGKILL)
         self.proc.wait(timeout=30)
         wait_until(f"ray node {self.name}'s processes to go", lambda: not session_processes(self.proc.pid), 30)
+
+
+@pytest.fixture(autouse=True)
+def own_run_directories(monkeypatch):
+    """A run-directory parent of this test's own ($VFIO_CXL_RUNDIR, which the Ray nodes and jobs
+    inherit): the checks of what a run leaves behind look there, and the in-process labs that
+    scripts/test runs on another worker meanwhile are not this run's (tests/one_vm_worker.py)."""
+    root = Path(tempfile.mkdtemp(prefix="mx-", dir="/tmp"))   # short: UNIX socket paths below it
+    monkeypatch.setenv("VFIO_CXL_RUNDIR", str(root))
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
