@@ -22,7 +22,7 @@ from __future__ import annotations
 VM_TESTS = "tests/vm/"
 REGISTERED = frozenset({
     "test_documented_commands.py", "test_fm_hostile.py", "test_guest_library.py", "test_lab_fabric.py",
-    "test_lab_fm.py", "test_lab_lifecycle.py", "test_lab_single.py", "test_matrix.py", "test_pytest_plugin.py",
+    "test_lab_fm.py", "test_lab_single.py", "test_matrix.py", "test_pytest_plugin.py",
     "test_redfish.py",
 })
 # the fixtures that give a test a registered lab, or clear the way for commands that need the only one
