@@ -2,9 +2,9 @@
 repetitions (the ``soak`` fixture says which count a test takes); the session counts the labs it
 boots and the guest commands it runs (vfio_cxl.lab.usage) and says so at its end.
 
-Under pytest-xdist (scripts/test runs ``-n 2``) the VM tests are one unit of work: one worker runs
-them all, in the order tests/vm/conftest.py gives them (one lab at a time, each booted once),
-while the other workers run the fast tests beside them, a module at a time."""
+Under pytest-xdist (scripts/test runs ``-n 3``) tests/xdist_units.py schedules: the VM tests in two
+units of work, each on one worker in order (the labs the fabric manager registers, the in-process
+ones), the fast tests beside them."""
 
 import os
 import tempfile
@@ -99,7 +99,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook
 def pytest_xdist_make_scheduler(config, log):
-    from one_vm_worker import make_scheduler
+    from xdist_units import make_scheduler
 
     return make_scheduler(config, log)
 

@@ -3,7 +3,7 @@
 One lab runs at a time per worker (two cores under TCG): the ``labs`` pool keeps the
 lab of the topology the current test needs and stops the previous one.  Tests are
 ordered by topology so each boots once per session.  scripts/test runs the tests of
-registered labs (tests/one_vm_worker.py REGISTERED: detached, the plugin's ``lab``,
+registered labs (tests/xdist_units.py REGISTERED: detached, the plugin's ``lab``,
 the documented commands) on one worker and the in-process labs on another, so two
 labs run side by side; a test that asks for a registered lab's fixture in another
 file is refused at collection.
@@ -38,7 +38,7 @@ from vfio_cxl.errors import LabError
 from vfio_cxl.lab.kernel import lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.pytest_plugin import LabPool, lab_key
-from one_vm_worker import REGISTERED, REGISTERED_FIXTURES
+from xdist_units import REGISTERED, REGISTERED_FIXTURES
 
 VM_DIR = Path(__file__).parent
 
@@ -125,8 +125,8 @@ def mark_smoke(items) -> None:
 
 
 def check_registered(items) -> None:
-    """A test that asks for a registered lab runs in one of one_vm_worker.REGISTERED's files: those
-    run on one worker, while another runs the in-process labs (tests/one_vm_worker.py)."""
+    """A test that asks for a registered lab runs in one of xdist_units.REGISTERED's files: those
+    run on one worker, while another runs the in-process labs (tests/xdist_units.py)."""
     for item in items:
         if item.path.parent != VM_DIR:
             continue   # this hook sees the whole session's items
@@ -134,7 +134,7 @@ def check_registered(items) -> None:
         if asked and item.path.name not in REGISTERED:
             raise pytest.UsageError(
                 f"{item.nodeid} asks for {', '.join(sorted(asked))} (a lab the fabric manager registers) "
-                f"but {item.path.name} is not in REGISTERED in tests/one_vm_worker.py: move the test to "
+                f"but {item.path.name} is not in REGISTERED in tests/xdist_units.py: move the test to "
                 "a file there, or add its file (its tests then run on the registered labs' worker)")
 
 

@@ -116,7 +116,7 @@ class RayNode:
 def own_run_directories(monkeypatch):
     """A run-directory parent of this test's own ($VFIO_CXL_RUNDIR, which the Ray nodes and jobs
     inherit): the checks of what a run leaves behind look there, and the in-process labs that
-    scripts/test runs on another worker meanwhile are not this run's (tests/one_vm_worker.py)."""
+    scripts/test runs on another worker meanwhile are not this run's (tests/xdist_units.py)."""
     root = Path(tempfile.mkdtemp(prefix="mx-", dir="/tmp"))   # short: UNIX socket paths below it
     monkeypatch.setenv("VFIO_CXL_RUNDIR", str(root))
     yield root

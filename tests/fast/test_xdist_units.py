@@ -1,4 +1,4 @@
-"""scripts/test's scheduling under pytest-xdist (tests/one_vm_worker.py), in a pytester run: the VM
+"""scripts/test's scheduling under pytest-xdist (tests/xdist_units.py), in a pytester run: the VM
 tests of the registered labs' files run on one worker, in collection order, the other VM tests on
 another, and the fast tests beside them."""
 
@@ -12,7 +12,7 @@ pytest_plugins = ["pytester"]
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 
-from one_vm_worker import REGISTERED, unit_of  # noqa: E402
+from xdist_units import REGISTERED, unit_of  # noqa: E402
 
 RECORDING = '''
 import os
@@ -28,7 +28,7 @@ def test_each_vm_unit_runs_on_one_worker_in_order_and_the_fast_tests_beside_them
     pytester.makeconftest(f'''
 import sys
 sys.path.insert(0, {str(TESTS)!r})
-from one_vm_worker import make_scheduler
+from xdist_units import make_scheduler
 
 def pytest_xdist_make_scheduler(config, log):
     return make_scheduler(config, log)
