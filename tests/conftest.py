@@ -69,7 +69,8 @@ def pytest_terminal_summary(terminalreporter, config):
     if USAGE_LOG not in config.stash:
         return
     by_file = config.stash[FILE_SECONDS].by_file
-    slow = [f"{path.rsplit('/', 1)[-1]} {seconds:.0f}" for path, seconds in by_file.most_common() if seconds >= 10]
+    # vm/test_x.py and fast/test_x.py both exist: named from below tests/
+    slow = [f"{path.split('tests/', 1)[-1]} {seconds:.0f}" for path, seconds in by_file.most_common() if seconds >= 10]
     if slow:   # summed over the workers, which run side by side: more than the wall clock
         terminalreporter.write_line(f"test seconds by file (10 s and more): {', '.join(slow)}")
     counted = usage.summary(config.stash[USAGE_LOG])
