@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import inspect
 import json
-from pathlib import Path
 
 import pytest
 
@@ -38,9 +37,7 @@ from vfio_cxl.errors import LabError
 from vfio_cxl.lab.kernel import lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.pytest_plugin import LabPool, lab_key
-from xdist_units import REGISTERED, REGISTERED_FIXTURES
-
-VM_DIR = Path(__file__).parent
+from xdist_units import REGISTERED_FIXTURES, unit_of
 
 TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "pool_lab": 4,
                   "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8,
@@ -128,10 +125,8 @@ def check_registered(items) -> None:
     """A test that asks for a registered lab runs in one of xdist_units.REGISTERED's files: those
     run on one worker, while another runs the in-process labs (tests/xdist_units.py)."""
     for item in items:
-        if item.path.parent != VM_DIR:
-            continue   # this hook sees the whole session's items
         asked = REGISTERED_FIXTURES & set(getattr(item, "fixturenames", ()))
-        if asked and item.path.name not in REGISTERED:
+        if asked and unit_of(item.nodeid) == "vm-in-process":   # the scheduler's own split
             raise pytest.UsageError(
                 f"{item.nodeid} asks for {', '.join(sorted(asked))} (a lab the fabric manager registers) "
                 f"but {item.path.name} is not in REGISTERED in tests/xdist_units.py: move the test to "
