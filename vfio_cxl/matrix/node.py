@@ -5,13 +5,25 @@
 Writes ``result.json`` (exit status, output, seconds) beside JOB.json; the lab's logs go to
 ``lab/``.  SIGINT or SIGTERM stops the lab (the ``with`` block), as Ctrl-C does for
 ``vfio-cxl vm up``.
+
+The job ends with the process that supervises it (vfio_cxl.matrix.job.supervise): its parent.
+PR_SET_PDEATHSIG sends the SIGINT when that parent dies; ``SupervisorWatch`` stands behind it,
+watching the parent's pidfd, so no orphaned job outlives its supervisor by more than
+ORPHAN_GRACE seconds, whatever it was doing (seen once in a full test run: a killed node's job
+still up 6 minutes later, single-threaded in epoll_wait).  An orphan removes its own work
+directory as it goes: nobody is left to collect its logs.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
+import select
+import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,11 +33,68 @@ from ..lab.kernel import resolve
 from ..lab.lab import Lab
 from .job import OUTPUT_KEEP
 
+ORPHAN_GRACE = 60   # seconds an orphaned job gets to stop its lab before it ends itself
+
+
+class SupervisorWatch:
+    """Interrupt this process (SIGINT to the main thread, as Ctrl-C) when ``supervisor`` exits,
+    and end it ``grace`` seconds later if it is still there, removing ``workdir`` first.  A
+    daemon thread blocks on the supervisor's pidfd: readable once it has exited."""
+
+    def __init__(self, supervisor: int, workdir: Path, grace: float = ORPHAN_GRACE):
+        self.supervisor, self.workdir, self.grace = supervisor, workdir, grace
+        self.orphaned = threading.Event()
+        try:
+            self._pidfd = os.pidfd_open(supervisor)
+        except ProcessLookupError:
+            self._pidfd = None   # gone already
+        if os.getppid() != supervisor:   # it died before the pidfd (or the pid is another's now)
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+            self._pidfd = None
+        threading.Thread(target=self._watch, name="supervisor-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        if self._pidfd is not None:
+            select.select([self._pidfd], [], [])
+            os.close(self._pidfd)
+        self.orphaned.set()
+        print(f"vfio-cxl matrix: the job's supervisor (pid {self.supervisor}) is gone; stopping",
+              file=sys.stderr, flush=True)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)   # ignored if one came already
+        threading.main_thread().join(self.grace)
+        if threading.main_thread().is_alive():
+            print(f"vfio-cxl matrix: the lab did not stop within {self.grace:.0f} s of the supervisor's "
+                  "end; ending now (its QEMU and device servers die with this process). Where it was:",
+                  file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            os._exit(1)
+
+
+def interrupted(*_) -> None:
+    """SIGINT or SIGTERM: KeyboardInterrupt once, which stops the lab; a second signal (the
+    parent-death signal and SupervisorWatch's both come when the supervisor dies) would cut that
+    stop short, so later ones are ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
 
 def main(argv: list[str]) -> int:
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    for sig in (signal.SIGINT, signal.SIGTERM):   # SIGINT even if this process started with it ignored
+        signal.signal(sig, interrupted)
     job = json.loads(Path(argv[0]).read_text())
     workdir = Path(job["workdir"])
+    watch = SupervisorWatch(os.getppid(), workdir)
+    try:
+        return run(job, workdir)
+    finally:
+        if watch.orphaned.is_set():   # nobody is left to collect the logs
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run(job: dict, workdir: Path) -> int:
     cell, spec = job["cell"], job["spec"]
     topo = topology.parse(spec["topology"]["toml"], spec["topology"]["name"], f"{spec['topology']['name']}.toml")
     kernel = cell.get("kernel")

@@ -1,0 +1,110 @@
+"""A guest-command job (vfio_cxl.matrix.node) ends with its supervisor: SupervisorWatch, behind
+the parent-death signal, interrupts it when its parent exits and ends it after a grace if it does
+not stop, removing its work directory (nobody is left to collect it).  Real processes: a
+supervisor that starts the job and is SIGKILLed, as a lost Ray node's worker is."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# The job: SupervisorWatch as node.main sets it up, then a main thread that either stops when
+# interrupted or swallows the interrupt and goes on waiting (a stop that hangs).
+JOB = textwrap.dedent('''
+    import signal, sys, threading, time
+    from pathlib import Path
+    from vfio_cxl.matrix import node
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, node.interrupted)
+    workdir, mode = Path(sys.argv[1]), sys.argv[2]
+    watch = node.SupervisorWatch(int(sys.argv[3]), workdir, grace=float(sys.argv[4]))
+    print("running", flush=True)
+    try:
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            if mode == "hangs":
+                threading.Event().wait()   # a stop that never ends
+    finally:
+        if watch.orphaned.is_set():
+            import shutil
+            shutil.rmtree(workdir, ignore_errors=True)
+''')
+# The supervisor: starts the job in a session of its own (as supervise() does) and prints its pid.
+SUPERVISOR = textwrap.dedent('''
+    import os, subprocess, sys, threading
+    job = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:4], str(os.getpid()), sys.argv[4]],
+                           stdout=sys.stdout, stderr=subprocess.STDOUT, start_new_session=True)
+    print(job.pid, flush=True)
+    threading.Event().wait()
+''')
+
+
+def start(tmp_path, mode: str, grace: float):
+    workdir = tmp_path / "matrix-job-1-1"
+    (workdir / "lab").mkdir(parents=True)
+    (workdir / "lab" / "console.log").write_text("booting\n")
+    log = open(tmp_path / "job.log", "w+")
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, JOB, str(workdir), mode, str(grace)],
+                                  stdout=subprocess.PIPE, stderr=log, text=True)
+    job_pid = int(supervisor.stdout.readline())
+    return supervisor, job_pid, workdir, log
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """True once ``pid`` has exited (its pidfd is readable), False after ``timeout``."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def job_output(supervisor, log) -> str:
+    log.seek(0)
+    return supervisor.stdout.read() + log.read()
+
+
+@pytest.mark.parametrize("mode", ["stops", "hangs"])
+def test_a_job_whose_supervisor_is_killed_ends_and_removes_its_work_directory(tmp_path, mode):
+    supervisor, job_pid, workdir, log = start(tmp_path, mode, grace=1.0)
+    try:
+        # the job runs, and stays running while its supervisor does
+        assert not wait_gone(job_pid, 0.5)
+        supervisor.kill()                      # SIGKILL: the supervisor cannot stop its job
+        supervisor.wait()
+        assert wait_gone(job_pid, 30), f"the orphaned job (pid {job_pid}) is still running"
+    finally:
+        if not wait_gone(job_pid, 0):
+            os.kill(job_pid, signal.SIGKILL)
+    out = job_output(supervisor, log)
+    assert "interrupted" in out, out
+    assert "supervisor (pid" in out and "is gone; stopping" in out, out
+    if mode == "hangs":   # ended by the watch after its grace, saying where the main thread was
+        assert "did not stop within 1 s" in out and "Current thread" not in out.split("Where it was:")[0], out
+        assert "File " in out.split("Where it was:")[1], out
+    assert not workdir.exists(), sorted(workdir.rglob("*"))
+
+
+def test_a_job_whose_supervisor_is_alive_keeps_running(tmp_path):
+    supervisor, job_pid, workdir, log = start(tmp_path, "stops", grace=1.0)
+    try:
+        assert not wait_gone(job_pid, 2.0)     # longer than the grace: nothing ends it
+        assert workdir.is_dir()
+    finally:
+        os.kill(job_pid, signal.SIGTERM)       # as the supervisor's stop does
+        assert wait_gone(job_pid, 30)
+        supervisor.kill()
+        supervisor.wait()
+    assert "interrupted" in job_output(supervisor, log)
+    assert workdir.is_dir()                    # not orphaned: the supervisor collects it
