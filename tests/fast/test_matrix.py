@@ -103,6 +103,19 @@ retries = 2
     assert [(j.cell.label, j.timeout, j.retries) for j in jobs] == [("env kernel=debian topology=single backend=type1", 60, 2)]
 
 
+def test_a_backend_cell_runs_its_command_with_that_backend():
+    """The command sees $VFIO_CXL_BACKEND (docs/matrix.md), and the guest library, which reads
+    its own variable, drives the devices with the cell's backend."""
+    from vfio_cxl.guest.vfio.backend import BACKEND_ENV
+    from vfio_cxl.matrix.node import guest_command
+
+    line = guest_command("vfio-cxl gpu dma", {"kernel": "lab", "backend": "type1"})
+    ran = subprocess.run(["bash", "-c", line.replace("vfio-cxl gpu dma", f"echo $VFIO_CXL_BACKEND ${BACKEND_ENV}")],
+                         capture_output=True, text=True, check=True)
+    assert ran.stdout.split() == ["type1", "type1"]
+    assert guest_command("uname -r", {"kernel": "lab"}) == "uname -r"
+
+
 # ---------------------------------------------------------------- refusals, naming what is wrong
 
 @pytest.mark.parametrize("text, words", [

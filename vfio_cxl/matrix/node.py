@@ -94,15 +94,23 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def guest_command(command: str, cell: dict) -> str:
+    """The cell's command as it runs in the guest: with a backend axis, $VFIO_CXL_BACKEND names
+    the cell's backend for the command, and $VFIO_CXL_VFIO_BACKEND makes the guest library drive
+    its devices with it (vfio_cxl.guest.vfio.backend) rather than pick one."""
+    backend = cell.get("backend")
+    if not backend:
+        return command
+    return f"export VFIO_CXL_BACKEND={backend} VFIO_CXL_VFIO_BACKEND={backend}; {command}"
+
+
 def run(job: dict, workdir: Path) -> int:
     cell, spec = job["cell"], job["spec"]
     topo = topology.parse(spec["topology"]["toml"], spec["topology"]["name"], f"{spec['topology']['name']}.toml")
     kernel = cell.get("kernel")
     chosen = None if kernel in (None, "debian") else \
         resolve(job.get("kernel_local") or kernel, provision=bool(job.get("provision")))
-    command = spec["command"]
-    if cell.get("backend"):
-        command = f"export VFIO_CXL_BACKEND={cell['backend']}; {command}"
+    command = guest_command(spec["command"], cell)
     started = time.monotonic()
     lab = Lab(topo, kernel=chosen, logdir=workdir / "lab", log=lambda m: print(m, file=sys.stderr, flush=True))
     # The job's timeout bounds the boot too (the lab's own default is 180 s; the supervisor
