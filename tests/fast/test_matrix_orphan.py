@@ -5,6 +5,7 @@ supervisor that starts the job and is SIGKILLed, as a lost Ray node's worker is.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -70,6 +71,16 @@ def wait_gone(pid: int, timeout: float) -> bool:
         os.close(fd)
 
 
+def end(supervisor, job_pid: int) -> None:
+    """Whatever a failed check left: the job, then its supervisor, killed and gone."""
+    if not wait_gone(job_pid, 0):
+        with contextlib.suppress(ProcessLookupError):   # it may end meanwhile
+            os.kill(job_pid, signal.SIGKILL)
+        wait_gone(job_pid, 30)
+    supervisor.kill()
+    supervisor.wait()
+
+
 def job_output(supervisor, log) -> str:
     log.seek(0)
     return supervisor.stdout.read() + log.read()
@@ -85,8 +96,7 @@ def test_a_job_whose_supervisor_is_killed_ends_and_removes_its_work_directory(tm
         supervisor.wait()
         assert wait_gone(job_pid, 30), f"the orphaned job (pid {job_pid}) is still running"
     finally:
-        if not wait_gone(job_pid, 0):
-            os.kill(job_pid, signal.SIGKILL)
+        end(supervisor, job_pid)
     out = job_output(supervisor, log)
     assert "interrupted" in out, out
     assert "supervisor (pid" in out and "is gone; stopping" in out, out
@@ -101,10 +111,9 @@ def test_a_job_whose_supervisor_is_alive_keeps_running(tmp_path):
     try:
         assert not wait_gone(job_pid, 2.0)     # longer than the grace: nothing ends it
         assert workdir.is_dir()
-    finally:
         os.kill(job_pid, signal.SIGTERM)       # as the supervisor's stop does
         assert wait_gone(job_pid, 30)
-        supervisor.kill()
-        supervisor.wait()
+    finally:
+        end(supervisor, job_pid)
     assert "interrupted" in job_output(supervisor, log)
     assert workdir.is_dir()                    # not orphaned: the supervisor collects it
