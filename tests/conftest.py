@@ -73,6 +73,14 @@ def pytest_terminal_summary(terminalreporter, config):
     slow = [f"{path.split('tests/', 1)[-1]} {seconds:.0f}" for path, seconds in by_file.most_common() if seconds >= 10]
     if slow:   # summed over the workers, which run side by side: more than the wall clock
         terminalreporter.write_line(f"test seconds by file (10 s and more): {', '.join(slow)}")
+    from xdist_units import unit_of
+
+    by_unit: Counter = Counter()
+    for path, seconds in by_file.items():
+        by_unit[unit_of(path) or "fast"] += seconds
+    if len(by_unit) > 1:   # one worker runs each VM unit: its seconds are about that worker's wall clock
+        terminalreporter.write_line("test seconds by unit of work: " + ", ".join(
+            f"{unit} {seconds:.0f}" for unit, seconds in by_unit.most_common()))
     counted = usage.summary(config.stash[USAGE_LOG])
     boots = counted["boots"]
     if not boots and not counted["guest_commands"]:
