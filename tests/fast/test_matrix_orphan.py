@@ -15,35 +15,37 @@ import textwrap
 
 import pytest
 
-# The job: SupervisorWatch as node.main sets it up, then a main thread that either stops when
+# The job: node.supervised, as node.main runs it, around a body that either stops when
 # interrupted or swallows the interrupt and goes on waiting (a stop that hangs).
 JOB = textwrap.dedent('''
-    import signal, sys, threading, time
+    import signal, sys, threading
     from pathlib import Path
     from vfio_cxl.matrix import node
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, node.interrupted)
-    workdir, mode = Path(sys.argv[1]), sys.argv[2]
-    watch = node.SupervisorWatch(int(sys.argv[3]), workdir, grace=float(sys.argv[4]))
-    print("running", flush=True)
-    try:
+    node.ORPHAN_GRACE = float(sys.argv[3])
+    mode = sys.argv[2]
+
+    def body():
         try:
+            print("running", flush=True)   # inside the try: the interrupt may come as it returns
             threading.Event().wait()
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             if mode == "hangs":
                 threading.Event().wait()   # a stop that never ends
-    finally:
-        if watch.orphaned.is_set():
-            import shutil
-            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+    node.supervised(Path(sys.argv[1]), body, int(sys.argv[4]))
 ''')
-# The supervisor: starts the job in a session of its own (as supervise() does) and prints its pid.
+# The supervisor: starts the job in a session of its own (as supervise() does) and prints its
+# pid; "gone" exits at once, before the job has even started its watch.
 SUPERVISOR = textwrap.dedent('''
     import os, subprocess, sys, threading
-    job = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:4], str(os.getpid()), sys.argv[4]],
-                           stdout=sys.stdout, stderr=subprocess.STDOUT, start_new_session=True)
+    job = subprocess.Popen([sys.executable, "-c", *sys.argv[1:], str(os.getpid())], stdout=sys.stdout,
+                           stderr=subprocess.STDOUT, start_new_session=True)
     print(job.pid, flush=True)
+    if sys.argv[3] == "gone":
+        os._exit(0)
     threading.Event().wait()
 ''')
 
@@ -55,8 +57,15 @@ def start(tmp_path, mode: str, grace: float):
     log = open(tmp_path / "job.log", "w+")
     supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, JOB, str(workdir), mode, str(grace)],
                                   stdout=subprocess.PIPE, stderr=log, text=True)
-    job_pid = int(supervisor.stdout.readline())
+    job_pid = int(read_line(supervisor.stdout, 60))
     return supervisor, job_pid, workdir, log
+
+
+def read_line(stream, timeout: float) -> str:
+    """The next line of a pipe, or an assertion after ``timeout`` s."""
+    ready = select.select([stream], [], [], timeout)[0]
+    assert ready, f"no line within {timeout:.0f} s"
+    return stream.readline().strip()
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -90,8 +99,7 @@ def job_output(supervisor, log) -> str:
 def test_a_job_whose_supervisor_is_killed_ends_and_removes_its_work_directory(tmp_path, mode):
     supervisor, job_pid, workdir, log = start(tmp_path, mode, grace=1.0)
     try:
-        # the job runs, and stays running while its supervisor does
-        assert not wait_gone(job_pid, 0.5)
+        assert read_line(supervisor.stdout, 60) == "running"   # its watch is started
         supervisor.kill()                      # SIGKILL: the supervisor cannot stop its job
         supervisor.wait()
         assert wait_gone(job_pid, 30), f"the orphaned job (pid {job_pid}) is still running"
@@ -109,6 +117,7 @@ def test_a_job_whose_supervisor_is_killed_ends_and_removes_its_work_directory(tm
 def test_a_job_whose_supervisor_is_alive_keeps_running(tmp_path):
     supervisor, job_pid, workdir, log = start(tmp_path, "stops", grace=1.0)
     try:
+        assert read_line(supervisor.stdout, 60) == "running"
         assert not wait_gone(job_pid, 2.0)     # longer than the grace: nothing ends it
         assert workdir.is_dir()
         os.kill(job_pid, signal.SIGTERM)       # as the supervisor's stop does
@@ -117,3 +126,14 @@ def test_a_job_whose_supervisor_is_alive_keeps_running(tmp_path):
         end(supervisor, job_pid)
     assert "interrupted" in job_output(supervisor, log)
     assert workdir.is_dir()                    # not orphaned: the supervisor collects it
+
+
+def test_a_job_whose_supervisor_is_gone_before_its_watch_starts_ends_and_removes_its_work_directory(tmp_path):
+    supervisor, job_pid, workdir, log = start(tmp_path, "gone", grace=1.0)
+    try:
+        supervisor.wait()                      # gone while the job is still starting
+        assert wait_gone(job_pid, 60), f"the orphaned job (pid {job_pid}) is still running"
+    finally:
+        end(supervisor, job_pid)
+    assert "is gone; stopping" in job_output(supervisor, log)
+    assert not workdir.exists(), sorted(workdir.rglob("*"))

@@ -350,7 +350,9 @@ def execute(job: dict, node: dict, kernel_file: tuple[bytes, str, str | None] | 
         if kernel_file is not None:
             data, name, config = kernel_file
             job = {**job, "kernel_local": str(place_kernel(data, name, config, mine["kernel"][len("file-"):]))}
-        (workdir / "job.json").write_text(json.dumps({**job, "workdir": str(workdir)}, indent=1))
+        # "supervisor": this process, which the child (vfio_cxl.matrix.node) ends with
+        (workdir / "job.json").write_text(json.dumps({**job, "workdir": str(workdir), "supervisor": os.getpid()},
+                                                     indent=1))
         ran = supervise(child_argv(job, workdir), workdir, job["timeout"])
         status, tests, message = results(job, workdir, ran)
         return {**outcome, "status": status, "tests": tests, "message": message,

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..errors import LabError
 from ..lab import topology
@@ -37,12 +38,14 @@ ORPHAN_GRACE = 60   # seconds an orphaned job gets to stop its lab before it end
 
 
 class SupervisorWatch:
-    """Interrupt this process (SIGINT to the main thread, as Ctrl-C) when ``supervisor`` exits,
-    and end it ``grace`` seconds later if it is still there, removing ``workdir`` first.  A
-    daemon thread blocks on the supervisor's pidfd: readable once it has exited."""
+    """Once started: interrupt this process (SIGINT to the main thread, as Ctrl-C) when
+    ``supervisor`` exits, and end it ``grace`` seconds later if it is still there, removing
+    ``workdir`` first.  A daemon thread blocks on the supervisor's pidfd: readable once it has
+    exited.  ``orphaned`` is set before the interrupt."""
 
-    def __init__(self, supervisor: int, workdir: Path, grace: float = ORPHAN_GRACE):
-        self.supervisor, self.workdir, self.grace = supervisor, workdir, grace
+    def __init__(self, supervisor: int, workdir: Path, grace: float | None = None):
+        self.supervisor, self.workdir = supervisor, workdir
+        self.grace = ORPHAN_GRACE if grace is None else grace
         self.orphaned = threading.Event()
         try:
             self._pidfd = os.pidfd_open(supervisor)
@@ -52,6 +55,8 @@ class SupervisorWatch:
             if self._pidfd is not None:
                 os.close(self._pidfd)
             self._pidfd = None
+
+    def start(self) -> None:
         threading.Thread(target=self._watch, name="supervisor-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -86,9 +91,19 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, interrupted)
     job = json.loads(Path(argv[0]).read_text())
     workdir = Path(job["workdir"])
-    watch = SupervisorWatch(os.getppid(), workdir)
+    # the supervisor's pid, from the job file: by the time this runs the parent may be gone,
+    # and the parent's pid then is init's
+    return supervised(workdir, lambda: run(job, workdir), job.get("supervisor") or os.getppid())
+
+
+def supervised(workdir: Path, body: Callable[[], int], supervisor: int) -> int:
+    """``body()`` under a SupervisorWatch of ``supervisor`` (this process's parent); an orphan's
+    ``workdir`` goes as it ends, however early the supervisor went (the interrupt can come while
+    the watch starts: it is started inside the ``try``)."""
+    watch = SupervisorWatch(supervisor, workdir)
     try:
-        return run(job, workdir)
+        watch.start()
+        return body()
     finally:
         if watch.orphaned.is_set():   # nobody is left to collect the logs
             shutil.rmtree(workdir, ignore_errors=True)
