@@ -5,7 +5,6 @@ supervisor that starts the job and is SIGKILLed, as a lost Ray node's worker is.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import signal
@@ -14,6 +13,9 @@ import sys
 import textwrap
 
 import pytest
+
+from vfio_cxl.lab.fm import procs
+from vfio_cxl.lab.fm.procs import ProcessId
 
 # The job: node.supervised, as node.main runs it, around a body that either stops when
 # interrupted or swallows the interrupt and goes on waiting (a stop that hangs).
@@ -51,14 +53,17 @@ SUPERVISOR = textwrap.dedent('''
 
 
 def start(tmp_path, mode: str, grace: float):
+    """The supervisor, its job (a ProcessId: pid reuse cannot fool the checks), the job's work
+    directory, and the file that gets the supervisor's stderr."""
     workdir = tmp_path / "matrix-job-1-1"
     (workdir / "lab").mkdir(parents=True)
     (workdir / "lab" / "console.log").write_text("booting\n")
-    log = open(tmp_path / "job.log", "w+")
-    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, JOB, str(workdir), mode, str(grace)],
-                                  stdout=subprocess.PIPE, stderr=log, text=True)
+    log = tmp_path / "job.log"
+    with open(log, "w") as stderr:   # the supervisor keeps its own copy
+        supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, JOB, str(workdir), mode, str(grace)],
+                                      stdout=subprocess.PIPE, stderr=stderr, text=True)
     job_pid = int(read_line(supervisor.stdout, 60))
-    return supervisor, job_pid, workdir, log
+    return supervisor, ProcessId.of(job_pid) or ProcessId(job_pid, -1), workdir, log   # -1: gone already
 
 
 def read_line(stream, timeout: float) -> str:
@@ -68,43 +73,32 @@ def read_line(stream, timeout: float) -> str:
     return stream.readline().strip()
 
 
-def wait_gone(pid: int, timeout: float) -> bool:
-    """True once ``pid`` has exited (its pidfd is readable), False after ``timeout``."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], timeout)[0])
-    finally:
-        os.close(fd)
+def gone(job: ProcessId, timeout: float) -> bool:
+    return not procs.wait_gone([job], timeout)
 
 
-def end(supervisor, job_pid: int) -> None:
+def end(supervisor, job: ProcessId) -> None:
     """Whatever a failed check left: the job, then its supervisor, killed and gone."""
-    if not wait_gone(job_pid, 0):
-        with contextlib.suppress(ProcessLookupError):   # it may end meanwhile
-            os.kill(job_pid, signal.SIGKILL)
-        wait_gone(job_pid, 30)
+    if procs.kill(job):   # its group too: it leads its session
+        gone(job, 30)
     supervisor.kill()
     supervisor.wait()
 
 
 def job_output(supervisor, log) -> str:
-    log.seek(0)
-    return supervisor.stdout.read() + log.read()
+    return supervisor.communicate()[0] + log.read_text()   # to its end, and the pipe closed
 
 
 @pytest.mark.parametrize("mode", ["stops", "hangs"])
 def test_a_job_whose_supervisor_is_killed_ends_and_removes_its_work_directory(tmp_path, mode):
-    supervisor, job_pid, workdir, log = start(tmp_path, mode, grace=1.0)
+    supervisor, job, workdir, log = start(tmp_path, mode, grace=1.0)
     try:
         assert read_line(supervisor.stdout, 60) == "running"   # its watch is started
         supervisor.kill()                      # SIGKILL: the supervisor cannot stop its job
         supervisor.wait()
-        assert wait_gone(job_pid, 30), f"the orphaned job (pid {job_pid}) is still running"
+        assert gone(job, 30), f"the orphaned job (pid {job.pid}) is still running"
     finally:
-        end(supervisor, job_pid)
+        end(supervisor, job)
     out = job_output(supervisor, log)
     assert "interrupted" in out, out
     assert "supervisor (pid" in out and "is gone; stopping" in out, out
@@ -115,25 +109,25 @@ def test_a_job_whose_supervisor_is_killed_ends_and_removes_its_work_directory(tm
 
 
 def test_a_job_whose_supervisor_is_alive_keeps_running(tmp_path):
-    supervisor, job_pid, workdir, log = start(tmp_path, "stops", grace=1.0)
+    supervisor, job, workdir, log = start(tmp_path, "stops", grace=1.0)
     try:
         assert read_line(supervisor.stdout, 60) == "running"
-        assert not wait_gone(job_pid, 2.0)     # longer than the grace: nothing ends it
+        assert not gone(job, 2.0)              # longer than the grace: nothing ends it
         assert workdir.is_dir()
-        os.kill(job_pid, signal.SIGTERM)       # as the supervisor's stop does
-        assert wait_gone(job_pid, 30)
+        os.kill(job.pid, signal.SIGTERM)       # as the supervisor's stop does
+        assert gone(job, 30)
     finally:
-        end(supervisor, job_pid)
+        end(supervisor, job)
     assert "interrupted" in job_output(supervisor, log)
     assert workdir.is_dir()                    # not orphaned: the supervisor collects it
 
 
 def test_a_job_whose_supervisor_is_gone_before_its_watch_starts_ends_and_removes_its_work_directory(tmp_path):
-    supervisor, job_pid, workdir, log = start(tmp_path, "gone", grace=1.0)
+    supervisor, job, workdir, log = start(tmp_path, "gone", grace=1.0)
     try:
         supervisor.wait()                      # gone while the job is still starting
-        assert wait_gone(job_pid, 60), f"the orphaned job (pid {job_pid}) is still running"
+        assert gone(job, 60), f"the orphaned job (pid {job.pid}) is still running"
     finally:
-        end(supervisor, job_pid)
+        end(supervisor, job)
     assert "is gone; stopping" in job_output(supervisor, log)
     assert not workdir.exists(), sorted(workdir.rglob("*"))

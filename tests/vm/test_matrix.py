@@ -31,7 +31,7 @@ import pytest
 import documented_commands
 from junitparser import JUnitXml
 
-from vfio_cxl.lab.fm.procs import cmdline, comm, descendants
+from vfio_cxl.lab.fm.procs import cmdline, comm, descendants, processes_mentioning
 from vfio_cxl.lab.kernel import cached_lab_kernel
 from vfio_cxl.matrix import node
 from vfio_cxl.matrix.engine import session_processes
@@ -54,12 +54,6 @@ def kill_session(sid: int, sig: int) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
-
-
-def job_processes(workdir_part: str) -> list[int]:
-    """The pids of guest-command jobs (vfio_cxl.matrix.node) whose JOB.json path has this in it."""
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
-            and "vfio_cxl.matrix.node" in (argv := cmdline(int(p.name))) and workdir_part in argv]
 
 
 def wait_until(what: str, check, timeout: float):
@@ -259,9 +253,9 @@ def test_two_node_cluster_retries_a_job_of_a_killed_worker_on_the_head(cluster, 
         assert (back / "result.json").is_file() and list(back.glob("lab/*/console.log")), sorted(back.rglob("*"))
     releases = {j["cell"]["kernel"]: j["tests"][0]["output"].strip() for j in data["jobs"]}
     assert len(set(releases.values())) == len(kernels())          # each kernel reports its own release
-    # the killed worker's job (vfio_cxl.matrix.node, in a session of its own) ends with its
-    # supervisor, within node.ORPHAN_GRACE, and takes its work directory with it
-    wait_until("the killed worker's job to end", lambda: not job_processes(f"/matrix-{job['id']}-1-"),
+    # the killed worker's job (vfio_cxl.matrix.node, in a session of its own) and all that names its
+    # work directory end with its supervisor, within node.ORPHAN_GRACE, and the directory goes too
+    wait_until("the killed worker's job to end", lambda: not processes_mentioning(f"/matrix-{job['id']}-1-"),
                node.ORPHAN_GRACE + 30)
     assert not set(runtime_root().glob("matrix-*")) - before, "the killed worker's job left its work directory"
     xml = JUnitXml.fromfile(str(tmp_path / "junit.xml"))
