@@ -3,7 +3,10 @@
 Built from ``images/guest.toml`` (plus ``images/rootfs/`` and
 ``images/initramfs-init``) into ``<cache>/images/<recipe hash>/``:
 
-* ``vmlinuz``, ``initrd.img`` -- booted directly with -kernel/-initrd;
+* ``vmlinuz``, ``initrd.img`` -- the kernel package's bzImage and the initramfs;
+* ``vmlinux``                 -- the ELF kernel inside ``vmlinuz``, unpacked once (also in an
+  image built before it was): what -kernel boots, entered at its PVH entry point, so no boot
+  stub decompresses it under TCG on every boot (see ``bzimage``);
 * ``config``                  -- that kernel's configuration (its CONFIG_HZ sets timer
   figures on the command line);
 * ``rootfs.raw``              -- ext4, shared read-only by every VM (each VM
@@ -30,13 +33,14 @@ from pathlib import Path
 
 from ..errors import LabError
 from ..paths import cache_root, data_dir
-from . import apt
+from . import apt, bzimage
 from .kconfig import kconfig_hz, parse_config
 from .recipe import Progress, building, recipe_hash
 
 IMAGES_DIR = data_dir("images")   # the recipe: images/ of the checkout; a wheel carries a copy
 GUEST_HOST_KEY = "/etc/dropbear/dropbear_ed25519_host_key"   # the guest init starts dropbear with it
-HOST_PACKAGES = ["mmdebstrap", "cpio", "e2fsprogs", "openssh-client", "kmod", "debian-archive-keyring"]
+HOST_PACKAGES = ["mmdebstrap", "cpio", "e2fsprogs", "openssh-client", "kmod", "debian-archive-keyring",
+                 "zstd"]   # zstd: Debian's kernel is zstd-compressed (bzimage)
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,9 @@ class GuestImage:
 
     @property
     def kernel(self) -> Path:
-        return self.root / "vmlinuz"
+        """What the lab boots: the unpacked ``vmlinux`` (see ``unpack_kernel``), else ``vmlinuz``."""
+        vmlinux = self.root / "vmlinux"
+        return vmlinux if vmlinux.is_file() else self.root / "vmlinuz"
 
     @property
     def initrd(self) -> Path:
@@ -96,7 +102,27 @@ def find_image(provision: bool = True, log=print) -> GuestImage:
             raise LabError(f"no guest image built for the current recipe ({dest.name})",
                            "run: vfio-cxl provision")
         build_image(dest, log)
-    return GuestImage(dest)
+    image = GuestImage(dest)
+    unpack_kernel(image, log)
+    return image
+
+
+def unpack_kernel(image: GuestImage, log=print) -> None:
+    """Unpack the image's kernel into ``vmlinux`` once, when QEMU can enter it (``CONFIG_PVH=y``).
+    The bzImage stays the fallback: an image whose directory this user cannot write, or whose
+    kernel cannot be unpacked, boots ``vmlinuz`` as before, with one line saying why."""
+    out = image.root / "vmlinux"
+    config = image.root / "config"
+    if out.is_file() or not config.is_file() or parse_config(config.read_text()).get("PVH") != "y":
+        return   # QEMU enters an ELF kernel only through its PVH note: without it, the bzImage
+    vmlinuz = image.root / "vmlinuz"
+    try:
+        if bzimage.compression(vmlinuz) == "zstd":
+            apt.ensure_host_packages(["zstd"], log)
+        bzimage.unpack(vmlinuz, out)
+    except (LabError, OSError) as e:
+        log(f"booting the compressed kernel {vmlinuz} (decompressed on every boot): cannot unpack it "
+            f"to {out}: {e}")
 
 
 def _run(cmd: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
@@ -232,6 +258,7 @@ def build_image(dest: Path, log=print) -> GuestImage:
         _install_modules(recipe, version, kernel, rootfs)
         shutil.copy2(kernel / "boot" / f"vmlinuz-{version}", out / "vmlinuz")
         shutil.copy2(kernel / "boot" / f"config-{version}", out / "config")
+        unpack_kernel(GuestImage(out), log)
         progress.step("building initramfs")
         _build_initramfs(recipe, version, rootfs, out / "initrd.img", work)
         _configure_rootfs(rootfs, out)
