@@ -54,7 +54,8 @@ def summary(path: str) -> dict:
     commands = python = 0
     seconds = {"booted": 0.0, "stopped": 0.0}
     try:
-        lines = open(path).read().splitlines()
+        with open(path) as f:
+            lines = f.read().splitlines()
     except FileNotFoundError:
         lines = []
     for line in lines:
