@@ -72,6 +72,8 @@ def test_each_format_unpacks_to_the_elf_without_what_follows_it(tmp_path, kind):
     (lambda s, n: fake_bzimage(b"\x02\x21\x4c\x18" + s, n), "lz4-compressed, which the lab cannot unpack"),
     (lambda s, n: fake_bzimage(b"\x00" * 8 + s, n), "no compression a kernel uses"),
     (lambda s, n: fake_bzimage(gzip.compress(b"not an elf" * 10), 100), "not a 64-bit little-endian ELF"),
+    (lambda s, n: fake_bzimage(s[:10] + bytes(b ^ 0x55 for b in s[10:60]) + s[60:], n), "gzip payload is damaged"),
+    (lambda s, n: fake_bzimage(gzip.compress(b"\x7fELF\x02\x01" + b"\xff" * 100), 106), "program headers"),
     (lambda s, n: fake_bzimage(s, bzimage.MAX_KERNEL + 1), "over"),
 ])
 def test_a_bad_bzimage_is_named_and_nothing_is_written(tmp_path, build, message):
@@ -153,3 +155,27 @@ def pvh_entry(elf: bytes) -> int | None:
                 return struct.unpack_from("<I", elf, desc)[0]
             at = desc + (descsz + 3) // 4 * 4
     return None
+
+
+@needs_zstd
+def test_a_zstd_payload_longer_than_recorded_is_read_only_up_to_its_bound(tmp_path):
+    elf = fake_elf(300_000)
+    image = tmp_path / "bzImage"
+    image.write_bytes(fake_bzimage(compress("zstd", elf), 1000))   # records 1000 bytes, holds 300 KB
+    with pytest.raises(LabError, match="unpacked to 1001 bytes, the build recorded 1000"):
+        bzimage.unpack(image, tmp_path / "vmlinux")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bzImage"]
+
+
+@needs_zstd
+def test_a_damaged_zstd_payload_is_named(tmp_path):
+    elf = fake_elf(300_000)
+    stream = bytearray(compress("zstd", elf))
+    stream[len(stream) // 2:len(stream) // 2 + 64] = b"\xa5" * 64
+    image = tmp_path / "bzImage"
+    image.write_bytes(fake_bzimage(bytes(stream), len(elf)))
+    with pytest.raises(LabError) as raised:
+        bzimage.unpack(image, tmp_path / "vmlinux")
+    assert str(image) in str(raised.value) and ("zstd -d failed" in str(raised.value)
+                                                or "the build recorded" in str(raised.value))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bzImage"]

@@ -19,8 +19,10 @@ from __future__ import annotations
 import bz2
 import lzma
 import os
+import signal
 import struct
 import subprocess
+import threading
 import zlib
 from pathlib import Path
 
@@ -69,29 +71,62 @@ def decompress(kind: str, stream: bytes, size: int, name: str = "bzImage") -> by
     if size > MAX_KERNEL:
         raise LabError(f"{name}: its kernel would be {size} bytes uncompressed, over {MAX_KERNEL}",
                        "the file is not a bzImage")
-    if kind == "gzip":
-        data = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(stream, size + 1)
-    elif kind in ("xz", "lzma"):
-        data = lzma.LZMADecompressor(lzma.FORMAT_XZ if kind == "xz" else lzma.FORMAT_ALONE).decompress(
-            stream, size + 1)
-    elif kind == "bzip2":
-        data = bz2.BZ2Decompressor().decompress(stream, size + 1)
-    elif kind == "zstd":
-        try:
-            result = subprocess.run(["zstd", "-d", "-c", "-q"], input=stream, capture_output=True)
-        except FileNotFoundError:
-            raise LabError(f"{name} is zstd-compressed and the host has no zstd", "apt-get install zstd") from None
-        if result.returncode != 0:
-            raise LabError(f"{name}: zstd -d failed: {result.stderr.decode(errors='replace').strip()}",
-                           "the file is truncated or not a bzImage")
-        data = result.stdout
-    else:
-        raise LabError(f"{name}: its kernel is {kind}-compressed, which the lab cannot unpack",
-                       "a kernel built with CONFIG_KERNEL_ZSTD, _GZIP, _XZ, _LZMA or _BZIP2")
+    try:
+        if kind == "gzip":
+            data = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(stream, size + 1)
+        elif kind in ("xz", "lzma"):
+            data = lzma.LZMADecompressor(lzma.FORMAT_XZ if kind == "xz" else lzma.FORMAT_ALONE).decompress(
+                stream, size + 1)
+        elif kind == "bzip2":
+            data = bz2.BZ2Decompressor().decompress(stream, size + 1)
+        elif kind == "zstd":
+            data = _zstd(stream, size + 1, name)
+        else:
+            raise LabError(f"{name}: its kernel is {kind}-compressed, which the lab cannot unpack",
+                           "a kernel built with CONFIG_KERNEL_ZSTD, _GZIP, _XZ, _LZMA or _BZIP2")
+    except (zlib.error, lzma.LZMAError, OSError, EOFError) as e:   # bz2 raises OSError
+        raise LabError(f"{name}: its {kind} payload is damaged: {e}", "the file is truncated or damaged") from None
     if len(data) != size:
         raise LabError(f"{name}: its {kind} payload unpacked to {len(data)} bytes, the build recorded {size}",
                        "the file is truncated or damaged")
     return data
+
+
+def _zstd(stream: bytes, limit: int, name: str) -> bytes:
+    """The host's ``zstd -d`` over ``stream``: at most ``limit`` bytes of its output are read
+    (a stream that unpacks to more is cut off there, and the size check then names it)."""
+    try:
+        proc = subprocess.Popen(["zstd", "-d", "-c", "-q"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+    except FileNotFoundError:
+        raise LabError(f"{name} is zstd-compressed and the host has no zstd", "apt-get install zstd") from None
+    with proc:
+        # the input goes in from a thread: zstd writes while it reads, and a full output pipe
+        # with nobody reading it would stall both
+        feeder = threading.Thread(target=_feed, args=(proc.stdin, stream), daemon=True)
+        feeder.start()
+        data = proc.stdout.read(limit)
+        cut = len(data) >= limit
+        if cut:
+            proc.kill()
+        feeder.join()
+        errors = proc.stderr.read(4096).decode(errors="replace").strip()
+        status = proc.wait()
+    if status != 0 and not (cut and status == -signal.SIGKILL):
+        raise LabError(f"{name}: zstd -d failed: {errors}", "the file is truncated or not a bzImage")
+    return data
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+    except (BrokenPipeError, ValueError):
+        pass   # zstd ended (or was killed) before it took everything: its status says why
+    finally:
+        try:
+            pipe.close()   # closes the fd even when flushing what is left fails
+        except (BrokenPipeError, ValueError):
+            pass
 
 
 def elf_end(data: bytes, name: str = "bzImage") -> int:
@@ -101,6 +136,9 @@ def elf_end(data: bytes, name: str = "bzImage") -> int:
         raise LabError(f"{name}: its payload is not a 64-bit little-endian ELF kernel", "an x86-64 bzImage")
     phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    if phentsize != 56 or phoff + phnum * phentsize > len(data):
+        raise LabError(f"{name}: its ELF's program headers ({phnum} of {phentsize} bytes at {phoff}) "
+                       f"do not fit its {len(data)} bytes", "the file is damaged")
     end = shoff + shentsize * shnum
     for i in range(phnum):
         _type, _flags, offset, _vaddr, _paddr, filesz = struct.unpack_from("<IIQQQQ", data, phoff + i * phentsize)
