@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from qemu.qmp import ConnectError
+from qemu.qmp import ConnectError, QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from ..errors import LabError
@@ -104,13 +104,26 @@ class BoundedQMP(QEMUMonitorProtocol):
     and with it the lab and its VMs.  ``cmd`` is bounded by ``settimeout``."""
 
     def connect_within(self, timeout: float) -> None:
-        """The legacy ``connect``'s steps under ``asyncio.wait_for`` (asyncio.TimeoutError).  On
-        an interrupt the connect task is cancelled and run to its end here, so the client's
-        session guard closes the socket before the interrupt goes on: left pending in the
-        thread's event loop, it would wake at the next QMP call and race its disconnect."""
+        """Connect, take the greeting and negotiate capabilities, under ``asyncio.wait_for``
+        (asyncio.TimeoutError).  On an interrupt the connect task is cancelled and run to its
+        end here, so the client's session guard closes the socket before the interrupt goes
+        on: left pending in the thread's event loop, it would wake at the next QMP call and
+        race its disconnect.
+
+        ``qmp_capabilities`` goes through ``execute``, not the client's own negotiation: that
+        takes the first message after the command for its reply, but QEMU starts sending
+        events as soon as the command has switched the monitor's mode, before it sends the
+        reply, and an event emitted in between failed the connect ("Negotiation failed",
+        seen once in a full test run).  ``execute`` matches the reply by its id and queues
+        the event."""
         self._qmp.await_greeting = True
-        self._qmp.negotiate = True
-        task = self._aloop.create_task(asyncio.wait_for(self._qmp.connect(self._address), timeout))
+        self._qmp.negotiate = False
+
+        async def connect_and_negotiate() -> None:
+            await self._qmp.connect(self._address)
+            await self._qmp.execute("qmp_capabilities")
+
+        task = self._aloop.create_task(asyncio.wait_for(connect_and_negotiate(), timeout))
         try:
             self._aloop.run_until_complete(task)
         except BaseException:
@@ -296,6 +309,11 @@ class VirtualMachine:
                 if not isinstance(err.exc, ConnectionRefusedError) or time.monotonic() >= deadline:
                     raise LabError(f"[{self.name}] cannot connect to QEMU's QMP socket: {err}",
                                    "see the QEMU log") from None
+            except (QMPError, EOFError, OSError) as err:   # qmp_capabilities refused, or QEMU hung up
+                qmp.close()
+                self._check_alive()
+                raise LabError(f"[{self.name}] QEMU's QMP monitor did not take qmp_capabilities: {err!r}",
+                               "see the QEMU log") from None
             except BaseException:
                 qmp.close()
                 raise
