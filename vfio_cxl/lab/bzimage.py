@@ -42,24 +42,33 @@ MAGICS = {
 }
 
 
-def payload(image: bytes, name: str = "bzImage") -> tuple[str, bytes, int]:
-    """(format, compressed stream without the size after it, uncompressed size) of a bzImage."""
-    if len(image) < 0x250 or image[0x202:0x206] != b"HdrS":
+def _payload_span(head: bytes, name: str) -> tuple[int, int]:
+    """(file offset, length) of the payload the boot header at the start of ``head`` names."""
+    if len(head) < 0x250 or head[0x202:0x206] != b"HdrS":
         raise LabError(f"{name} is not an x86 bzImage (no 'HdrS' boot header at 0x202)",
                        "give arch/x86/boot/bzImage of a kernel build")
-    (version,) = struct.unpack_from("<H", image, 0x206)
+    (version,) = struct.unpack_from("<H", head, 0x206)
     if version < 0x208:
         raise LabError(f"{name}: boot protocol {version >> 8}.{version & 0xff} names no payload",
                        "a kernel of boot protocol 2.08 or later (Linux 2.6.26 and later)")
-    setup_sects = image[0x1F1] or 4
-    offset, length = struct.unpack_from("<II", image, 0x248)
-    start = (setup_sects + 1) * 512 + offset
+    setup_sects = head[0x1F1] or 4
+    offset, length = struct.unpack_from("<II", head, 0x248)
+    return (setup_sects + 1) * 512 + offset, length
+
+
+def _kind(stream: bytes) -> str | None:
+    return next((k for magic, k in MAGICS.items() if stream.startswith(magic)), None)
+
+
+def payload(image: bytes, name: str = "bzImage") -> tuple[str, bytes, int]:
+    """(format, compressed stream without the size after it, uncompressed size) of a bzImage."""
+    start, length = _payload_span(image, name)
     if length < 8 or start + length > len(image):
         raise LabError(f"{name}: its payload ({length} bytes at {start}) lies outside the file "
                        f"({len(image)} bytes)", "the file is truncated or not a bzImage")
     stream = image[start:start + length]
     (size,) = struct.unpack_from("<I", stream, length - 4)
-    kind = next((k for magic, k in MAGICS.items() if stream.startswith(magic)), None)
+    kind = _kind(stream)
     if kind is None:
         raise LabError(f"{name}: its payload starts with {stream[:6].hex()}, no compression a kernel uses",
                        "the file is not a bzImage")
@@ -163,13 +172,12 @@ def unpack(bzimage: Path, out: Path) -> None:
 
 
 def compression(bzimage: Path) -> str:
-    """The payload's compression (e.g. to install its tool first)."""
+    """The payload's compression (e.g. to install its tool first), or "unknown"; reads only the
+    header and the payload's first bytes."""
     with open(bzimage, "rb") as f:
-        head = f.read(0x250)
-        if len(head) < 0x250 or head[0x202:0x206] != b"HdrS":
+        try:
+            start, _ = _payload_span(f.read(0x250), str(bzimage))
+        except LabError:
             return "unknown"
-        setup_sects = head[0x1F1] or 4
-        (offset,) = struct.unpack_from("<I", head, 0x248)
-        f.seek((setup_sects + 1) * 512 + offset)
-        first = f.read(8)
-    return next((k for magic, k in MAGICS.items() if first.startswith(magic)), "unknown")
+        f.seek(start)
+        return _kind(f.read(8)) or "unknown"
