@@ -33,10 +33,13 @@ def _provision(args) -> int:
     from .lab.image import find_image
     from .lab.qemu_runtime import find_runtime
 
-    if args.kernel == "lab":
-        from .lab.kernel import lab_kernel
+    from .lab.kernel import lab_kernel, superseded_lab_kernel
 
-        print(f"lab kernel {lab_kernel().image}")   # the cached one for this fragment, else built now
+    earlier = superseded_lab_kernel() if args.kernel != "lab" else None
+    if earlier is not None:
+        print(f"the lab kernel's recipe changed since {earlier.name} was built: building it again")
+    if args.kernel == "lab" or earlier is not None:
+        print(f"lab kernel {lab_kernel().image}")   # the cached one for this recipe, else built now
 
     runtime = find_runtime()
     print(runtime.version_string)

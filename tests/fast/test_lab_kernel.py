@@ -265,3 +265,109 @@ def test_markers_outside_any_stream_do_not_hide_the_real_config(tmp_path):
     image = tmp_path / "bzImage"
     image.write_bytes(b"MZ" + os.urandom(256) + literal_copy + os.urandom(64) + real)
     assert kconfig.read_kernel_config(image) == config
+
+
+# The lab's patches to the kernel source (qemu/kernel/patches): applied by patch(1) in a tree
+# of hard links, so the unpacked source stays as Debian ships it.
+
+def small_source(tmp_path):
+    src = tmp_path / "src"
+    (src / "arch/x86").mkdir(parents=True)
+    (src / "Makefile").write_text("all:\n")
+    (src / "arch/x86/apic.c").write_text("int a;\nint b;\n")
+    return src
+
+
+def patch_file(tmp_path, name, old, new, path="arch/x86/apic.c"):
+    a, b = tmp_path / "pa", tmp_path / "pb"
+    for root, text in ((a, old), (b, new)):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    out = subprocess.run(["diff", "-u", "--label", f"a/{path}", "--label", f"b/{path}", str(a / path), str(b / path)],
+                         capture_output=True, text=True).stdout
+    patch = tmp_path / name
+    patch.write_text("Subject: a change\n\n---\n" + out)
+    shutil.rmtree(a), shutil.rmtree(b)
+    return patch
+
+
+@pytest.fixture
+def kernels_in(tmp_path, monkeypatch):
+    root = tmp_path / "kernels"
+    root.mkdir()
+    monkeypatch.setattr(kernel, "kernels_root", lambda: root)
+    return root
+
+
+def test_patches_go_into_a_linked_copy_and_leave_the_source_as_shipped(tmp_path, kernels_in):
+    src = small_source(tmp_path)
+    patch = patch_file(tmp_path, "0001-b.patch", "int a;\nint b;\n", "int a;\nint b = 1;\n")
+    tree = kernel._patched_source(src, "7.3", [patch], kernel.Progress("t", lambda _: None))
+    assert tree.parent == kernels_in and tree.name.startswith("patched-7.3-")
+    assert (tree / "arch/x86/apic.c").read_text() == "int a;\nint b = 1;\n"
+    assert (src / "arch/x86/apic.c").read_text() == "int a;\nint b;\n"           # pristine
+    assert (tree / "Makefile").stat().st_ino == (src / "Makefile").stat().st_ino  # linked, not copied
+    assert (tree / "arch/x86/apic.c").stat().st_nlink == (src / "arch/x86/apic.c").stat().st_nlink == 1
+    # found again, not patched twice
+    assert kernel._patched_source(src, "7.3", [patch], kernel.Progress("t", lambda _: None)) == tree
+    assert kernel._patched_source(src, "7.3", [], kernel.Progress("t", lambda _: None)) == src
+
+
+def test_a_patch_that_does_not_apply_is_named_and_leaves_no_tree(tmp_path, kernels_in):
+    src = small_source(tmp_path)
+    patch = patch_file(tmp_path, "0002-stale.patch", "int x;\nint y;\n", "int x;\nint y = 2;\n")
+    with pytest.raises(LabError, match="0002-stale.patch does not apply to linux-source-7.3 7.3") as err:
+        kernel._patched_source(src, "7.3", [patch], kernel.Progress("t", lambda _: None))
+    assert "qemu/kernel/patches" in err.value.fix
+    assert [p.name for p in kernels_in.iterdir()] == []                       # no half-patched tree
+    assert (src / "arch/x86/apic.c").read_text() == "int a;\nint b;\n"
+
+
+def test_a_patch_without_any_file_is_refused(tmp_path, kernels_in):
+    bad = tmp_path / "0003-empty.patch"
+    bad.write_text("Subject: nothing\n\njust words\n")
+    with pytest.raises(LabError, match="0003-empty.patch changes no file"):
+        kernel._patched_source(small_source(tmp_path), "7.3", [bad], kernel.Progress("t", lambda _: None))
+    assert [p.name for p in kernels_in.iterdir()] == []
+
+
+def test_the_patches_are_part_of_the_lab_kernels_recipe(tmp_path, monkeypatch):
+    before = kernel._recipe()
+    extra = tmp_path / "patches"
+    extra.mkdir()
+    for p in kernel.lab_patches():
+        shutil.copy(p, extra / p.name)
+    monkeypatch.setattr(kernel, "PATCHES", extra)
+    assert kernel._recipe() == before                   # same patches, same kernel
+    (extra / "0099-more.patch").write_text("+++ b/x\n")
+    assert kernel._recipe() != before                   # another patch, another kernel
+
+
+def test_the_lab_patches_apply_to_the_unpacked_source():
+    """The real patches against the real source, when it is unpacked."""
+    kernels = kernel.cache_root() / "kernels"
+    trees = sorted(t for t in kernels.glob("src-*") if (t / "Makefile").is_file()) if kernels.is_dir() else []
+    if not trees:
+        pytest.skip("the lab kernel's source is not unpacked (vfio-cxl provision --kernel lab)")
+    assert kernel.lab_patches(), "qemu/kernel/patches holds the lab kernel's patches"
+    for patch in kernel.lab_patches():
+        assert all((trees[-1] / name).is_file() for name in kernel._patched_files(patch))
+        done = subprocess.run(["patch", "-p1", "--dry-run", "--forward", "--batch", "-d", str(trees[-1]),
+                               "-i", str(patch)], capture_output=True, text=True)
+        assert done.returncode == 0, (patch.name, done.stdout + done.stderr)
+
+
+def test_a_lab_kernel_of_an_earlier_recipe_is_named_for_rebuilding(tmp_path, kernels_in):
+    """Plain `vfio-cxl provision` rebuilds the lab kernel on a machine that had one of an
+    earlier recipe (new patches, a changed fragment), else its tests would quietly skip."""
+    assert kernel.superseded_lab_kernel() is None                       # never built: nothing to do
+    old = kernels_in / "lab-7.3-0000000000000000"
+    old.mkdir()
+    (old / "bzImage").write_bytes(b"k")
+    assert kernel.superseded_lab_kernel() == old
+    (kernels_in / "lab-7.3-1111111111111111").mkdir()                  # a failed build: no image
+    assert kernel.superseded_lab_kernel() == old
+    current = kernels_in / f"lab-7.3-{kernel._recipe()}"
+    current.mkdir()
+    (current / "bzImage").write_bytes(b"k")
+    assert kernel.superseded_lab_kernel() is None                       # today's is there

@@ -7,10 +7,14 @@ DAX, virtio, 9p), no modules, and what a Q35 TCG guest never touches left out.
 It lands in ``<cache>/kernels/lab-<source version>-<hash of recipe and
 fragment>/`` (``bzImage``, ``config``, ``manifest.json``, ``build.log``).
 
-The source is unpacked once per source version (``kernels/src-<version>``) and
-objects are kept per source version (``kernels/obj-<version>``), so a changed
-fragment rebuilds only what the changed options touch.  Builds run under
-``nice -n 19``: they are long and must not starve running VMs.
+The source is unpacked once per source version (``kernels/src-<version>``, as
+Debian ships it: the selftests and headers are built from it).  The lab's
+patches (``qemu/kernel/patches/*.patch``, applied in name order) go into a tree
+of hard links to it, ``kernels/patched-<version>-<hash of the patches>``, in
+which each file a patch changes is a copy of its own.  Objects are kept per
+tree built (``kernels/obj-<version>[-<hash>]``), so a changed fragment rebuilds
+only what the changed options touch.  Builds run under ``nice -n 19``: they are
+long and must not starve running VMs.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .kconfig import check_config, parse_config, read_kernel_config
 from .recipe import Progress, building, recipe_hash
 
 FRAGMENT = data_dir("kernel-config") / "lab.config"   # qemu/kernel/lab.config; a wheel carries a copy
+PATCHES = data_dir("kernel-config") / "patches"        # qemu/kernel/patches/*.patch
 LAB_RECIPE = {
     "format": 1,
     "suite": "trixie-backports",
@@ -43,7 +48,7 @@ LAB_RECIPE = {
 }
 # The host's tools for a kernel build (installed with the host's own apt).
 BUILD_PACKAGES = ["gcc", "make", "bc", "flex", "bison", "libelf-dev", "libssl-dev", "xz-utils", "lz4",
-                  "debian-archive-keyring"]
+                  "patch", "debian-archive-keyring"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,12 @@ class GuestKernel:
     def config(self) -> dict[str, str]:
         return read_kernel_config(self.image)
 
+    @property
+    def takes_lapic_timer_period(self) -> bool:
+        """Whether the kernel knows ``lapic_timer_period=``: the lab kernel's own patch
+        (qemu/kernel/patches), which every lab kernel is built with (it is in the recipe)."""
+        return self.label == "lab"
+
 
 def kernels_root() -> Path:
     root = cache_root() / "kernels"
@@ -66,13 +77,22 @@ def kernels_root() -> Path:
     return root
 
 
+def lab_patches() -> list[Path]:
+    """The lab's patches to the kernel source, in the order they apply."""
+    return sorted(PATCHES.glob("*.patch"))
+
+
+def _recipe() -> str:
+    return recipe_hash(LAB_RECIPE, FRAGMENT, *lab_patches())
+
+
 def _key(version: str) -> str:
-    return f"lab-{version}-{recipe_hash(LAB_RECIPE, FRAGMENT)}"
+    return f"lab-{version}-{_recipe()}"
 
 
 def cached_lab_kernel() -> Path | None:
-    """The newest lab kernel built from the current recipe and fragment, if any (no network)."""
-    suffix = f"-{recipe_hash(LAB_RECIPE, FRAGMENT)}"
+    """The newest lab kernel built from the current recipe, fragment and patches, if any (no network)."""
+    suffix = f"-{_recipe()}"
     found = [p for p in kernels_root().glob("lab-*") if p.name.endswith(suffix) and (p / "bzImage").is_file()]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
@@ -84,6 +104,16 @@ def _source_version(private: apt.PrivateApt) -> str:
         raise LabError(f"apt knows no {LAB_RECIPE['source_package']} in {LAB_RECIPE['suite']}",
                        "check the Debian mirror (VFIO_CXL_DEBIAN_MIRROR)")
     return match.group(1)
+
+
+def superseded_lab_kernel() -> Path | None:
+    """A lab kernel built from an earlier recipe, fragment or patches, when none is built from
+    today's: the machine had one, so it wants one (plain ``vfio-cxl provision`` builds it again;
+    the lab-kernel tests would skip without it)."""
+    if cached_lab_kernel() is not None:
+        return None
+    found = [p for p in kernels_root().glob("lab-*") if (p / "bzImage").is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
 def _unpack_source(private: apt.PrivateApt, version: str, progress: Progress) -> Path:
@@ -105,6 +135,43 @@ def _unpack_source(private: apt.PrivateApt, version: str, progress: Progress) ->
         shutil.rmtree(out / "debs")
         shutil.rmtree(out / "tree")
     return src
+
+
+def _patched_files(patch: Path) -> list[str]:
+    """The files a unified diff (``-p1``) changes, from its ``+++ b/...`` lines."""
+    names = re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(errors="replace"), re.M)
+    if not names:
+        raise LabError(f"{patch.name} changes no file (no '+++ b/PATH' line)",
+                       "write it as a unified diff with a/ and b/ prefixes (git format-patch, diff -u)")
+    return names
+
+
+def _patched_source(src: Path, version: str, patches: list[Path], progress: Progress) -> Path:
+    """The tree the lab kernel is built from: ``src`` itself without patches, else a tree of
+    hard links to it with ``patches`` applied.  A file a patch changes is copied first, so the
+    pristine tree never sees the change."""
+    if not patches:
+        return src
+    tree = kernels_root() / f"patched-{version}-{recipe_hash(*patches)}"
+    if (tree / "Makefile").is_file():
+        return tree
+    with building(tree) as out:
+        progress.step(f"applying {len(patches)} patch{'es' if len(patches) > 1 else ''} to a linked copy of the source")
+        subprocess.run(["cp", "-al", f"{src}/.", str(out)], check=True)
+        for patch in patches:
+            for name in _patched_files(patch):
+                target = out / name
+                if target.is_file():   # its own inode: patch(1) would write through the link
+                    copy = target.with_name(target.name + ".unlinked")
+                    shutil.copy2(target, copy)
+                    copy.replace(target)
+            done = subprocess.run(["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch",
+                                   "-d", str(out), "-i", str(patch)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise LabError(f"{patch.name} does not apply to {LAB_RECIPE['source_package']} {version}:\n"
+                               f"{(done.stdout + done.stderr).strip()}",
+                               f"rebase it onto that source, or remove it from {PATCHES.relative_to(REPO_ROOT)}")
+    return tree
 
 
 def _make(src: Path, obj: Path, args: list[str], log: Path, progress: Progress | None = None) -> None:
@@ -144,8 +211,9 @@ def build_lab_kernel(log=print) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)   # one build per source version at a time
         if (dest / "bzImage").is_file():
             return dest
-        src = _unpack_source(private, version, progress)
-        obj = kernels_root() / f"obj-{version}"
+        patches = lab_patches()
+        src = _patched_source(_unpack_source(private, version, progress), version, patches, progress)
+        obj = kernels_root() / (f"obj-{version}-{recipe_hash(*patches)}" if patches else f"obj-{version}")
         obj.mkdir(exist_ok=True)
         with building(dest) as out:
             logfile = out / "build.log"
@@ -170,6 +238,7 @@ def build_lab_kernel(log=print) -> Path:
             (out / "manifest.json").write_text(json.dumps(
                 {"release": release, "source_package": LAB_RECIPE["source_package"],
                  "source_version": version, "fragment": str(FRAGMENT.relative_to(REPO_ROOT)),
+                 "patches": [p.name for p in patches],
                  "build_seconds": round(seconds), "cpu_seconds": round(cpu), "jobs": jobs}, indent=2))
             # CPU time does not depend on what else the machine runs: it gives the idle figure.
             progress.step(f"built {release} in {seconds:.0f} s ({cpu:.0f} CPU-seconds: about "
