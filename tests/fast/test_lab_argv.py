@@ -260,6 +260,30 @@ def test_the_host_tsc_frequency_spares_the_guest_its_calibration():
     assert cmdline(tsc_khz=2_300_000).endswith("tsc_early_khz=2300000")
 
 
+def test_a_kernel_that_takes_it_is_given_the_tcg_apic_timer_period_and_no_other():
+    """QEMU's TCG APIC counts nanoseconds: 1 GHz, so 10**9 / HZ bus clocks per jiffy, given only
+    to a kernel that takes the parameter (the lab kernel's patch), only under TCG, only with HZ."""
+    topo = topology.load("single")
+    res = resources(topo)
+
+    def cmdline(**changes):
+        argv = qemu_argv(topo, topo.vms[0], VmResources(**{**res.__dict__, **changes}))
+        return argv[argv.index("-append") + 1]
+
+    assert "lapic_timer_period=4000000" in cmdline(lapic_timer_period=True, guest_hz=250).split()
+    assert "lapic_timer_period=1000000" in cmdline(lapic_timer_period=True, guest_hz=1000).split()
+    assert "lapic_timer_period" not in cmdline(lapic_timer_period=False, guest_hz=250)   # Debian's, a user's
+    assert "lapic_timer_period" not in cmdline(lapic_timer_period=True, guest_hz=None)
+    assert "lapic_timer_period" not in cmdline(lapic_timer_period=True, guest_hz=250, accel="kvm")
+
+
+def test_only_the_lab_kernel_is_said_to_take_the_apic_timer_period():
+    from vfio_cxl.lab.kernel import GuestKernel
+    assert GuestKernel(Path("vmlinux"), label="lab").takes_lapic_timer_period
+    assert not GuestKernel(Path("bzImage"), label="custom").takes_lapic_timer_period
+    assert not GuestKernel(Path(), label="debian").takes_lapic_timer_period
+
+
 def test_the_kernel_hz_is_read_from_its_config():
     from vfio_cxl.lab.kconfig import kconfig_hz, parse_config
     assert kconfig_hz(parse_config("CONFIG_HZ_250=y\nCONFIG_HZ=250\n")) == 250

@@ -7,6 +7,7 @@ VFIO_CXL_VFIO_BACKEND differs.
 """
 
 import json
+import re
 
 import pytest
 
@@ -46,6 +47,25 @@ def test_lab_kernel_boots_with_iommufd_and_the_vfio_cdev(lab_kernel_lab):
     assert vm.run("test -c /dev/iommu && zcat /proc/config.gz | grep -x CONFIG_IOMMUFD=y", check=False).exited == 0
     memdevs = json.loads(vm.run("cxl list -M").stdout or "[]")
     assert len(memdevs) == 1, memdevs   # the Type3 device, found by the built-in CXL drivers
+
+
+def test_the_lab_kernel_is_given_its_apic_timer_period_and_keeps_time_with_it(lab_kernel_lab):
+    """Under TCG the lab kernel is told its local APIC timer period (lapic_timer_period=,
+    10**9 / HZ: QEMU's TCG APIC counts nanoseconds) instead of calibrating it: the lapic clock
+    event's mult (/proc/timer_list) is the one made from that period exactly, not from a
+    measured one, and a timer armed through it fires when due by the TSC clock."""
+    vm = lab_kernel_lab["host0"]
+    hz = int(vm.run("zcat /proc/config.gz | grep ^CONFIG_HZ=").stdout.strip().split("=")[1])
+    period = 10**9 // hz
+    assert f"lapic_timer_period={period}" in vm.run("cat /proc/cmdline").stdout.split()
+    tick_nsec = (10**9 + hz // 2) // hz
+    mults = set(re.findall(r"Clock Event Device: lapic\n(?:.*\n)*? mult:\s+(\d+)",
+                           vm.run("cat /proc/timer_list").stdout))
+    assert mults == {str(((period // 16) << 32) // tick_nsec)}, mults   # div_sc(period / 16, TICK_NSEC, 32)
+    slept = json.loads(vm.run("python3 -c 'import json, time\n"
+                              "def nap():\n t = time.monotonic(); time.sleep(0.2); return time.monotonic() - t\n"
+                              "print(json.dumps([nap() for _ in range(3)]))'").stdout)
+    assert 0.2 <= min(slept) < 0.24, slept   # a period off by a fifth would show here
 
 
 @pytest.mark.parametrize("backend", ["iommufd", "type1"])

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .host_tsc import boot_arguments
+from .host_tsc import apic_timer_argument, boot_arguments
 from ..errors import LabError
 from .topology import Nic, Nvme, Topology, Vm, format_size
 
@@ -46,6 +46,7 @@ class VmResources:
     smc_socket: Path | None = None    # this VM's socket of its shared-memory controller
     tsc_khz: int | None = None        # the host's TSC frequency: the guest's under TCG (host_tsc.py)
     guest_hz: int | None = None       # CONFIG_HZ of the kernel booted (None: not known)
+    lapic_timer_period: bool = False  # the kernel takes lapic_timer_period= (the lab kernel)
     nvme_files: dict[str, Path] = field(default_factory=dict)   # Nvme.drive_id(nsid) -> raw backing file
     bytecode: Path | None = None      # the guests' bytecode cache, shared writable (None: none)
     regions_plan: Path | None = None  # the region plan (JSON) the guest's init brings up (fw_cfg)
@@ -331,6 +332,8 @@ def _boot(vm: Vm, res: VmResources) -> list[str]:
         cmdline += " vfio_cxl.modules=1"
     if res.tsc_khz:   # no TSC and delay-loop calibration against emulated timers
         cmdline += " " + boot_arguments(res.tsc_khz, res.guest_hz)
+    if res.lapic_timer_period and res.accel == "tcg" and res.guest_hz:   # no APIC timer calibration
+        cmdline += " " + apic_timer_argument(res.guest_hz)
     if res.append:
         cmdline += " " + res.append
     initrd = ["-initrd", str(res.initrd)] if res.initrd is not None else []
