@@ -275,6 +275,8 @@ def test_a_kernel_that_takes_it_is_given_the_tcg_apic_timer_period_and_no_other(
     assert "lapic_timer_period" not in cmdline(lapic_timer_period=False, guest_hz=250)   # Debian's, a user's
     assert "lapic_timer_period" not in cmdline(lapic_timer_period=True, guest_hz=None)
     assert "lapic_timer_period" not in cmdline(lapic_timer_period=True, guest_hz=250, accel="kvm")
+    # every kernel: no 10 ms wait after each secondary CPU's INIT (TCG's CPU looks pre-K8)
+    assert "cpu_init_udelay=0" in cmdline().split()
 
 
 def test_only_the_lab_kernel_is_said_to_take_the_apic_timer_period():
