@@ -260,30 +260,36 @@ def test_the_host_tsc_frequency_spares_the_guest_its_calibration():
     assert cmdline(tsc_khz=2_300_000).endswith("tsc_early_khz=2300000")
 
 
-def test_a_kernel_that_takes_it_is_given_the_tcg_apic_timer_period_and_no_other():
-    """QEMU's TCG APIC counts nanoseconds: 1 GHz, so 10**9 / HZ bus clocks per jiffy, given only
-    to a kernel that takes the parameter (the lab kernel's patch), only under TCG, only with HZ."""
+def test_the_lab_kernel_is_given_its_tcg_boot_parameters_and_no_other_kernel_is():
+    """QEMU's TCG APIC counts nanoseconds: 1 GHz, so 10**9 / HZ bus clocks per jiffy; and the
+    freed init memory is not poisoned.  Only for a kernel that takes them (the lab kernel's
+    patches), only under TCG; the period only where HZ is known."""
     topo = topology.load("single")
     res = resources(topo)
 
-    def cmdline(**changes):
+    def words(**changes):
         argv = qemu_argv(topo, topo.vms[0], VmResources(**{**res.__dict__, **changes}))
-        return argv[argv.index("-append") + 1]
+        return argv[argv.index("-append") + 1].split()
 
-    assert "lapic_timer_period=4000000" in cmdline(lapic_timer_period=True, guest_hz=250).split()
-    assert "lapic_timer_period=1000000" in cmdline(lapic_timer_period=True, guest_hz=1000).split()
-    assert "lapic_timer_period" not in cmdline(lapic_timer_period=False, guest_hz=250)   # Debian's, a user's
-    assert "lapic_timer_period" not in cmdline(lapic_timer_period=True, guest_hz=None)
-    assert "lapic_timer_period" not in cmdline(lapic_timer_period=True, guest_hz=250, accel="kvm")
+    lab = words(lab_boot_params=True, guest_hz=250)
+    assert "lapic_timer_period=4000000" in lab and "initmem_poison=off" in lab
+    assert "lapic_timer_period=1000000" in words(lab_boot_params=True, guest_hz=1000)
+    unknown_hz = words(lab_boot_params=True, guest_hz=None)
+    assert "initmem_poison=off" in unknown_hz and not any(w.startswith("lapic_timer_period") for w in unknown_hz)
+    for other in (words(lab_boot_params=False, guest_hz=250),                 # Debian's, a user's kernel
+                  words(lab_boot_params=True, guest_hz=250, accel="kvm")):   # not TCG
+        assert not any(w.startswith(("lapic_timer_period", "initmem_poison")) for w in other), other
     # every kernel: no 10 ms wait after each secondary CPU's INIT (TCG's CPU looks pre-K8)
-    assert "cpu_init_udelay=0" in cmdline().split()
+    assert "cpu_init_udelay=0" in words()
+    # --append comes last, so a user can poison after all
+    assert words(lab_boot_params=True, guest_hz=250, append="initmem_poison=on")[-1] == "initmem_poison=on"
 
 
-def test_only_the_lab_kernel_is_said_to_take_the_apic_timer_period():
+def test_only_the_lab_kernel_is_said_to_take_the_lab_boot_parameters():
     from vfio_cxl.lab.kernel import GuestKernel
-    assert GuestKernel(Path("vmlinux"), label="lab").takes_lapic_timer_period
-    assert not GuestKernel(Path("bzImage"), label="custom").takes_lapic_timer_period
-    assert not GuestKernel(Path(), label="debian").takes_lapic_timer_period
+    assert GuestKernel(Path("vmlinux"), label="lab").takes_lab_boot_params
+    assert not GuestKernel(Path("bzImage"), label="custom").takes_lab_boot_params
+    assert not GuestKernel(Path(), label="debian").takes_lab_boot_params
 
 
 def test_the_kernel_hz_is_read_from_its_config():

@@ -57,7 +57,10 @@ def test_the_lab_kernel_is_given_its_apic_timer_period_and_keeps_time_with_it(la
     vm = lab_kernel_lab["host0"]
     hz = int(vm.run("zcat /proc/config.gz | grep ^CONFIG_HZ=").stdout.strip().split("=")[1])
     period = 10**9 // hz
-    assert f"lapic_timer_period={period}" in vm.run("cat /proc/cmdline").stdout.split()
+    cmdline = vm.run("cat /proc/cmdline").stdout.split()
+    assert f"lapic_timer_period={period}" in cmdline and "initmem_poison=off" in cmdline
+    # the kernel took both: an unknown parameter would be handed to init, and dmesg says so
+    assert "Unknown kernel command line parameters" not in vm.run("dmesg").stdout
     tick_nsec = (10**9 + hz // 2) // hz
     mults = set(re.findall(r"Clock Event Device: lapic\n(?:.*\n)*? mult:\s+(\d+)",
                            vm.run("cat /proc/timer_list").stdout))

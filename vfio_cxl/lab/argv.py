@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .host_tsc import apic_timer_argument, boot_arguments
+from .host_tsc import boot_arguments
 from ..errors import LabError
 from .topology import Nic, Nvme, Topology, Vm, format_size
 
@@ -46,7 +46,7 @@ class VmResources:
     smc_socket: Path | None = None    # this VM's socket of its shared-memory controller
     tsc_khz: int | None = None        # the host's TSC frequency: the guest's under TCG (host_tsc.py)
     guest_hz: int | None = None       # CONFIG_HZ of the kernel booted (None: not known)
-    lapic_timer_period: bool = False  # the kernel takes lapic_timer_period= (the lab kernel)
+    lab_boot_params: bool = False     # the kernel takes the lab kernel's TCG boot parameters
     nvme_files: dict[str, Path] = field(default_factory=dict)   # Nvme.drive_id(nsid) -> raw backing file
     bytecode: Path | None = None      # the guests' bytecode cache, shared writable (None: none)
     regions_plan: Path | None = None  # the region plan (JSON) the guest's init brings up (fw_cfg)
@@ -313,6 +313,21 @@ def _storage(res: VmResources) -> list[str]:
     ] if res.modules else [])
 
 
+# QEMU's TCG local APIC (hw/intc/apic.c) counts its timer in nanoseconds of the virtual
+# clock, shifted by the divide configuration: its bus runs at 1 GHz.
+TCG_APIC_BUS_HZ = 1_000_000_000
+
+
+def lab_kernel_tcg_arguments(hz: int | None) -> str:
+    """What the lab kernel's patches (qemu/kernel/patches) take, for a boot under TCG:
+    its local APIC timer's period in bus clocks per jiffy (10**9 / HZ; where HZ is not known
+    the kernel calibrates it: HZ/10 jiffies against the PIT or HPET, 0.1 s), and no poisoning
+    of the init memory it frees (each store into a page of translated code takes TCG's slow
+    path: 45 ms)."""
+    period = f"lapic_timer_period={TCG_APIC_BUS_HZ // hz} " if hz else ""
+    return period + "initmem_poison=off"
+
+
 def _boot(vm: Vm, res: VmResources) -> list[str]:
     # mitigations=off: a lab VM runs only our code, and under TCG every
     # patched-in mitigation is emulated work.  no_timer_check: on a loaded
@@ -335,8 +350,8 @@ def _boot(vm: Vm, res: VmResources) -> list[str]:
         cmdline += " vfio_cxl.modules=1"
     if res.tsc_khz:   # no TSC and delay-loop calibration against emulated timers
         cmdline += " " + boot_arguments(res.tsc_khz, res.guest_hz)
-    if res.lapic_timer_period and res.accel == "tcg" and res.guest_hz:   # no APIC timer calibration
-        cmdline += " " + apic_timer_argument(res.guest_hz)
+    if res.lab_boot_params and res.accel == "tcg":
+        cmdline += " " + lab_kernel_tcg_arguments(res.guest_hz)
     if res.append:
         cmdline += " " + res.append
     initrd = ["-initrd", str(res.initrd)] if res.initrd is not None else []

@@ -77,19 +77,6 @@ def host_tsc_khz() -> int | None:
     return khz if khz > 100_000 else None
 
 
-# QEMU's TCG local APIC (hw/intc/apic.c) counts its timer in nanoseconds of the virtual
-# clock, shifted by the divide configuration: its bus runs at 1 GHz.  A kernel that knows
-# this need not calibrate the timer (HZ/10 jiffies against the PIT or HPET, 0.1 s of every
-# boot): the lab kernel takes it as lapic_timer_period= (its patch in qemu/kernel/patches).
-TCG_APIC_BUS_HZ = 1_000_000_000
-
-
-def apic_timer_argument(hz: int | None) -> str:
-    """The command line that gives a TCG guest kernel (one that takes it) its local APIC
-    timer's period in bus clocks per jiffy; "" where its HZ is not known."""
-    return f"lapic_timer_period={TCG_APIC_BUS_HZ // hz}" if hz else ""
-
-
 def boot_arguments(khz: int | None, hz: int | None) -> str:
     """The kernel command line that skips the guest's TSC and delay-loop calibration.
 

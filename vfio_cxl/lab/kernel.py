@@ -65,9 +65,10 @@ class GuestKernel:
         return read_kernel_config(self.image)
 
     @property
-    def takes_lapic_timer_period(self) -> bool:
-        """Whether the kernel knows ``lapic_timer_period=``: the lab kernel's own patch
-        (qemu/kernel/patches), which every lab kernel is built with (it is in the recipe)."""
+    def takes_lab_boot_params(self) -> bool:
+        """Whether the kernel knows the boot parameters of the lab kernel's own patches
+        (qemu/kernel/patches: ``lapic_timer_period=``, ``initmem_poison=``); every lab kernel
+        is built with them (they are in its recipe)."""
         return self.label == "lab"
 
 

@@ -232,7 +232,7 @@ class Lab:
                             for n in spec.nvmes for nsid in range(1, len(n.namespaces) + 1)},
                 tsc_khz=host_tsc_khz(),
                 guest_hz=guest_hz,
-                lapic_timer_period=custom and self.kernel.takes_lapic_timer_period,
+                lab_boot_params=custom and self.kernel.takes_lab_boot_params,
                 bytecode=bytecode,
                 regions_plan=self._regions_file(vmdir, spec),
             )
