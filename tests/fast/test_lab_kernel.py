@@ -331,6 +331,14 @@ def test_a_patch_without_any_file_is_refused(tmp_path, kernels_in):
     assert [p.name for p in kernels_in.iterdir()] == []
 
 
+def test_a_patch_naming_a_file_outside_the_tree_is_refused_before_anything_is_touched(tmp_path, kernels_in):
+    bad = tmp_path / "0004-escape.patch"
+    bad.write_text("--- a/../../etc/passwd\n+++ b/../../etc/passwd\n@@ -1 +1 @@\n-x\n+y\n")
+    with pytest.raises(LabError, match="0004-escape.patch names a file outside the source tree: ../../etc/passwd"):
+        kernel._patched_source(small_source(tmp_path), "7.3", [bad], kernel.Progress("t", lambda _: None))
+    assert [p.name for p in kernels_in.iterdir()] == []
+
+
 def test_the_patches_are_part_of_the_lab_kernels_recipe(tmp_path, monkeypatch):
     before = kernel._recipe()
     extra = tmp_path / "patches"

@@ -4,8 +4,8 @@ The **lab kernel** is built from Debian's packaged kernel source
 (``linux-source-*`` from trixie-backports, fetched through the private apt)
 with ``qemu/kernel/lab.config`` merged over ``tinyconfig``: everything the lab's VMs use built in (IOMMUFD, VFIO cdev, CXL,
 DAX, virtio, 9p), no modules, and what a Q35 TCG guest never touches left out.
-It lands in ``<cache>/kernels/lab-<source version>-<hash of recipe and
-fragment>/`` (``bzImage``, ``config``, ``manifest.json``, ``build.log``).
+It lands in ``<cache>/kernels/lab-<source version>-<hash of recipe, fragment
+and patches>/`` (``vmlinux``, ``bzImage``, ``config``, ``manifest.json``, ``build.log``).
 
 The source is unpacked once per source version (``kernels/src-<version>``, as
 Debian ships it: the selftests and headers are built from it).  The lab's
@@ -144,6 +144,10 @@ def _patched_files(patch: Path) -> list[str]:
     if not names:
         raise LabError(f"{patch.name} changes no file (no '+++ b/PATH' line)",
                        "write it as a unified diff with a/ and b/ prefixes (git format-patch, diff -u)")
+    outside = [n for n in names if n.startswith("/") or ".." in Path(n).parts]
+    if outside:
+        raise LabError(f"{patch.name} names a file outside the source tree: {', '.join(outside)}",
+                       "give every file as a path inside the kernel source (b/arch/x86/...)")
     return names
 
 
