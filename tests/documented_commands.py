@@ -419,6 +419,7 @@ CASES.update({
     "python -m vfio_cxl.bench NAME ARGS...": skip("what a matrix job of kind bench runs: each bench is run "
                                                   "with its smallest arguments"),
     "vfio-cxl provision": skip("the README's commands run it (./scripts/test and ./scripts/demo provision first)"),
+    "vfio-cxl provision --refresh-lab-kernel": skip("./scripts/test runs it as typed before every run (.ci/run)"),
     "vfio-cxl vm up": same("vfio-cxl vm up shared --detach"),
     "python -m vfio_cxl.matrix.node": skip("the node-side entry point a matrix job runs on a Ray node "
                                            "(tests/fast/test_matrix.py runs its supervisor on real processes)"),

@@ -379,3 +379,23 @@ def test_a_lab_kernel_of_an_earlier_recipe_is_named_for_rebuilding(tmp_path, ker
     current.mkdir()
     (current / "bzImage").write_bytes(b"k")
     assert kernel.superseded_lab_kernel() is None                       # today's is there
+
+
+def test_only_the_test_command_refreshes_a_superseded_lab_kernel(monkeypatch, capsys):
+    """`vfio-cxl provision --refresh-lab-kernel` (./scripts/test) builds a lab kernel of an earlier
+    recipe again; plain `vfio-cxl provision` (the demos) never builds one."""
+    from vfio_cxl import cli
+    built = []
+    monkeypatch.setattr(kernel, "superseded_lab_kernel", lambda: kernel.Path("/cache/kernels/lab-7.3-0000"))
+    monkeypatch.setattr(kernel, "lab_kernel", lambda: built.append(1) or kernel.GuestKernel(kernel.Path("vmlinux")))
+    monkeypatch.setattr("vfio_cxl.lab.qemu_runtime.find_runtime", lambda: type("R", (), {"version_string": "QEMU"})())
+    monkeypatch.setattr("vfio_cxl.lab.image.find_image",
+                        lambda: type("I", (), {"root": "img", "manifest": {"kernel": "6.12"}})())
+    parser = cli.build_parser()
+    parser.parse_args(["provision"]).func(parser.parse_args(["provision"]))
+    assert built == []
+    args = parser.parse_args(["provision", "--refresh-lab-kernel"])
+    args.func(args)
+    assert built == [1]
+    assert "the lab kernel's recipe changed since lab-7.3-0000 was built: building it again" in capsys.readouterr().out
+    assert "--refresh-lab-kernel" in (kernel.REPO_ROOT / "scripts/test").read_text()
