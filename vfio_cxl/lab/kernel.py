@@ -91,11 +91,15 @@ def _key(version: str) -> str:
     return f"lab-{version}-{_recipe()}"
 
 
-def cached_lab_kernel() -> Path | None:
-    """The newest lab kernel built from the current recipe, fragment and patches, if any (no network)."""
-    suffix = f"-{_recipe()}"
+def _newest_built(suffix: str = "") -> Path | None:
+    """The newest lab kernel in the cache whose directory name ends with ``suffix``."""
     found = [p for p in kernels_root().glob("lab-*") if p.name.endswith(suffix) and (p / "bzImage").is_file()]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def cached_lab_kernel() -> Path | None:
+    """The newest lab kernel built from the current recipe, fragment and patches, if any (no network)."""
+    return _newest_built(f"-{_recipe()}")
 
 
 def _source_version(private: apt.PrivateApt) -> str:
@@ -109,12 +113,9 @@ def _source_version(private: apt.PrivateApt) -> str:
 
 def superseded_lab_kernel() -> Path | None:
     """A lab kernel built from an earlier recipe, fragment or patches, when none is built from
-    today's: the machine had one, so it wants one (plain ``vfio-cxl provision`` builds it again;
-    the lab-kernel tests would skip without it)."""
-    if cached_lab_kernel() is not None:
-        return None
-    found = [p for p in kernels_root().glob("lab-*") if (p / "bzImage").is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+    today's: the machine had one, so it wants one (``vfio-cxl provision --refresh-lab-kernel``,
+    which ./scripts/test runs, builds it again; the lab-kernel tests would skip without it)."""
+    return None if cached_lab_kernel() is not None else _newest_built()
 
 
 def _unpack_source(private: apt.PrivateApt, version: str, progress: Progress) -> Path:
@@ -218,7 +219,7 @@ def build_lab_kernel(log=print) -> Path:
             return dest
         patches = lab_patches()
         src = _patched_source(_unpack_source(private, version, progress), version, patches, progress)
-        obj = kernels_root() / (f"obj-{version}-{recipe_hash(*patches)}" if patches else f"obj-{version}")
+        obj = kernels_root() / ("obj-" + src.name.split("-", 1)[1])   # src-V -> obj-V, patched-V-H -> obj-V-H
         obj.mkdir(exist_ok=True)
         with building(dest) as out:
             logfile = out / "build.log"
