@@ -293,7 +293,7 @@ CASES.update({
     # benchmarks: each with its smallest arguments (each boots its own lab, or borrows the session's)
     "scripts/bench boot": Case(group="bench", run="scripts/bench boot --runs 1 --kernel debian --json", timeout=900,
                                expect=(r'^ "rows": \[',)),   # --json: the table goes to stderr, so both run
-    "scripts/bench guest-start": Case(group="borrowed", borrows=("single", None), run="scripts/bench guest-start --runs 1 --kernel debian",
+    "scripts/bench guest-start": Case(group="borrowed", borrows=("single", None), run="scripts/bench guest-start --runs 1",
                                       timeout=900, expect=(r"^vfio-cxl gpu ls +\d",)),
     "scripts/bench boot --runs 3 --kernel lab --kernel debian":
         Case(group="lab-kernel", skip=LAB_KERNEL, run="scripts/bench boot --runs 1 --kernel lab --kernel debian",

@@ -24,12 +24,22 @@ A boot costs tens of seconds, so a new VM test reuses a lab that is booted anywa
 
 The pool (``labs``) is the plugin's ``lab_pool``: one lab at a time for all of them
 (per worker).
+
+Kernels: a test that is not about a kernel gets its lab on the suite's kernel (``suite_kernel``):
+the lab kernel when it is cached -- SSH-ready in under 2 s against Debian's 5 s under TCG, with
+type1 and iommufd both -- else the image's Debian kernel.  The Debian kernel keeps groups of its
+own: ``single_lab`` and ``selftest_lab`` (DEBIAN_GROUPS), the documented commands that boot a lab
+as a user types them (the demos, the boot scripts, the console sessions, the benches with their
+smallest arguments), and the matrix's Debian cells.  ``VFIO_CXL_TEST_KERNEL=debian`` runs every
+group on the Debian kernel.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
+import os
 
 import pytest
 
@@ -39,13 +49,52 @@ from vfio_cxl.lab.lab import Lab
 from vfio_cxl.pytest_plugin import LabPool, lab_key
 from xdist_units import REGISTERED_FIXTURES, unit_of
 
-TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "smc_lab": 3, "pool_lab": 4,
-                  "lab_kernel_lab": 5, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8,
-                  "storage_lab": 9, "storage_lab_kernel_lab": 10, "nic2_lab": 11, "nic2_lab_kernel_lab": 12}
+# A topology's lab on the suite's kernel and on the lab kernel is one lab when the lab kernel is
+# cached: their fixtures share a rank, so that lab boots once.
+TOPOLOGY_ORDER = {"single_lab": 0, "shared_lab": 1, "p2p_lab": 2, "lab_kernel_lab": 2, "smc_lab": 3,
+                  "pool_lab": 4, "fabric_lab": 6, "selftest_lab": 7, "selftest_lab_kernel_lab": 8,
+                  "storage_lab": 9, "storage_lab_kernel_lab": 9, "nic2_lab": 11, "nic2_lab_kernel_lab": 11}
 # Tests parametrised by topology name (the agreement test) run with the other
 # tests of the same topology, so each topology boots once per session.
 NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4, "fabric": 6, "selftest": 7, "storage": 9,
               "nic2": 11}
+
+
+TEST_KERNEL_ENV = "VFIO_CXL_TEST_KERNEL"
+# the topologies whose in-process lab boots the image's Debian kernel whatever the suite's kernel
+DEBIAN_GROUPS = frozenset({"single", "selftest"})
+
+
+@functools.cache
+def suite_kernel():
+    """The kernel of the labs of tests that are not about a kernel: the cached lab kernel, else
+    None (the image's Debian kernel); None too under VFIO_CXL_TEST_KERNEL=debian."""
+    wanted = os.environ.get(TEST_KERNEL_ENV, "lab")
+    if wanted not in ("lab", "debian"):
+        raise pytest.UsageError(f"{TEST_KERNEL_ENV}={wanted!r}: write 'lab' (the lab kernel when it is "
+                                "built, the default) or 'debian' (the image's kernel for every group)")
+    if wanted == "debian":
+        return None
+    try:
+        return lab_kernel(provision=False)
+    except LabError:
+        return None
+
+
+def suite_kernel_name() -> str | None:
+    """suite_kernel() as ``--kernel`` takes it: 'lab', or None for the image's kernel."""
+    return "lab" if suite_kernel() is not None else None
+
+
+def kernel_of(topology: str):
+    """The kernel of ``topology``'s in-process lab: Debian's for DEBIAN_GROUPS, else the suite's."""
+    return None if topology in DEBIAN_GROUPS else suite_kernel()
+
+
+def pytest_configure(config):
+    """The plugin's ``lab`` fixture boots on the suite's kernel unless --lab-kernel names one."""
+    if config.getoption("--lab-kernel") is None:
+        config.option.lab_kernel = suite_kernel_name()
 
 
 @pytest.fixture(scope="session")
@@ -58,23 +107,24 @@ def labs(lab_pool) -> LabPool:
 
 @pytest.fixture
 def single_lab(labs) -> Lab:
+    """``single`` on the image's Debian kernel (DEBIAN_GROUPS)."""
     return labs.get("single")
 
 
 @pytest.fixture
 def shared_lab(labs) -> Lab:
-    return labs.get("shared")
+    return labs.get("shared", kernel_of("shared"))
 
 
 @pytest.fixture
 def p2p_lab(labs) -> Lab:
-    return labs.get("p2p")
+    return labs.get("p2p", kernel_of("p2p"))
 
 
 @pytest.fixture
 def fabric_lab(labs) -> Lab:
     """``fabric`` in the pool (no fabric manager): two VMs, each GPU with MSI (irq = "msi")."""
-    return labs.get("fabric")
+    return labs.get("fabric", kernel_of("fabric"))
 
 
 def lab_kernel_or_skip():
@@ -175,12 +225,12 @@ def guest_json(vm, command: str):
 
 @pytest.fixture
 def smc_lab(labs) -> Lab:
-    return labs.get("smc")
+    return labs.get("smc", kernel_of("smc"))
 
 
 @pytest.fixture
 def pool_lab(labs) -> Lab:
-    return labs.get("pool")
+    return labs.get("pool", kernel_of("pool"))
 
 
 @pytest.fixture(scope="session")
@@ -208,7 +258,7 @@ def selftest_lab_kernel_lab(labs) -> Lab:
 @pytest.fixture
 def storage_lab(labs) -> Lab:
     """``storage``: gpu0 and nvme0 behind one PCIe switch, nvme1 on a root port (docs/storage.md)."""
-    return labs.get("storage")
+    return labs.get("storage", kernel_of("storage"))
 
 
 @pytest.fixture
@@ -221,7 +271,7 @@ def storage_lab_kernel_lab(labs) -> Lab:
 def nic2_lab(labs) -> Lab:
     """``nic2``: host0 and host1, each a GPU and an igb behind one PCIe switch, the igbs on one
     point-to-point link (docs/nic.md)."""
-    return labs.get("nic2")
+    return labs.get("nic2", kernel_of("nic2"))
 
 
 @pytest.fixture

@@ -23,6 +23,8 @@ from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning, wait_gone
 from vfio_cxl.paths import REPO_ROOT
 
+from .conftest import suite_kernel_name
+
 
 def vfio_cxl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vfio_cxl", *args], capture_output=True, text=True,
@@ -30,14 +32,16 @@ def vfio_cxl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 class Detached:
-    """A lab started with `vfio-cxl vm up TOPOLOGY --detach` in a child process."""
+    """A lab started with `vfio-cxl vm up TOPOLOGY --detach` in a child process, on the suite's
+    kernel (tests/vm/conftest.py suite_kernel: ``--kernel lab`` when it is cached)."""
 
     def __init__(self, topology: str | None, name: str | None = None):
         if name is not None:   # a lab up already (see of())
             self.name, self.seconds, self.record = name, 0.0, registry.find(name)
             return
         t0 = time.monotonic()
-        result = vfio_cxl("vm", "up", topology, "--detach", timeout=600)
+        kernel = suite_kernel_name()
+        result = vfio_cxl("vm", "up", topology, "--detach", *(["--kernel", kernel] if kernel else []), timeout=600)
         self.seconds = time.monotonic() - t0
         assert result.returncode == 0, result.stderr
         self.name = result.stdout.strip()
@@ -152,7 +156,8 @@ def detached(labs, kept_detached, request):
     def start(topology: str, shared: bool | str = False) -> Detached:
         # the pool's key: the plugin's `lab` fixture shares (topology, kernel) labs; a named share
         # has a key of its own
-        key = (topology, None) if isinstance(shared, bool) else (topology, None, shared)
+        kernel = suite_kernel_name()
+        key = (topology, kernel) if isinstance(shared, bool) else (topology, kernel, shared)
         kept = kept_detached.get(key)
         if shared and kept is not None:
             if not isinstance(kept, Detached):   # the plugin's RunningLab: its connections go

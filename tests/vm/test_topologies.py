@@ -21,6 +21,8 @@ import pytest
 
 from vfio_cxl.lab import topology
 
+from .conftest import kernel_of
+
 GPU_ID = "0601:1991"
 SMC_ID = "0601:5c01"
 X3130_UP, XIO3130_DOWN = "104c:8232", "104c:8233"
@@ -184,7 +186,7 @@ def check_interleave(lab, topo, spec, vm) -> None:
 
 @pytest.mark.parametrize("topology_name", topology.available())
 def test_guest_agrees_with_the_topology(labs, topology_name):
-    lab = labs.get(topology_name)
+    lab = labs.get(topology_name, kernel_of(topology_name))   # the same boot as its fixture's tests
     topo = lab.topology
     # The listings in every guest at once: each guest works on its own vCPUs.
     running = {spec.name: start_listings(lab[spec.name]) for spec in topo.vms}
