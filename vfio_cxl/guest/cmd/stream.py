@@ -101,34 +101,55 @@ def serve_clock(port: int, stop: threading.Event) -> threading.Thread:
     return thread
 
 
+PROBE_WAIT = 0.2   # s: how long one probe waits for its echo before the next is sent
+
+
+def _echo_of(data: bytes) -> tuple[int, float] | None:
+    """(probe number, b's clock) of an echo, or None for a datagram that is not one."""
+    try:
+        tag, remote = data.split()
+        return int(tag), float(remote)
+    except ValueError:
+        return None
+
+
 def measure_clock_offset(host: str, port: int, timeout: float, samples: int = 30) -> dict:
     """b's clock minus a's, from the exchange with the smallest round trip.
 
-    Retries until b answers (it may start after us), up to ``timeout``."""
+    Retries until b answers (it may start after us), up to ``timeout``.  Each probe waits up to
+    PROBE_WAIT for its echo before the next is sent; an echo that comes back later is an exchange
+    all the same, timed from its own probe -- so one slow echo never leaves the reads a probe
+    behind the probes."""
     best = None
+    sent_at: dict[int, float] = {}
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.settimeout(0.2)
         for i in itertools.count():
             if i >= samples and best is not None:
                 break                                   # enough exchanges
             if best is None and time.monotonic() > deadline:
                 break                                   # b never answered
-            t1 = time.monotonic()
+            sent_at[i] = t1 = time.monotonic()
             sock.sendto(b"%d" % i, (host, port))
-            try:
-                data, _ = sock.recvfrom(128)
-            except socket.timeout:
-                continue
-            t2 = time.monotonic()
-            tag, remote = data.split()
-            if int(tag) != i:
-                continue
-            rtt = t2 - t1
-            if best is None or rtt < best[0]:
-                best = (rtt, float(remote) - (t1 + t2) / 2)
+            while (left := t1 + PROBE_WAIT - time.monotonic()) > 0:
+                sock.settimeout(left)
+                try:
+                    data, _ = sock.recvfrom(128)
+                except socket.timeout:
+                    break
+                t2 = time.monotonic()
+                echo = _echo_of(data)
+                if echo is None or echo[0] not in sent_at:
+                    continue                            # not an echo of ours
+                tag, remote = echo
+                t0 = sent_at.pop(tag)
+                if best is None or t2 - t0 < best[0]:
+                    best = (t2 - t0, remote - (t0 + t2) / 2)
+                if tag == i:
+                    break
     if best is None:
-        raise cxl.CxlError(f"no clock echo from {host}:{port} within {timeout} s", "start the consumer in VM b")
+        raise cxl.CxlError(f"no clock echo from {host}:{port} within {timeout} s ({len(sent_at)} probes sent)",
+                           "start the consumer in VM b")
     return {"offset": best[1], "rtt": best[0]}
 
 
