@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 
+import suite_kernel
 from vfio_cxl.lab import usage
 
 USAGE_LOG = pytest.StashKey[str]()
@@ -22,6 +23,10 @@ def pytest_addoption(parser):
     parser.addoption("--soak", action="store_true", default=False,
                      help="the long repetitions (GPU moves, fake moves, fuzz requests) instead of the "
                           "default counts, which are still enough to show a leak")
+
+
+def pytest_report_header(config):
+    return suite_kernel.describe()
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +51,11 @@ class FileSeconds:
 
 
 def pytest_configure(config):
+    try:   # the plugin's `lab` fixture boots the suite's kernel unless --lab-kernel names one
+        if config.getoption("--lab-kernel") is None:
+            config.option.lab_kernel = suite_kernel.suite_kernel_name()
+    except suite_kernel.BadChoice as err:
+        raise pytest.UsageError(str(err)) from None
     config.stash[FILE_SECONDS] = FileSeconds()
     config.pluginmanager.register(config.stash[FILE_SECONDS], "vfio-cxl-file-seconds")
     if is_xdist_worker(config):

@@ -179,6 +179,8 @@ CASES.update({
     "./scripts/test --durations=0": skip("the whole suite, every test's time listed: this test is part of it"),
     "VFIO_CXL_LAB_KERNEL=1 ./scripts/test": skip("the whole suite after building the lab kernel "
                                                  "(~700 CPU-s): this test is part of the suite"),
+    "VFIO_CXL_TEST_KERNEL=debian ./scripts/test": skip("the whole suite with every lab on Debian's kernel: this test is "
+                                                       "part of the suite (tests/fast/test_test_tiers.py checks the choice)"),
     "./scripts/test tests/vm/test_smc.py -s": skip("a VM test module of the suite, run by ./scripts/test"),
     "vfio-cxl vm topologies": Case(expect=(r"^single\s+\S",)),
     "vfio-cxl vm topology hb2": Case(expect=(r"hb2",)),

@@ -25,21 +25,15 @@ A boot costs tens of seconds, so a new VM test reuses a lab that is booted anywa
 The pool (``labs``) is the plugin's ``lab_pool``: one lab at a time for all of them
 (per worker).
 
-Kernels: a test that is not about a kernel gets its lab on the suite's kernel (``suite_kernel``):
-the lab kernel when it is cached -- SSH-ready in under 2 s against Debian's 5 s under TCG, with
-type1 and iommufd both -- else the image's Debian kernel.  The Debian kernel keeps groups of its
-own: ``single_lab`` and ``selftest_lab`` (DEBIAN_GROUPS), the documented commands that boot a lab
-as a user types them (the demos, the boot scripts, the console sessions, the benches with their
-smallest arguments), and the matrix's Debian cells.  ``VFIO_CXL_TEST_KERNEL=debian`` runs every
-group on the Debian kernel.
+Kernels: a test that is not about a kernel gets its lab on the suite's kernel, the lab kernel
+when it is cached (tests/suite_kernel.py); ``single_lab`` and ``selftest_lab`` stay on the image's
+Debian kernel (DEBIAN_GROUPS), whose tests are about it.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
-import os
 
 import pytest
 
@@ -47,6 +41,8 @@ from vfio_cxl.errors import LabError
 from vfio_cxl.lab.kernel import lab_kernel
 from vfio_cxl.lab.lab import Lab
 from vfio_cxl.pytest_plugin import LabPool, lab_key
+
+from suite_kernel import DEBIAN_GROUPS, suite_kernel
 from xdist_units import REGISTERED_FIXTURES, unit_of
 
 # A topology's lab on the suite's kernel and on the lab kernel is one lab when the lab kernel is
@@ -60,41 +56,9 @@ NAME_ORDER = {"single": 0, "shared": 1, "p2p": 2, "smc": 3, "pool": 4, "fabric":
               "nic2": 11}
 
 
-TEST_KERNEL_ENV = "VFIO_CXL_TEST_KERNEL"
-# the topologies whose in-process lab boots the image's Debian kernel whatever the suite's kernel
-DEBIAN_GROUPS = frozenset({"single", "selftest"})
-
-
-@functools.cache
-def suite_kernel():
-    """The kernel of the labs of tests that are not about a kernel: the cached lab kernel, else
-    None (the image's Debian kernel); None too under VFIO_CXL_TEST_KERNEL=debian."""
-    wanted = os.environ.get(TEST_KERNEL_ENV, "lab")
-    if wanted not in ("lab", "debian"):
-        raise pytest.UsageError(f"{TEST_KERNEL_ENV}={wanted!r}: write 'lab' (the lab kernel when it is "
-                                "built, the default) or 'debian' (the image's kernel for every group)")
-    if wanted == "debian":
-        return None
-    try:
-        return lab_kernel(provision=False)
-    except LabError:
-        return None
-
-
-def suite_kernel_name() -> str | None:
-    """suite_kernel() as ``--kernel`` takes it: 'lab', or None for the image's kernel."""
-    return "lab" if suite_kernel() is not None else None
-
-
 def kernel_of(topology: str):
     """The kernel of ``topology``'s in-process lab: Debian's for DEBIAN_GROUPS, else the suite's."""
     return None if topology in DEBIAN_GROUPS else suite_kernel()
-
-
-def pytest_configure(config):
-    """The plugin's ``lab`` fixture boots on the suite's kernel unless --lab-kernel names one."""
-    if config.getoption("--lab-kernel") is None:
-        config.option.lab_kernel = suite_kernel_name()
 
 
 @pytest.fixture(scope="session")

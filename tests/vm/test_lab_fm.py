@@ -23,7 +23,7 @@ from vfio_cxl.lab.fm import registry
 from vfio_cxl.lab.fm.procs import ProcessId, processes_mentioning, wait_gone
 from vfio_cxl.paths import REPO_ROOT
 
-from .conftest import suite_kernel_name
+from suite_kernel import suite_kernel_name
 
 
 def vfio_cxl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -33,7 +33,7 @@ def vfio_cxl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 class Detached:
     """A lab started with `vfio-cxl vm up TOPOLOGY --detach` in a child process, on the suite's
-    kernel (tests/vm/conftest.py suite_kernel: ``--kernel lab`` when it is cached)."""
+    kernel (tests/suite_kernel.py: ``--kernel lab`` when it is cached)."""
 
     def __init__(self, topology: str | None, name: str | None = None):
         if name is not None:   # a lab up already (see of())
