@@ -111,7 +111,18 @@ def test_output_cannot_fake_the_end_marker(guest):
     ("group /dev/vfio/11\nholder 5 /dev/vfio/11", "line 2 not in its format"),
     ("group /dev/vfio/11\nholder 5 /dev/vfio/11 " + "x" * 65, "line 2 not in its format"),
     ("group ../../etc\n", "line 1 not in its format"),
+    ("group /dev/vfio/11\nholder 5 /dev/vfio/12 x", "line 2 not in its format"),
+    # with its cdev named, a holder of another cdev is no holder of this GPU
+    ("group /dev/vfio/11\ncdev /dev/vfio/devices/vfio0\nholder 5 /dev/vfio/devices/vfio1 x", "line 3 not in its format"),
 ])
 def test_holders_parser_refuses_what_is_not_its_format(out, what):
     with pytest.raises(GuestAnswerError, match=what):
         parse_holders("a", out)
+
+
+def test_a_cdev_holder_is_taken_while_the_gpu_is_being_removed():
+    """vfio deletes the cdev (and its sysfs entry) before it waits for the holders: the script
+    names no cdev then, and finds the holder by its fd's fdinfo (vfio-device-syspath; the real
+    guest's case is tests/vm/test_lab_fabric.py's held GPU on the lab kernel)."""
+    holders = parse_holders("a", "group /dev/vfio/11\nholder 92 /dev/vfio/devices/vfio0 python3\n")
+    assert holders == [{"pid": 92, "path": "/dev/vfio/devices/vfio0", "comm": "python3"}]

@@ -4,7 +4,7 @@
     vfio-cxl gpu dma [--size N] [--gpu BDF]    VRAM -> devdax via VFIO, checksum verified (exit 0 on a match)
     vfio-cxl gpu vram-write|vram-read ...      put / read a tag in VRAM (what the next owner sees)
     vfio-cxl gpu bind [--wait S] [--json]      wait for a (hot-plugged) GPU and bind it to vfio-pci
-    vfio-cxl gpu holders [--json]              processes that hold a GPU's VFIO group open
+    vfio-cxl gpu holders [--json]              processes that hold a GPU's VFIO group or device open
     vfio-cxl nvme ls|identify|read|write ...   NVMe controllers through the userspace driver (nvme_cli.py)
     vfio-cxl nic ls|stats|send|recv|rdma-recv|rdma-write ...   igb NICs through the userspace driver (nic_cli.py)
     vfio-cxl gpu run KERNEL --mode M --latency L --working-set SIZE [--vram-cache SIZE] [--json]
@@ -152,25 +152,48 @@ def cmd_run(args) -> int:
     return 0 if r["verified"] else 1
 
 
+SYSPATH_FIELD = "vfio-device-syspath:"
+
+
+def _device_of(proc: Path, fd: str) -> str | None:
+    """The device a VFIO device fd is for (its fdinfo's vfio-device-syspath), or None."""
+    try:
+        with open(proc / "fdinfo" / fd, encoding="utf-8", errors="replace") as f:
+            for line in f.read(4096).splitlines():
+                if line.startswith(SYSPATH_FIELD):
+                    return line[len(SYSPATH_FIELD):].strip()
+    except OSError:
+        pass
+    return None
+
+
 def holders(bdf: str | None = None) -> list[dict]:
-    """Processes with a VFIO group or device file open (what keeps a GPU from being released);
-    with ``bdf``, only those holding that device's IOMMU group."""
-    want = None
+    """Processes with a VFIO group or device open (what keeps a GPU from being released), one
+    entry per process and node; with ``bdf``, only those holding that device: its IOMMU group's
+    node, or a device fd whose fdinfo names it.  The fdinfo finds a cdev (iommufd) holder while
+    the device is being removed too: vfio deletes the cdev node before it waits for the holders,
+    and their fds then read "/dev/vfio/devices/vfioN (deleted)"."""
+    group = syspath = None
     if bdf is not None:
         link = Path(f"/sys/bus/pci/devices/{bdf}/iommu_group")
         if not link.exists():
             raise VfioError(f"no PCI device {bdf} with an IOMMU group here", "see vfio-cxl gpu ls")
-        want = f"/dev/vfio/{os.readlink(link).rsplit('/', 1)[-1]}"
-    found = []
+        group = f"/dev/vfio/{os.readlink(link).rsplit('/', 1)[-1]}"
+        syspath = os.path.realpath(f"/sys/bus/pci/devices/{bdf}")
+    found, seen = [], set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             for fd in (proc / "fd").iterdir():
                 target = os.readlink(fd)
-                if target.startswith("/dev/vfio/") and target != "/dev/vfio/vfio" and want in (None, target):
-                    comm = (proc / "comm").read_text().strip()
-                    found.append({"pid": int(proc.name), "comm": comm, "path": target})
+                if not target.startswith("/dev/vfio/") or target == "/dev/vfio/vfio":
+                    continue
+                if bdf is not None and target != group and _device_of(proc, fd.name) != syspath:
+                    continue
+                if (proc.name, target) not in seen:
+                    seen.add((proc.name, target))
+                    found.append({"pid": int(proc.name), "comm": (proc / "comm").read_text().strip(), "path": target})
         except OSError:
             continue
     return found
@@ -256,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", metavar="BDF")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_run)
-    p = gpu.add_parser("holders", help="processes that hold a VFIO group open")
+    p = gpu.add_parser("holders", help="processes that hold a VFIO group or device open")
     p.add_argument("--gpu", metavar="BDF", help="only those holding this GPU's group")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_holders)

@@ -162,9 +162,9 @@ def bad_inputs(from_bdf: str | None = None, to_bdf: str | None = None) -> dict:
                lambda: map_peer_bar(a, b, 0x30_0000_0000, region=uapi.VFIO_PCI_CONFIG_REGION_INDEX))
         expect("size_beyond_bar", pair.container,
                lambda: map_peer_bar(a, b, 0x30_0000_0000, size=b.vram_size + 4096))
-    a = GpuDriver.open(bdfs[0])           # each in its own container
+    a = GpuDriver.open(bdfs[0], backend="type1")   # each in its own container
     try:
-        b = GpuDriver.open(bdfs[1])
+        b = GpuDriver.open(bdfs[1], backend="type1")
         try:
             expect("peer_in_other_container", a.device.container,
                    lambda: map_peer_bar(a, b, PEER_BAR_IOVA))

@@ -151,17 +151,18 @@ class GpuDriver:
                                     (regs.VEC_ERROR, regs.INTR_ERROR)) if status & bit}
 
     @classmethod
-    def open(cls, bdf: str | None = None, *, container=None, ioas=None,
+    def open(cls, bdf: str | None = None, *, container=None, ioas=None, backend: str | None = None,
              control_iova: int | None = None) -> "GpuDriver":
         """``container`` (type1) or ``ioas`` (an iommufd context): join a shared IOMMU
-        context (peer-to-peer DMA); then give each GPU its own ``control_iova``."""
+        context (peer-to-peer DMA); then give each GPU its own ``control_iova``.  ``backend``
+        (as VfioPciDevice.open takes it; default auto) for a context of its own."""
         if bdf is None:
             found = find_pci_devices(regs.PCI_VENDOR_ID, regs.PCI_DEVICE_ID)
             if not found:
                 raise GpuError(f"no GPU [{regs.PCI_VENDOR_ID:04x}:{regs.PCI_DEVICE_ID:04x}] in this VM",
                                "boot a topology with gpu = true (vfio-cxl vm up single)")
             bdf = found[0]
-        device = VfioPciDevice.open(bdf, container=container, ioas=ioas)
+        device = VfioPciDevice.open(bdf, container=container, ioas=ioas, backend=backend)
         try:
             if device.bar(regs.BAR_REGS).read32(regs.REG_ID) != regs.ID_MAGIC:
                 raise GpuError(f"{bdf} does not answer with the GPU's ID register", "is it the vfio-cxl GPU?")

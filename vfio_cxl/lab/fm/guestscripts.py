@@ -79,16 +79,28 @@ echo "{\"bdf\": \"$new\", \"driver\": \"vfio-pci\", \"gpus\": $#, \"guest\": {\"
 """
 
 # The GPU's VFIO nodes ($1: its BDF): its group's /dev/vfio/N and, if the kernel made one, its
-# iommufd cdev /dev/vfio/devices/vfioM; holds PID: does PID have one of them open (same inode).
+# iommufd cdev /dev/vfio/devices/vfioM; holds PID: does PID have one of them open (same inode), or
+# a device fd whose fdinfo names the GPU (vfio-device-syspath).  The last is how a cdev holder is
+# found while the GPU is being removed: vfio deletes the cdev and its node before it waits for
+# the holders to close, so their fds then point at "/dev/vfio/devices/vfioM (deleted)".  Only
+# character-device fds have their fdinfo read (no fork); a match's node is its link, read then.
 _NODES = r"""R=${VFIO_CXL_SYSROOT-}; d=$R/sys/bus/pci/devices/$1
 g=; for n in "$R"/sys/kernel/iommu_groups/*; do [ "$d/iommu_group" -ef "$n" ] && g=${n##*/}; done
 [ -n "$g" ] || { echo "no IOMMU group for $1"; exit 1; }
 group=/dev/vfio/$g; cdev=
 for c in "$d"/vfio-dev/vfio*; do [ -e "$c" ] && cdev=/dev/vfio/devices/${c##*/}; done
+syspath=$(cd -P "$d" && pwd); syspath=${syspath#"$R"}
 holds() {
   for fd in "$R/proc/$1/fd/"*; do
     [ "$fd" -ef "$R$group" ] && { node=$group; return 0; }
     [ -n "$cdev" ] && [ "$fd" -ef "$R$cdev" ] && { node=$cdev; return 0; }
+    [ -c "$fd" ] && [ -r "${fd%/fd/*}/fdinfo/${fd##*/}" ] || continue
+    while IFS= read -r line; do
+      [ "$line" = "vfio-device-syspath: $syspath" ] || continue
+      node=$(readlink "$fd"); node=${node% (deleted)}
+      case $node in /dev/vfio/devices/vfio[0-9]*) ;; *) node=$group ;; esac
+      return 0
+    done < "${fd%/fd/*}/fdinfo/${fd##*/}"
   done
   return 1
 }
@@ -133,6 +145,7 @@ def show(text: str, limit: int = 200) -> str:
 
 
 _NODE = r"/dev/vfio/(?:\d{1,9}|devices/vfio\d{1,9})"
+_CDEV = re.compile(r"/dev/vfio/devices/vfio\d{1,9}")
 _HOLDER = re.compile(rf"holder ([1-9]\d{{0,9}}) ({_NODE}) (.{{0,64}})", re.S)
 
 
@@ -141,14 +154,17 @@ def parse_holders(vm: str, out: str) -> list[dict]:
     lines = out.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    nodes, holders = set(), []
+    nodes, kinds, holders = set(), set(), []
     for number, line in enumerate(lines, 1):
         kind = line.split(" ", 1)[0]
         if kind in ("group", "cdev") and number <= 2 and re.fullmatch(rf"{kind} {_NODE}", line):
             nodes.add(line.split(" ", 1)[1])
+            kinds.add(kind)
             continue
         match = _HOLDER.fullmatch(line)
-        if not match or match.group(2) not in nodes:
+        # a cdev holder while the GPU is being removed: its node is gone from sysfs (no cdev line)
+        removed_cdev = match and "cdev" not in kinds and _CDEV.fullmatch(match.group(2))
+        if not match or not (match.group(2) in nodes or removed_cdev):
             raise GuestAnswerError(f"VM {vm}: the holders script printed line {number} not in its format: "
                                    f"{show(line)}", "is the guest's sh or /proc replaced? see its console log")
         if len(holders) == MAX_HOLDERS:
