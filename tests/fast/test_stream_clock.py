@@ -8,6 +8,7 @@ echo" while b answered every probe (a share-stream failure in a loaded suite run
 from __future__ import annotations
 
 import socket
+import socketserver
 import threading
 import time
 
@@ -19,34 +20,28 @@ from vfio_cxl.guest.cmd import stream
 
 @pytest.fixture
 def echo():
-    """A UDP echo on 127.0.0.1 as serve_clock answers (``data + b" <clock>"``), one datagram at a
-    time in order, as b's one thread does; ``delays[n]``: it stalls that many seconds before it
-    answers the n-th datagram (b's vCPU not scheduled), the later ones queueing behind it;
-    ``junk`` datagrams go to the prober before each answer (a stray sender on the link)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.05)
+    """A UDP echo on 127.0.0.1 that answers as serve_clock does (``data + b" <clock>"``), one
+    datagram at a time in order, as b's one thread does; ``delays[n]``: it stalls that many
+    seconds before it answers the n-th datagram (b's vCPU not scheduled), the later ones queueing
+    behind it; ``junk`` datagrams go to the prober before each answer (a stray sender)."""
     state = {"delays": {}, "junk": [], "got": 0}
-    stop = threading.Event()
 
-    def loop():
-        with sock:
-            while not stop.is_set():
-                try:
-                    data, peer = sock.recvfrom(64)
-                except socket.timeout:
-                    continue
-                n, state["got"] = state["got"], state["got"] + 1
-                for junk in state["junk"]:
-                    sock.sendto(junk, peer)
-                time.sleep(state["delays"].get(n, 0))   # the stall modelled, not a wait for anything
-                sock.sendto(data + b" %.9f" % time.monotonic(), peer)
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    state["port"] = sock.getsockname()[1]
-    yield state
-    stop.set()
-    thread.join(5)
+    class Echo(socketserver.BaseRequestHandler):
+        def handle(self):
+            data, sock = self.request
+            n, state["got"] = state["got"], state["got"] + 1
+            for junk in state["junk"]:
+                sock.sendto(junk, self.client_address)
+            time.sleep(state["delays"].get(n, 0))   # the stall modelled, not a wait for anything
+            sock.sendto(data + b" %.9f" % time.monotonic(), self.client_address)
+
+    with socketserver.UDPServer(("127.0.0.1", 0), Echo) as server:
+        thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        thread.start()
+        state["port"] = server.server_address[1]
+        yield state
+        server.shutdown()
+        thread.join(5)
 
 
 def test_an_echo_later_than_its_wait_does_not_leave_the_reads_behind(echo):
