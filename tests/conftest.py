@@ -116,6 +116,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.vm)
 
 
+# Under pytest-xdist the fast tests share two cores with the VM tests' QEMUs, and the VM tests set
+# the session's length: a worker runs a fast test at this niceness (what it starts inherits it)
+# and a VM test at 0 again, so the fast tests take the cycles the guests leave idle.  Only as root
+# (CI): back to 0 needs it, and a VM test must not run at a fast test's niceness.
+FAST_NICE = 19
+
+
+def pytest_runtest_setup(item):
+    if not is_xdist_worker(item.config) or os.geteuid() != 0:
+        return
+    want = 0 if item.get_closest_marker("vm") else FAST_NICE
+    if os.getpriority(os.PRIO_PROCESS, 0) != want:
+        os.setpriority(os.PRIO_PROCESS, 0, want)
+
+
 @pytest.hookimpl(optionalhook=True)   # pytest-xdist's hook
 def pytest_xdist_make_scheduler(config, log):
     from xdist_units import make_scheduler

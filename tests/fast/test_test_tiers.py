@@ -53,3 +53,9 @@ def test_a_vm_tests_kernel_that_is_neither_is_refused_naming_both():
     ran = session_with_test_kernel("lab7")
     assert ran.returncode != 0 and "collected" not in ran.stdout
     assert "VFIO_CXL_TEST_KERNEL='lab7': write 'lab'" in ran.stderr and "or 'debian'" in ran.stderr, ran.stderr
+
+
+def test_a_fast_test_runs_niced_on_an_xdist_worker_as_root(request):
+    """tests/conftest.py: fast tests yield the cores to the VM tests' QEMUs (scripts/test's workers)."""
+    niced = hasattr(request.config, "workerinput") and os.geteuid() == 0
+    assert os.getpriority(os.PRIO_PROCESS, 0) == (19 if niced else os.getpriority(os.PRIO_PROCESS, os.getppid())), niced

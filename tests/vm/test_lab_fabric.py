@@ -169,9 +169,11 @@ def held(lab: Detached, reference: Held | None = None) -> Held:
     status = lab.status()
     counts = {}
     for name in status["vms"]:
-        # Open VFIO group files in the guest (one ls, not a guest Python start: minutes at load 18).
-        # First: each SSH session leaves QEMU a socket that slirp closes seconds later.
-        result = lab.ssh(name, "ls -l /proc/[0-9]*/fd 2>/dev/null | grep -c ' /dev/vfio/[0-9]' || true")
+        # Open VFIO group, device (cdev) and iommufd files in the guest (one ls, not a guest Python
+        # start: minutes at load 18).  First: each SSH session leaves QEMU a socket that slirp
+        # closes seconds later.
+        result = lab.ssh(name, "ls -l /proc/[0-9]*/fd 2>/dev/null | grep -c -e ' /dev/vfio/[0-9]' "
+                               "-e ' /dev/vfio/devices/' -e ' /dev/iommu$' || true")
         assert result.returncode == 0, result.stderr
         counts[f"guest_{name}_vfio_fds"] = int(result.stdout.strip() or 0)
     pids = {"fm": lab.record.fm["pid"]}

@@ -14,6 +14,8 @@ from vfio_cxl.lab.lab import Lab, remove_stale_rundirs
 from vfio_cxl.lab.vm import VirtualMachine
 from vfio_cxl.paths import REPO_ROOT, runtime_root
 
+from suite_kernel import suite_kernel, suite_kernel_name
+
 
 def processes_mentioning(text: str) -> list[str]:
     found = []
@@ -32,7 +34,9 @@ def start_vm_up() -> tuple[subprocess.Popen, Path]:
     """`vfio-cxl vm up single` in a child process, once it says the lab runs; and its run dir."""
     # SIGINT as at a terminal: a job started in the background of a non-interactive shell (as CI
     # may start the suite) inherits SIGINT ignored, and Python then keeps it ignored.
-    cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single"], cwd=REPO_ROOT,
+    kernel = suite_kernel_name()   # the lifecycle is the same on either kernel
+    cli = subprocess.Popen([sys.executable, "-m", "vfio_cxl", "vm", "up", "single",
+                            *(["--kernel", kernel] if kernel else [])], cwd=REPO_ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=0,
                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
@@ -123,7 +127,7 @@ def test_no_port_is_picked_ahead_for_another_process_to_take(labs, monkeypatch):
 
     monkeypatch.setattr(VirtualMachine, "start", start_after_someone_took_the_port)
     try:
-        with Lab(topology.load("single"), gpu=False) as lab:
+        with Lab(topology.load("single"), gpu=False, kernel=suite_kernel()) as lab:
             vm = lab["host0"]
             assert vm.res.ssh_port > 0 and vm.run("echo up").stdout == "up\n"
     finally:
