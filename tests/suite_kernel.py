@@ -54,7 +54,8 @@ def describe() -> str:
     """One line for the session's header."""
     kernel = suite_kernel()
     if kernel is not None:
-        return (f"VM tests' kernel: the lab kernel ({kernel.image}); Debian's for the {', '.join(sorted(DEBIAN_GROUPS))} "
-                f"labs and the labs commands boot as typed ({ENV}=debian: Debian's for all)")
+        return (f"VM tests' kernel: the lab kernel ({kernel.image}); Debian's for the in-process "
+                f"{' and '.join(sorted(DEBIAN_GROUPS))} labs and for the labs documented commands boot as typed "
+                f"({ENV}=debian: Debian's for all)")
     why = f"{ENV}=debian" if wanted() == "debian" else "the lab kernel is not built: vfio-cxl provision --kernel lab"
     return f"VM tests' kernel: the image's Debian kernel for every lab ({why})"

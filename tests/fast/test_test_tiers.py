@@ -41,7 +41,7 @@ def test_the_header_names_the_vm_tests_kernel_and_debian_can_be_chosen_for_every
     assert default.returncode == 0, default.stdout + default.stderr
     if cached_lab_kernel() is not None:
         assert f"VM tests' kernel: the lab kernel ({cached_lab_kernel()}/" in default.stdout, default.stdout
-        assert "Debian's for the selftest, single labs" in default.stdout, default.stdout
+        assert "Debian's for the in-process selftest and single labs" in default.stdout, default.stdout
     else:
         assert "Debian kernel for every lab (the lab kernel is not built" in default.stdout, default.stdout
     debian = session_with_test_kernel("debian")
