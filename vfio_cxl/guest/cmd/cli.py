@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_run)
     p = gpu.add_parser("holders", help="processes that hold a VFIO group or device open")
-    p.add_argument("--gpu", metavar="BDF", help="only those holding this GPU's group")
+    p.add_argument("--gpu", metavar="BDF", help="only those holding this GPU (its group, or its device even while it is being removed)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_holders)
     from . import nic_cli, nvme_cli
