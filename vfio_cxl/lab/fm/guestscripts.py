@@ -154,16 +154,15 @@ def parse_holders(vm: str, out: str) -> list[dict]:
     lines = out.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
-    nodes, kinds, holders = set(), set(), []
+    nodes, holders = set(), []
     for number, line in enumerate(lines, 1):
         kind = line.split(" ", 1)[0]
         if kind in ("group", "cdev") and number <= 2 and re.fullmatch(rf"{kind} {_NODE}", line):
             nodes.add(line.split(" ", 1)[1])
-            kinds.add(kind)
             continue
         match = _HOLDER.fullmatch(line)
         # a cdev holder while the GPU is being removed: its node is gone from sysfs (no cdev line)
-        removed_cdev = match and "cdev" not in kinds and _CDEV.fullmatch(match.group(2))
+        removed_cdev = match and _CDEV.fullmatch(match.group(2)) and not any(_CDEV.fullmatch(n) for n in nodes)
         if not match or not (match.group(2) in nodes or removed_cdev):
             raise GuestAnswerError(f"VM {vm}: the holders script printed line {number} not in its format: "
                                    f"{show(line)}", "is the guest's sh or /proc replaced? see its console log")
