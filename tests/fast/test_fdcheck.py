@@ -12,13 +12,23 @@ import fdcheck
 CHILD = r"""
 import os, socket, sys, threading
 held = []
+listener = socket.create_server(("127.0.0.1", 0))
 print("ready", flush=True)
 for line in sys.stdin:
     word, *arg = line.split()
     if word == "open":                     # a memfd named like a GPU's VRAM, and an eventfd
         held += [os.memfd_create("vfio-cxl-gpu-vram"), os.eventfd(0)]
-    elif word == "socket":                 # a TCP socket no table lists (as slirp's, once closed)
-        held.append(socket.socket().detach())
+    elif word == "socket":                 # an ended connection the process has not closed (as slirp's)
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        client.close()
+        accepted.recv(1)                   # the peer's FIN
+        accepted.shutdown(socket.SHUT_RDWR)
+        held.append(accepted.detach())
+    elif word == "standing":               # bound, never listening or connected (as two of QEMU's)
+        standing = socket.socket()
+        standing.bind(("127.0.0.1", 0))
+        held.append(standing.detach())
     elif word == "close-after":            # closed later, by the process itself
         fds, held[:] = list(held), []
         threading.Timer(float(arg[0]), lambda: [os.close(fd) for fd in fds]).start()
@@ -77,6 +87,20 @@ def test_a_socket_no_table_lists_is_waited_for_without_a_reference():
         after, waited = fdcheck.settle({"child": child.pid}, timeout=30)
         assert fdcheck.released_late(child.pid) == 0 and 0.2 < waited < 30
         assert fdcheck.differences(reference, after) == {}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_socket_bound_for_good_is_not_taken_for_a_late_one():
+    """QEMU holds two TCP sockets no table lists for its whole life: waiting for them to go made
+    every settle wait its whole deadline."""
+    child = _child()
+    try:
+        _say(child, "standing")
+        assert fdcheck.released_late(child.pid) == 0
+        _, waited = fdcheck.settle({"child": child.pid}, timeout=30)
+        assert waited < 30   # not its deadline
     finally:
         child.kill()
         child.wait()
