@@ -75,3 +75,27 @@ def test_the_lab_collects_the_regions_the_init_brought_up(tmp_path, state, rc, o
         Path(f"{r}.rc").write_text(f"{rc}\n")
     ran = subprocess.run([SH, "-c", script], input="PLAN\n", capture_output=True, text=True, timeout=30)
     assert (ran.returncode, ran.stdout, ran.stderr) == (rc, out, err)
+
+
+def test_until_proc_is_mounted_every_program_is_named_by_its_path():
+    """busybox runs an applet by exec'ing /proc/self/exe; before /proc is mounted its shell falls
+    back to the PATH, where `mount` is util-linux's, dynamically linked: the first exec of the
+    boot then loaded a dozen libraries cold (0.12 s under TCG, found stamping the init's lines)."""
+    text = INIT.read_text().replace("\\\n", " ")     # continued lines as one
+    mount_proc = re.search(r"^(.*)mount -t proc proc /proc$", text, re.M)
+    commands = [line.split("#", 1)[0].strip() for line in text[:mount_proc.start()].splitlines()]
+    commands = [c for c in commands if c and not re.match(r"^\w+=", c) and not c.startswith(("export ", "say() "))]
+    assert mount_proc.group(1) == "/bin/busybox ", "the /proc mount itself names busybox by its path"
+    assert commands and all(c.split()[0].startswith("/") for c in commands), commands
+
+
+def test_the_lab_may_connect_once_the_ssh_server_and_its_nics_are_up_and_waits_for_ready():
+    """The order the lab relies on (vfio_cxl.lab.vm.wait_ready): dropbear starts first, the
+    network line comes once the SSH NICs are up, the shares and regions after it (beside the
+    key exchange), and "ready" last."""
+    text = INIT.read_text()
+    at = {what: text.index(line) for what, line in (
+        ("dropbear", "/usr/sbin/dropbear"), ("nics", "ifconfig \"${dev##*/}\" 10.0.3.15"),
+        ("network", 'say "network up"'), ("source share", "vfio_cxl_src /opt/vfio-cxl"),
+        ("regions", 'say "regions started"'), ("ready", 'say "ready"'))}
+    assert list(at) == sorted(at, key=at.get), at

@@ -107,8 +107,10 @@ class GuestShell:
                                    paramiko.Ed25519Key(data=base64.b64decode(host_key)))
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
 
-    def connect(self, deadline: float) -> None:
-        """Connect, retrying while the SSH server is still coming up, until ``deadline`` (monotonic).
+    def connect(self, deadline: float, *, retry_after: float = 0.2, check=None) -> None:
+        """Connect, retrying while the SSH server is still coming up, until ``deadline`` (monotonic),
+        ``retry_after`` s apart; ``check()``, called after each failed attempt, raises when the
+        server will not come.
 
         Each attempt may take until the deadline (at least 5 s): paramiko bounds the key
         exchange by the connect timeout, and on a loaded host a TCG guest's SSH server can
@@ -127,7 +129,9 @@ class GuestShell:
                     where = self.connection.unix_path or f"127.0.0.1:{self.port}"
                     raise LabError(f"[{self.vm_name}] SSH on {where} does not answer: {err}",
                                    "see the VM's console log") from None
-                time.sleep(0.2)   # retry back-off; not synchronisation
+                if check is not None:
+                    check()
+                time.sleep(retry_after)   # retry back-off; not synchronisation
 
     def run(self, command: str, *, timeout: float = 120, check: bool = True, stdin: str | None = None):
         """Run ``command`` in the guest; returns the fabric Result.  Started and joined as

@@ -28,9 +28,14 @@ from .qemu_runtime import QemuRuntime
 from .ssh import GuestShell
 from .topology import Topology, Vm
 
+# The guest init's console lines the lab waits for (images/rootfs/sbin/vfio-cxl-init): from
+# NETWORK_LINE its SSH server is started and reachable (the lab connects, retrying a refused
+# attempt at once), READY_LINE says everything is up (the lab runs nothing before it).
+NETWORK_LINE = b"vfio-cxl-init: network up"
 READY_LINE = b"vfio-cxl-init: ready"
+SSH_FAILED_LINE = b"vfio-cxl-init: dropbear failed"
 # The guest init stamps its lines with the seconds since the kernel started.
-INIT_STAMP = re.compile(rb"vfio-cxl-init: (started|ready) \[([0-9.]+)\]")
+INIT_STAMP = re.compile(rb"vfio-cxl-init: (started|network up|ready) \[([0-9.]+)\]")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # A slirp host forward in HMP's `info usernet` (libslirp's slirp_connection_info): the host
 # address and port are the listening socket's own (getsockname), so a rule asked for with
@@ -76,24 +81,32 @@ def process_tree_cpu(pid: int) -> float:
 
 @dataclass(frozen=True)
 class BootStages:
-    """Where a boot's seconds went (host clock from QEMU start, guest clock from kernel start)."""
+    """Where a boot's seconds went (host clock from QEMU start, guest clock from kernel start).
+    The stages follow the critical path: firmware and loading, the kernel, the init until
+    the lab may connect (its network line), then SSH: the rest of the SSH server's start,
+    the key exchange and authentication, and whatever the init still had to do before
+    its ready line (the shares, the regions), which runs beside them."""
 
-    to_ssh: float           # QEMU start -> SSH session open (host)
-    ready_seen: float       # QEMU start -> the ready line in the console log (host)
-    kernel_to_init: float | None   # kernel start -> init's first line (guest uptime)
-    init_to_ready: float | None    # init's first line -> SSH server listening (guest uptime)
+    to_ssh: float           # QEMU start -> SSH session open and the init ready (host)
+    network_seen: float     # QEMU start -> the init's network line in the console log (host)
+    kernel_to_init: float | None     # kernel start -> init's first line (guest uptime)
+    init_to_network: float | None    # init's first line -> its network line (guest uptime)
+    init_to_ready: float | None      # init's first line -> its ready line (guest uptime)
     cpu: float              # CPU seconds of QEMU (all its threads) until SSH was open
 
     @property
     def before_kernel(self) -> float | None:
         """Firmware, loading and decompressing the kernel (QEMU start -> the kernel's clock starts)."""
-        if self.kernel_to_init is None or self.init_to_ready is None:
+        if self.kernel_to_init is None or self.init_to_network is None:
             return None
-        return self.ready_seen - self.kernel_to_init - self.init_to_ready
+        return self.network_seen - self.kernel_to_init - self.init_to_network
 
     @property
     def ssh(self) -> float:
-        return self.to_ssh - self.ready_seen
+        """The init's network line -> SSH session open and the init ready."""
+        return self.to_ssh - self.network_seen
+
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -174,6 +187,29 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join([*head, *(["..."] if head else []), *last]) or "(empty)"
 
 
+class ConsoleWatch:
+    """What a guest's console log holds so far, read a piece at a time (only what is new)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.text = b""
+
+    def read(self) -> bytes:
+        try:
+            with open(self.path, "rb") as log:
+                log.seek(len(self.text))
+                self.text += log.read()
+        except FileNotFoundError:
+            pass
+        return self.text
+
+    def has_line(self, start: bytes) -> bool:
+        """Whether a whole line beginning ``start`` is in the log: the serial port writes a
+        line byte by byte, and the stamp at its end may still be coming."""
+        at = self.read().find(start)
+        return at >= 0 and self.text.find(b"\n", at) >= 0
+
+
 class VirtualMachine:
     def __init__(self, spec: Vm, resources: VmResources, runtime: QemuRuntime,
                  image: GuestImage, extra_ro: list[Path] = (), *, topology: Topology):
@@ -246,42 +282,51 @@ class VirtualMachine:
         self.res = replace(self.res, ssh_port=forwarded_port(str(usernet)))
 
     def wait_ready(self, timeout: float = 120) -> float:
-        """Wait for the guest init's ready line and SSH; returns seconds since start."""
+        """Wait for the guest's SSH session and its init's ready line; returns seconds since start.
+
+        The key exchange starts on the init's network line and overlaps the init's last
+        steps (the shares, the regions): boot to SSH is when both are done."""
         deadline = time.monotonic() + timeout
         if self.res.ssh_port == 0:
             self._learn_ssh_port(deadline)
-        console = b""
-        while True:
+        console = ConsoleWatch(self.res.console_log)
+
+        def wait_for(line: bytes) -> float:
+            while not console.has_line(line) and not console.has_line(READY_LINE):
+                self._check_alive()
+                if time.monotonic() >= deadline:
+                    # both logs go with the run directory when the lab stops: what they say is kept here
+                    raise LabError(f"[{self.name}] not ready after {timeout:.0f} s; console:\n"
+                                   f"{tail(self.res.console_log)}\nQEMU's output:\n{tail(self.qemu_log)}",
+                                   "the guest never printed its init's ready line: see where its console "
+                                   "stops; is the image intact?")
+                # Polling the console log (not synchronisation): each look costs a read of what
+                # is new; at 50 ms apart the lab saw a line 25 ms late on average.
+                time.sleep(0.01)
+            return time.monotonic() - self._started_at
+
+        def server_failed() -> None:
             self._check_alive()
-            try:
-                with open(self.res.console_log, "rb") as log:   # only what is new since the last look
-                    log.seek(len(console))
-                    console += log.read()
-            except FileNotFoundError:
-                pass
-            if READY_LINE in console:
-                ready_seen = time.monotonic() - self._started_at
-                break
-            if time.monotonic() >= deadline:
-                # both logs go with the run directory when the lab stops: what they say is kept here
-                raise LabError(f"[{self.name}] not ready after {timeout:.0f} s; console:\n"
-                               f"{tail(self.res.console_log)}\nQEMU's output:\n{tail(self.qemu_log)}",
-                               "the guest never printed its init's ready line: see where its console "
-                               "stops; is the image intact?")
-            # Polling the console log (not synchronisation): each look costs a read of what is
-            # new; at 50 ms apart the lab saw the line 25 ms late on average, a tenth of the
-            # time from the guest's init to SSH.
-            time.sleep(0.01)
+            if console.has_line(SSH_FAILED_LINE):
+                raise LabError(f"[{self.name}] the guest's SSH server did not start; console:\n"
+                               f"{tail(self.res.console_log)}", "see dropbear's message above")
+
+        # made before the network line is out: loading the key and setting the client up takes
+        # the host tens of milliseconds that would otherwise come after it
         self.shell = GuestShell(self.name, self.res.ssh_port, str(self.image.ssh_key), self.image.host_key,
                                 unix_socket=str(self.res.ssh_socket))
-        self.shell.connect(deadline)
-        self.boot_seconds = time.monotonic() - self._started_at
-        # the ready line's stamp may have been half written when the line was seen: read it whole
-        stamps = {name.decode(): float(up) for name, up in INIT_STAMP.findall(self.res.console_log.read_bytes())}
+        network_seen = wait_for(NETWORK_LINE)
+        # retried every 10 ms: until dropbear listens, the guest refuses at once
+        self.shell.connect(deadline, retry_after=0.01, check=server_failed)
+        self.boot_seconds = wait_for(READY_LINE)
+        stamps = {name.decode(): float(up) for name, up in INIT_STAMP.findall(console.text)}
+
+        def since_started(line: str) -> float | None:
+            return stamps[line] - stamps["started"] if {"started", line} <= stamps.keys() else None
+
         self.boot_stages = BootStages(
-            self.boot_seconds, ready_seen, stamps.get("started"),
-            stamps["ready"] - stamps["started"] if {"started", "ready"} <= stamps.keys() else None,
-            process_tree_cpu(self.process.pid))
+            self.boot_seconds, network_seen, stamps.get("started"), since_started("network up"),
+            since_started("ready"), process_tree_cpu(self.process.pid))
         return self.boot_seconds
 
     def connect_qmp(self, timeout: float = 10) -> QEMUMonitorProtocol:
