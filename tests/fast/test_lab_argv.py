@@ -273,6 +273,10 @@ def test_the_lab_kernel_is_given_its_tcg_boot_parameters_and_no_other_kernel_is(
 
     lab = words(lab_boot_params=True, guest_hz=250)
     assert "lapic_timer_period=4000000" in lab and "initmem_poison=off" in lab
+    # QEMU commits CXL decoders at once, under any accelerator: no 20 ms settle per port
+    assert "cxl_core.decoder_settle_ms=0" in lab
+    assert "cxl_core.decoder_settle_ms=0" in words(lab_boot_params=True, guest_hz=250, accel="kvm")
+    assert "cxl_core.decoder_settle_ms=0" not in words(lab_boot_params=False, guest_hz=250)
     assert "lapic_timer_period=1000000" in words(lab_boot_params=True, guest_hz=1000)
     unknown_hz = words(lab_boot_params=True, guest_hz=None)
     assert "initmem_poison=off" in unknown_hz and not any(w.startswith("lapic_timer_period") for w in unknown_hz)

@@ -46,7 +46,7 @@ class VmResources:
     smc_socket: Path | None = None    # this VM's socket of its shared-memory controller
     tsc_khz: int | None = None        # the host's TSC frequency: the guest's under TCG (host_tsc.py)
     guest_hz: int | None = None       # CONFIG_HZ of the kernel booted (None: not known)
-    lab_boot_params: bool = False     # the kernel takes the lab kernel's TCG boot parameters
+    lab_boot_params: bool = False     # the kernel takes the boot parameters of the lab kernel's patches
     nvme_files: dict[str, Path] = field(default_factory=dict)   # Nvme.drive_id(nsid) -> raw backing file
     bytecode: Path | None = None      # the guests' bytecode cache, shared writable (None: none)
     regions_plan: Path | None = None  # the region plan (JSON) the guest's init brings up (fw_cfg)
@@ -318,6 +318,12 @@ def _storage(res: VmResources) -> list[str]:
 TCG_APIC_BUS_HZ = 1_000_000_000
 
 
+# What the lab kernel's patches take in any QEMU VM: QEMU's CXL ports and Type3 devices commit
+# an HDM decoder in the register write, so a port's enumeration need not sleep 20 ms before it
+# trusts "not committed" (at boot none is; the endpoint's sleep held up mounting the root).
+LAB_KERNEL_QEMU_ARGUMENTS = "cxl_core.decoder_settle_ms=0"
+
+
 def lab_kernel_tcg_arguments(hz: int | None) -> str:
     """What the lab kernel's patches (qemu/kernel/patches) take, for a boot under TCG:
     its local APIC timer's period in bus clocks per jiffy (10**9 / HZ; where HZ is not known
@@ -350,6 +356,8 @@ def _boot(vm: Vm, res: VmResources) -> list[str]:
         cmdline += " vfio_cxl.modules=1"
     if res.tsc_khz:   # no TSC and delay-loop calibration against emulated timers
         cmdline += " " + boot_arguments(res.tsc_khz, res.guest_hz)
+    if res.lab_boot_params:
+        cmdline += " " + LAB_KERNEL_QEMU_ARGUMENTS
     if res.lab_boot_params and res.accel == "tcg":
         cmdline += " " + lab_kernel_tcg_arguments(res.guest_hz)
     if res.append:

@@ -67,7 +67,8 @@ class GuestKernel:
     @property
     def takes_lab_boot_params(self) -> bool:
         """Whether the kernel knows the boot parameters of the lab kernel's own patches
-        (qemu/kernel/patches: ``lapic_timer_period=``, ``initmem_poison=``); every lab kernel
+        (qemu/kernel/patches: ``lapic_timer_period=``, ``initmem_poison=``,
+        ``cxl_core.decoder_settle_ms=``); every lab kernel
         is built with them (they are in its recipe)."""
         return self.label == "lab"
 
