@@ -26,9 +26,13 @@ class RecordingShell:
     """Stands in for GuestShell: ``on_connect(check)`` runs when the lab connects."""
     on_connect = None
     connects: list = []
+    closed: list = []
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def close(self):
+        RecordingShell.closed.append(self)
 
     def connect(self, deadline, *, retry_after=0.2, check=None):
         RecordingShell.connects.append(retry_after)
@@ -41,7 +45,7 @@ def booting(vm, monkeypatch):
     vm.res = replace(vm.res, ssh_port=40100)   # no QMP port lookup for this stand-in
     vm.process = subprocess.Popen(["sleep", "600"])
     vm._started_at = time.monotonic()
-    RecordingShell.connects = []
+    RecordingShell.connects, RecordingShell.closed = [], []
     monkeypatch.setattr(vm_module, "GuestShell", RecordingShell)
     return vm
 
@@ -60,6 +64,7 @@ def test_the_lab_connects_on_the_network_line_and_is_done_on_the_ready_line(boot
     booting.wait_ready(timeout=10)
     assert seen == [STARTED + NETWORK], "connected before the network line, or after the ready line"
     assert RecordingShell.connects == [0.01], "a refused attempt is retried at once, not 0.2 s later"
+    assert isinstance(booting.shell, RecordingShell) and RecordingShell.closed == []
     stages = booting.boot_stages
     assert (stages.kernel_to_init, round(stages.init_to_network, 2), round(stages.init_to_ready, 2)) == (0.9, 0.07, 0.2)
     assert stages.to_ssh >= stages.network_seen and stages.ssh >= 0
@@ -83,6 +88,8 @@ def test_a_guest_whose_ssh_server_died_is_named_at_once(booting):
     assert time.monotonic() - started < 30
     assert "[host0] the guest's SSH server did not start" in str(err.value)
     assert "Failed loading /etc/dropbear/dropbear_ed25519_host_key" in str(err.value)
+    # not ready: the VM has no shell to run commands on, and the one it made is closed
+    assert booting.shell is None and len(RecordingShell.closed) == 1
 
 
 def test_a_line_counts_only_once_the_serial_port_wrote_all_of_it(tmp_path):

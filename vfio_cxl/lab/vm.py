@@ -312,13 +312,19 @@ class VirtualMachine:
                                f"{tail(self.res.console_log)}", "see dropbear's message above")
 
         # made before the network line is out: loading the key and setting the client up takes
-        # the host tens of milliseconds that would otherwise come after it
-        self.shell = GuestShell(self.name, self.res.ssh_port, str(self.image.ssh_key), self.image.host_key,
-                                unix_socket=str(self.res.ssh_socket))
-        network_seen = wait_for(NETWORK_LINE)
-        # retried every 10 ms: until dropbear listens, the guest refuses at once
-        self.shell.connect(deadline, retry_after=0.01, check=server_failed)
-        self.boot_seconds = wait_for(READY_LINE)
+        # the host tens of milliseconds that would otherwise come after it.  The VM has it (and
+        # run() works) only once the guest is ready; a boot that fails closes it.
+        shell = GuestShell(self.name, self.res.ssh_port, str(self.image.ssh_key), self.image.host_key,
+                           unix_socket=str(self.res.ssh_socket))
+        try:
+            network_seen = wait_for(NETWORK_LINE)
+            # retried every 10 ms: until dropbear listens, the guest refuses at once
+            shell.connect(deadline, retry_after=0.01, check=server_failed)
+            self.boot_seconds = wait_for(READY_LINE)
+        except BaseException:
+            shell.close()
+            raise
+        self.shell = shell
         stamps = {name.decode(): float(up) for name, up in INIT_STAMP.findall(console.text)}
 
         def since_started(line: str) -> float | None:
