@@ -297,7 +297,7 @@ CASES.update({
                                expect=(r'^ "rows": \[',)),   # --json: the table goes to stderr, so both run
     "scripts/bench guest-start": Case(group="borrowed", borrows=("single", None), run="scripts/bench guest-start --runs 1",
                                       timeout=900, expect=(r"^vfio-cxl gpu ls +\d",)),
-    "scripts/bench boot --runs 3 --kernel lab --kernel debian":
+    "scripts/bench boot --runs 12 --kernel lab --kernel debian":
         Case(group="lab-kernel", skip=LAB_KERNEL, run="scripts/bench boot --runs 1 --kernel lab --kernel debian",
              timeout=900, expect=(r"^single +lab +1 ", r"^single +debian +1 ")),
     "scripts/bench fabric --moves 6": same("scripts/bench fabric"),
