@@ -9,14 +9,15 @@ What QEMU closes late: the host socket of a finished SSH connection to a guest. 
 (user networking with a forwarded port) every `vfio-cxl vm ssh` is a TCP connection that QEMU
 accepts; when it ends, the kernel drops the connection from its tables at once, but slirp keeps
 the fd until its own TCP state machine lets go (measured: about 9 s after the client exits).
-Such a socket is in none of the process's socket tables (``/proc/PID/net/{tcp,tcp6,udp,udp6,
-unix}``), and still has the local port of the listener that accepted it: ``released_late`` counts
-those, and ``settle`` polls until none is left (or the deadline passes) before holdings are
-compared, so a late close is waited for and a real leak still fails.  QEMU also holds two TCP
-sockets no table lists for as long as it runs (bound to ports of their own, never listening or
-connected): they are not late, and taking them for late ones made every settle wait its whole
-deadline (60 s of the suite).  The local port is read from a copy of the fd (pidfd_getfd(2));
-where that is not allowed, every unlisted socket counts, as before.
+Over TCP such a socket is in none of the process's socket tables (``/proc/PID/net/{tcp,tcp6,udp,
+udp6,unix}``) and still has the local port of the listener that accepted it; over a unix socket
+(the lab's own SSH path, `vfio-cxl vm ssh`) it is listed, connected, with its peer gone.
+``released_late`` counts those, and ``settle`` polls until none is left (or the deadline passes)
+before holdings are compared, so a late close is waited for and a real leak still fails.  QEMU
+also holds two TCP sockets no table lists for as long as it runs (bound to ports of their own,
+never listening or connected): they are not late, and taking them for late ones made every
+settle wait its whole deadline.  Each socket is looked at through a copy of its fd
+(pidfd_getfd(2)); where that is not allowed, every unlisted socket counts, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import select
 import socket
 import time
 from collections import Counter
@@ -57,6 +59,7 @@ def _table_inodes(pid: int) -> set[str]:
 
 
 _SYS_PIDFD_GETFD = 438   # x86_64 and every architecture with the common syscall table
+_UNIX_CONNECTED = "03"    # /proc/net/unix's St column: SS_CONNECTED (the kernel's TCP_ESTABLISHED)
 
 
 def _listening_ports(pid: int) -> set[int]:
@@ -74,16 +77,33 @@ def _listening_ports(pid: int) -> set[int]:
     return ports
 
 
-def _local_port(pidfd: int, fd: int) -> int | None:
-    """The local port of socket ``fd`` of the process behind ``pidfd``: 0 for a socket of
-    another family (slirp's are TCP), None when no copy of it could be had."""
+def _connected_unix(pid: int) -> set[str]:
+    """Inodes of the unix sockets in connected state (a peer that has gone leaves them so)."""
+    with open(f"/proc/{pid}/net/unix") as f:
+        next(f)
+        return {fields[6] for fields in (line.split() for line in f)
+                if len(fields) > 6 and fields[5] == _UNIX_CONNECTED}
+
+
+def _ended(pidfd: int, fd: int, listening: set[int], tcp_unlisted: bool, unix_connected: bool) -> bool | None:
+    """Whether socket ``fd`` of the process behind ``pidfd`` is an ended connection it has not
+    closed yet, looked at through a copy of it (None: no copy could be had).  TCP: no table
+    lists it and its local port is one the process listens on (an accepted connection; QEMU's
+    two standing sockets have ports of their own).  Unix: connected, and its peer is gone
+    (POLLHUP: both directions shut)."""
     copy = ctypes.CDLL(None, use_errno=True).syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
     if copy < 0:
         return None
     try:
         with socket.socket(fileno=copy) as sock:
             try:
-                return sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else 0
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    return tcp_unlisted and sock.getsockname()[1] in listening
+                if sock.family == socket.AF_UNIX and unix_connected:
+                    poller = select.poll()
+                    poller.register(copy, select.POLLIN)
+                    return any(mask & select.POLLHUP for _, mask in poller.poll(0))
+                return False
             finally:
                 sock.detach()
     finally:
@@ -91,31 +111,31 @@ def _local_port(pidfd: int, fd: int) -> int | None:
 
 
 def released_late(pid: int) -> int:
-    """Sockets ``pid`` holds that no socket table lists any more and that a listener of its own
-    accepted: ended connections whose fd the process has not let go of yet (slirp's, after an
-    SSH connection ended).  A socket that cannot be looked at counts too."""
+    """Sockets ``pid`` holds for connections that have ended: slirp's, after an SSH session
+    ended, which it closes seconds later (over TCP, one no table lists any more; over a unix
+    socket, one whose peer has gone).  Where no copy of an fd can be had, a socket no table
+    lists counts, as before."""
     listed = _table_inodes(pid)
-    unlisted = []
+    sockets = []
     base = f"/proc/{pid}/fd"
     for fd in os.listdir(base):
         try:
             m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"{base}/{fd}"))
         except FileNotFoundError:
             continue
-        if m and m.group(1) not in listed:
-            unlisted.append(int(fd))
-    if not unlisted:
-        return 0
+        if m:
+            sockets.append((int(fd), m.group(1)))
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
-        return len(unlisted)
+        return sum(1 for _, inode in sockets if inode not in listed)
     try:
-        listening = _listening_ports(pid)
-        ports = [_local_port(pidfd, fd) for fd in unlisted]
+        listening, connected = _listening_ports(pid), _connected_unix(pid)
+        ended = [(_ended(pidfd, fd, listening, inode not in listed, inode in connected), inode)
+                 for fd, inode in sockets]
     finally:
         os.close(pidfd)
-    return sum(1 for port in ports if port is None or (port and port in listening))
+    return sum(1 for late, inode in ended if late or (late is None and inode not in listed))
 
 
 def differences(before: Holdings, after: Holdings) -> dict[str, dict[str, int]]:

@@ -25,6 +25,12 @@ for line in sys.stdin:
         accepted.recv(1)                   # the peer's FIN
         accepted.shutdown(socket.SHUT_RDWR)
         held.append(accepted.detach())
+    elif word == "unix":                   # a live unix connection, both ends held
+        held += [end.detach() for end in socket.socketpair()]
+    elif word == "unix-ended":             # a unix connection whose peer has gone (slirp's, after `vm ssh`)
+        mine, peer = socket.socketpair()
+        peer.close()
+        held.append(mine.detach())
     elif word == "standing":               # bound, never listening or connected (as two of QEMU's)
         standing = socket.socket()
         standing.bind(("127.0.0.1", 0))
@@ -101,6 +107,27 @@ def test_a_socket_bound_for_good_is_not_taken_for_a_late_one():
         assert fdcheck.released_late(child.pid) == 0
         _, waited = fdcheck.settle({"child": child.pid}, timeout=30)
         assert waited < 30   # not its deadline
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_unix_connection_whose_peer_has_gone_is_waited_for_and_a_live_one_is_not():
+    """`vfio-cxl vm ssh` reaches a guest through the VM's unix socket: when the session ends,
+    slirp holds its end of the connection for seconds more.  Listed and connected, it is late
+    only by its gone peer; a reference read while it was still held made the check fail."""
+    child = _child()
+    try:
+        reference, _ = fdcheck.settle({"child": child.pid})
+        _say(child, "unix")
+        assert fdcheck.released_late(child.pid) == 0
+        _say(child, "close-after 0")
+        _say(child, "unix-ended")
+        assert fdcheck.released_late(child.pid) == 1
+        _say(child, "close-after 0.3")
+        after, waited = fdcheck.settle({"child": child.pid}, timeout=30)
+        assert fdcheck.released_late(child.pid) == 0 and 0.2 < waited < 30
+        assert fdcheck.differences(reference, after) == {}
     finally:
         child.kill()
         child.wait()
