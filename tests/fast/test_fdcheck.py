@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import fdcheck
 
 CHILD = r"""
@@ -82,12 +84,16 @@ def test_a_late_close_is_waited_for_not_reported():
         child.wait()
 
 
-def test_a_socket_no_table_lists_is_waited_for_without_a_reference():
-    # the reference itself is read once the process holds no late-released socket
+@pytest.mark.parametrize("ended", ["socket", "unix-ended"])
+def test_an_ended_connection_still_held_is_waited_for_without_a_reference(ended):
+    """The reference itself is read once the process holds no late-released socket.  Over TCP
+    (slirp's forwarded port) it is one no table lists; over a unix socket (`vfio-cxl vm ssh`
+    reaches a guest through the VM's) it is listed and connected, and late only by its gone
+    peer: a reference read while slirp still held such sockets made the leak check fail."""
     child = _child()
     try:
         reference, _ = fdcheck.settle({"child": child.pid})
-        _say(child, "socket")
+        _say(child, ended)
         assert fdcheck.released_late(child.pid) == 1
         _say(child, "close-after 0.3")
         after, waited = fdcheck.settle({"child": child.pid}, timeout=30)
@@ -112,22 +118,11 @@ def test_a_socket_bound_for_good_is_not_taken_for_a_late_one():
         child.wait()
 
 
-def test_a_unix_connection_whose_peer_has_gone_is_waited_for_and_a_live_one_is_not():
-    """`vfio-cxl vm ssh` reaches a guest through the VM's unix socket: when the session ends,
-    slirp holds its end of the connection for seconds more.  Listed and connected, it is late
-    only by its gone peer; a reference read while it was still held made the check fail."""
+def test_a_live_unix_connection_is_not_late():
     child = _child()
     try:
-        reference, _ = fdcheck.settle({"child": child.pid})
         _say(child, "unix")
         assert fdcheck.released_late(child.pid) == 0
-        _say(child, "close-after 0")
-        _say(child, "unix-ended")
-        assert fdcheck.released_late(child.pid) == 1
-        _say(child, "close-after 0.3")
-        after, waited = fdcheck.settle({"child": child.pid}, timeout=30)
-        assert fdcheck.released_late(child.pid) == 0 and 0.2 < waited < 30
-        assert fdcheck.differences(reference, after) == {}
     finally:
         child.kill()
         child.wait()
