@@ -46,43 +46,32 @@ def fd_kinds(pid: int) -> Counter:
     return kinds
 
 
-def _table_inodes(pid: int) -> set[str]:
-    inodes: set[str] = set()
-    for table, column in (("tcp", 9), ("tcp6", 9), ("udp", 9), ("udp6", 9), ("unix", 6)):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                next(f)
-                inodes.update(line.split()[column] for line in f if len(line.split()) > column)
-        except FileNotFoundError:
-            continue
-    return inodes
-
-
 _SYS_PIDFD_GETFD = 438   # x86_64 and every architecture with the common syscall table
 _UNIX_CONNECTED = "03"    # /proc/net/unix's St column: SS_CONNECTED (the kernel's TCP_ESTABLISHED)
 
 
-def _listening_ports(pid: int) -> set[int]:
-    ports = set()
-    for table in ("tcp", "tcp6"):
+def _socket_tables(pid: int) -> tuple[set[str], set[int], set[str]]:
+    """One read of the socket tables of ``pid``'s network namespace: every inode they list, the
+    TCP ports in LISTEN, and the unix sockets in connected state (a peer that has gone leaves
+    them so)."""
+    listed: set[str] = set()
+    listening: set[int] = set()
+    connected: set[str] = set()
+    for table, column in (("tcp", 9), ("tcp6", 9), ("udp", 9), ("udp6", 9), ("unix", 6)):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
                 next(f)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 3 and fields[3] == "0A":   # LISTEN
-                        ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+                for fields in (line.split() for line in f):
+                    if len(fields) <= column:
+                        continue
+                    listed.add(fields[column])
+                    if table.startswith("tcp") and fields[3] == "0A":   # LISTEN
+                        listening.add(int(fields[1].rsplit(":", 1)[1], 16))
+                    elif table == "unix" and fields[5] == _UNIX_CONNECTED:
+                        connected.add(fields[column])
         except FileNotFoundError:
             continue
-    return ports
-
-
-def _connected_unix(pid: int) -> set[str]:
-    """Inodes of the unix sockets in connected state (a peer that has gone leaves them so)."""
-    with open(f"/proc/{pid}/net/unix") as f:
-        next(f)
-        return {fields[6] for fields in (line.split() for line in f)
-                if len(fields) > 6 and fields[5] == _UNIX_CONNECTED}
+    return listed, listening, connected
 
 
 def _ended(pidfd: int, fd: int, listening: set[int], tcp_unlisted: bool, unix_connected: bool) -> bool | None:
@@ -115,7 +104,7 @@ def released_late(pid: int) -> int:
     ended, which it closes seconds later (over TCP, one no table lists any more; over a unix
     socket, one whose peer has gone).  Where no copy of an fd can be had, a socket no table
     lists counts, as before."""
-    listed = _table_inodes(pid)
+    listed, listening, connected = _socket_tables(pid)
     sockets = []
     base = f"/proc/{pid}/fd"
     for fd in os.listdir(base):
@@ -130,7 +119,6 @@ def released_late(pid: int) -> int:
     except OSError:
         return sum(1 for _, inode in sockets if inode not in listed)
     try:
-        listening, connected = _listening_ports(pid), _connected_unix(pid)
         ended = [(_ended(pidfd, fd, listening, inode not in listed, inode in connected), inode)
                  for fd, inode in sockets]
     finally:
