@@ -98,12 +98,16 @@ def test_a_line_counts_only_once_the_serial_port_wrote_all_of_it(tmp_path):
     log = tmp_path / "console.log"
     log.write_text(STARTED + "vfio-cxl-init: ready [1.1")
     watch = ConsoleWatch(log)
+    watch.read()
     assert not watch.has_line(b"vfio-cxl-init: ready")
     with open(log, "a") as out:
         out.write("5]\n")
+    assert not watch.has_line(b"vfio-cxl-init: ready")   # what was read, until the next look
+    watch.read()
     assert watch.has_line(b"vfio-cxl-init: ready")
     assert watch.text.endswith(b"ready [1.15]\n")
-    assert ConsoleWatch(tmp_path / "none.log").has_line(b"vfio-cxl-init") is False   # no log yet
+    missing = ConsoleWatch(tmp_path / "none.log")
+    assert missing.read() == b"" and missing.has_line(b"vfio-cxl-init") is False   # no log yet
 
 
 def test_connect_retries_a_refused_attempt_until_its_check_says_stop(tmp_path):

@@ -204,9 +204,9 @@ class ConsoleWatch:
         return self.text
 
     def has_line(self, start: bytes) -> bool:
-        """Whether a whole line beginning ``start`` is in the log: the serial port writes a
-        line byte by byte, and the stamp at its end may still be coming."""
-        at = self.read().find(start)
+        """Whether a whole line beginning ``start`` is in what was read: the serial port writes
+        a line byte by byte, and the stamp at its end may still be coming."""
+        at = self.text.find(start)
         return at >= 0 and self.text.find(b"\n", at) >= 0
 
 
@@ -292,7 +292,10 @@ class VirtualMachine:
         console = ConsoleWatch(self.res.console_log)
 
         def wait_for(line: bytes) -> float:
-            while not console.has_line(line) and not console.has_line(READY_LINE):
+            while True:
+                console.read()
+                if console.has_line(line) or console.has_line(READY_LINE):
+                    return time.monotonic() - self._started_at
                 self._check_alive()
                 if time.monotonic() >= deadline:
                     # both logs go with the run directory when the lab stops: what they say is kept here
@@ -303,10 +306,10 @@ class VirtualMachine:
                 # Polling the console log (not synchronisation): each look costs a read of what
                 # is new; at 50 ms apart the lab saw a line 25 ms late on average.
                 time.sleep(0.01)
-            return time.monotonic() - self._started_at
 
         def server_failed() -> None:
             self._check_alive()
+            console.read()
             if console.has_line(SSH_FAILED_LINE):
                 raise LabError(f"[{self.name}] the guest's SSH server did not start; console:\n"
                                f"{tail(self.res.console_log)}", "see dropbear's message above")
