@@ -13,12 +13,13 @@ import ctypes
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from qemu.qmp import ConnectError, QMPError
+from qemu.qmp import QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from ..errors import LabError
@@ -352,31 +353,53 @@ class VirtualMachine:
             if time.monotonic() >= deadline:
                 raise LabError(f"[{self.name}] no QMP socket after {timeout:.0f} s", "see the QEMU log")
             time.sleep(0.05)   # polling for QEMU's socket file; not synchronisation
+        sock = self._connect_qmp_socket(deadline, timeout)
+        qmp = BoundedQMP(sock)
+        try:
+            qmp.connect_within(max(0.5, deadline - time.monotonic()))
+            return qmp
+        except asyncio.TimeoutError:
+            qmp.close()
+            sock.close()
+            self._check_alive()
+            raise LabError(f"[{self.name}] QEMU did not greet on QMP within {timeout:.0f} s",
+                           "QEMU is wedged or another client holds its monitor; see the QEMU log") from None
+        except (QMPError, EOFError, OSError) as err:   # qmp_capabilities refused, or QEMU hung up
+            qmp.close()
+            sock.close()
+            self._check_alive()
+            raise LabError(f"[{self.name}] QEMU's QMP monitor did not take qmp_capabilities: {err!r}",
+                           "see the QEMU log") from None
+        except BaseException:
+            qmp.close()
+            sock.close()
+            raise
+
+    def _connect_qmp_socket(self, deadline: float, timeout: float) -> socket.socket:
+        """A UNIX stream socket connected to QEMU's monitor before ``deadline`` (or LabError).
+        The connect is made here, apart from QMP's greeting, so that a monitor that is not
+        listening and one that does not greet are told apart: a UNIX connect is answered at
+        once.  QEMU binds its socket (the file appears) before it listens, and a connect in
+        between is refused (seen under load at a lab's start): tried again until the deadline."""
         while True:
-            qmp = BoundedQMP(str(self.res.qmp_socket))
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                qmp.connect_within(max(0.5, deadline - time.monotonic()))
-                return qmp
-            except asyncio.TimeoutError:
-                qmp.close()
+                sock.connect(str(self.res.qmp_socket))
+                return sock
+            except ConnectionRefusedError as err:
+                sock.close()
                 self._check_alive()
-                raise LabError(f"[{self.name}] QEMU did not greet on QMP within {timeout:.0f} s",
-                               "QEMU is wedged or another client holds its monitor; see the QEMU log") from None
-            except ConnectError as err:
-                # QEMU binds the socket (the file appears) before it listens: refused in between
-                # (seen under load at a lab's start).  Again until the deadline.
-                qmp.close()
-                self._check_alive()
-                if not isinstance(err.exc, ConnectionRefusedError) or time.monotonic() >= deadline:
+                if time.monotonic() >= deadline:
                     raise LabError(f"[{self.name}] cannot connect to QEMU's QMP socket: {err}",
                                    "see the QEMU log") from None
-            except (QMPError, EOFError, OSError) as err:   # qmp_capabilities refused, or QEMU hung up
-                qmp.close()
+                time.sleep(0.01)   # polling for QEMU's listen; not synchronisation
+            except OSError as err:
+                sock.close()
                 self._check_alive()
-                raise LabError(f"[{self.name}] QEMU's QMP monitor did not take qmp_capabilities: {err!r}",
+                raise LabError(f"[{self.name}] cannot connect to QEMU's QMP socket: {err}",
                                "see the QEMU log") from None
             except BaseException:
-                qmp.close()
+                sock.close()
                 raise
             time.sleep(0.05)   # QEMU between bind and listen; not synchronisation
 
