@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     server = VfioUserServer(args.socket, device, partial_timeout=args.message_timeout)
     try:
         return serve_until_signalled("vfio-cxl gpu", [args.socket], listen=server.listen,
-                                     run=server.serve_forever, stop=server.stop)
+                                     run=server.serve_forever, stop=server.stop, wakeup_fd=server.wakeup_fd)
     finally:
         server.close()
         device.close()

@@ -372,6 +372,12 @@ class VfioUserServer:
                 self._conn = None  # last: "no connection" means fully cleaned up
             log.info("%s gone; waiting for the next client", conn.name)
 
+    @property
+    def wakeup_fd(self) -> int:
+        """The write end of the pipe every wait of serve_forever includes (non-blocking): a
+        byte there makes it look at stop() again.  For ``signal.set_wakeup_fd``."""
+        return self._wake_w
+
     def _poke(self) -> None:
         try:
             os.write(self._wake_w, b"x")
