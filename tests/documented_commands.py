@@ -553,7 +553,16 @@ def run(command: str, case: Case, cwd: Path, stdin: str | None = None, env: dict
             seen.append(line)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)       # Ctrl-C: the terminal signals the foreground group
-        returncode = proc.wait(timeout=120)
+        try:
+            returncode = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            # Where it hangs: vfio-cxl's faulthandler prints every thread's stack on SIGABRT.
+            returncode = None
+            os.killpg(proc.pid, signal.SIGABRT)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -567,6 +576,9 @@ def run(command: str, case: Case, cwd: Path, stdin: str | None = None, env: dict
             if line is not None:
                 seen.append(line)
         proc.stdout.close()
+    if returncode is None:
+        raise AssertionError(f"$ {command}: still running 120 s after Ctrl-C; its output, then its "
+                             "threads' stacks (SIGABRT):\n" + "\n".join(seen[-80:]))
     return Ran(command, returncode, seen, "\n".join(seen), time.monotonic() - t0)
 
 
