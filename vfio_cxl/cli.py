@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import select
 import shlex
 import signal
 import sys
@@ -121,8 +122,25 @@ def _vm_up(args) -> int:
                   flush=True)
         else:
             print("lab running; Ctrl-C stops it", flush=True)
+        wait_for_a_signal()   # Ctrl-C/SIGTERM raise KeyboardInterrupt; leaving `with` stops the lab
+
+
+def wait_for_a_signal() -> None:
+    """``signal.pause()`` for a process with threads: until a signal's Python handler has run
+    (and raised), whichever thread the kernel gave the signal to.  ``pause()`` returns only
+    for a signal the main thread itself takes, and a lab's SSH clients have threads: a Ctrl-C
+    one of them took left ``vm up`` running.  The signal writes a byte to a pipe
+    (``signal.set_wakeup_fd``); once ``select`` returns, the main thread runs the handler."""
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    try:
         while True:
-            signal.pause()   # Ctrl-C/SIGTERM raise KeyboardInterrupt; leaving `with` stops the lab
+            select.select([r], [], [])
+            os.read(r, 64)   # a signal whose handler did not raise
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(r)
+        os.close(w)
 
 
 def _selftest(args) -> int:

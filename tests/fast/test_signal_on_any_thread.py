@@ -1,11 +1,14 @@
-"""The device servers' commands stop on a signal whichever of their threads the kernel gives it.
+"""Commands that run until a signal stop on it whichever of their threads the kernel gives it:
+the device servers, and ``vfio-cxl vm up`` in the foreground.
 
 A signal sent to a process goes to one of its threads, not always the main one.  Python runs
 its handler in the main thread, and only when that thread runs again: a main thread blocked
 in ``poll()`` without a timeout slept on, and a Ctrl-C'd ``vfio-cxl gpu serve`` never exited
 (seen once in a full test run: the documented command, SIGINT'd after READY, still alive
 120 s later).  Here the signal is sent to a thread other than the main one (``tgkill``),
-once the main thread waits in the serve loop.
+once the main thread waits in the serve loop.  ``vm up``'s wait (``signal.pause()`` until
+then: its SSH clients' threads took a Ctrl-C as well) is checked the same way, in a child
+with a thread of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall 
 SYS_TGKILL = 234
 POLL = {7, 271}        # poll, ppoll: the GPU server's serve loop
 FUTEX = {202}          # the SMC server's timed wait
+SELECT = {23, 270}     # select, pselect6: vm up's wait for a signal
 
 COMMANDS = {
     "gpu": (["-m", "vfio_cxl.devices.gpu", "serve", "--socket", "{dir}/gpu.sock", "--vram-mib", "4",
@@ -80,3 +84,36 @@ def test_a_signal_taken_by_another_thread_stops_the_server(tmp_path, command, si
         _, err = proc.communicate()
     assert proc.returncode == 0, err
     assert not list(tmp_path.rglob("*.sock")), "a socket file was left behind"
+
+
+WAITER = """
+import signal, sys, threading
+from vfio_cxl.cli import wait_for_a_signal
+signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))   # as vfio-cxl's main
+threading.Thread(target=threading.Event().wait, daemon=True).start()   # as an SSH client's thread
+print("READY", flush=True)
+try:
+    wait_for_a_signal()
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_vm_up_waits_for_a_signal_taken_by_another_thread(sig):
+    proc = subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready and proc.stdout.readline() == "READY\n", "no READY line"
+        wait_blocked_in(proc.pid, SELECT)
+        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
+        tgkill(proc.pid, others[0], sig)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still waiting 10 s after {sig.name} to thread {others[0]}") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    assert proc.returncode == 130, err
