@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,27 @@ def test_a_socket_that_never_listens_is_named(vm):
             vm._open_qmp(1.0)
     finally:
         monitor.close()
+
+
+def test_a_monitor_whose_backlog_is_full_is_named_within_the_timeout(vm):
+    """Clients queued behind the one QEMU serves fill its socket's backlog; a blocking UNIX
+    connect would then wait for room without end.  The lab's is tried until its deadline and
+    named."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(vm.res.qmp_socket))
+    listener.listen(0)                     # never accepted: room for one queued connect
+    queued = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    queued.setblocking(False)
+    try:
+        queued.connect(str(vm.res.qmp_socket))
+        t0 = time.monotonic()
+        with pytest.raises(LabError, match=r"\[host0\] cannot connect to QEMU's QMP socket: .*unavailable") as err:
+            vm._open_qmp(1.0)
+        assert 1.0 <= time.monotonic() - t0 < 5
+        assert "other clients hold QEMU's monitor" in err.value.fix
+    finally:
+        queued.close()
+        listener.close()
 
 
 def test_an_interrupted_connect_is_closed_and_the_next_one_works(vm):

@@ -353,7 +353,7 @@ class VirtualMachine:
             if time.monotonic() >= deadline:
                 raise LabError(f"[{self.name}] no QMP socket after {timeout:.0f} s", "see the QEMU log")
             time.sleep(0.05)   # polling for QEMU's socket file; not synchronisation
-        sock = self._connect_qmp_socket(deadline, timeout)
+        sock = self._connect_qmp_socket(deadline)
         qmp = BoundedQMP(sock)
         try:
             qmp.connect_within(max(0.5, deadline - time.monotonic()))
@@ -375,24 +375,27 @@ class VirtualMachine:
             sock.close()
             raise
 
-    def _connect_qmp_socket(self, deadline: float, timeout: float) -> socket.socket:
+    def _connect_qmp_socket(self, deadline: float) -> socket.socket:
         """A UNIX stream socket connected to QEMU's monitor before ``deadline`` (or LabError).
         The connect is made here, apart from QMP's greeting, so that a monitor that is not
-        listening and one that does not greet are told apart: a UNIX connect is answered at
-        once.  QEMU binds its socket (the file appears) before it listens, and a connect in
-        between is refused (seen under load at a lab's start): tried again until the deadline."""
+        listening and one that does not greet are told apart: a non-blocking UNIX connect is
+        answered at once.  Tried again until the deadline when it is refused (QEMU binds its
+        socket, and the file appears, before it listens: seen under load at a lab's start) or
+        would block (the backlog is full: other clients queue behind the one QEMU serves)."""
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
+                sock.setblocking(False)
                 sock.connect(str(self.res.qmp_socket))
                 return sock
-            except ConnectionRefusedError as err:
+            except (ConnectionRefusedError, BlockingIOError) as err:
                 sock.close()
                 self._check_alive()
                 if time.monotonic() >= deadline:
-                    raise LabError(f"[{self.name}] cannot connect to QEMU's QMP socket: {err}",
-                                   "see the QEMU log") from None
-                time.sleep(0.01)   # polling for QEMU's listen; not synchronisation
+                    fix = ("other clients hold QEMU's monitor and queue for it; close them (see the QEMU log)"
+                           if isinstance(err, BlockingIOError) else "see the QEMU log")
+                    raise LabError(f"[{self.name}] cannot connect to QEMU's QMP socket: {err}", fix) from None
+                time.sleep(0.01)   # polling for QEMU's listen or room in its backlog; not synchronisation
             except OSError as err:
                 sock.close()
                 self._check_alive()
@@ -401,7 +404,6 @@ class VirtualMachine:
             except BaseException:
                 sock.close()
                 raise
-            time.sleep(0.05)   # QEMU between bind and listen; not synchronisation
 
     def run(self, command: str, **kwargs):
         if self.shell is None:
