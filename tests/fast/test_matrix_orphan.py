@@ -18,7 +18,10 @@ from vfio_cxl.lab.fm import procs
 from vfio_cxl.lab.fm.procs import ProcessId
 
 # The job: node.supervised, as node.main runs it, around a body that either stops when
-# interrupted or swallows the interrupt and goes on waiting (a stop that hangs).
+# interrupted, or swallows the interrupt and goes on waiting (a stop that hangs), or loses the
+# first interrupt and stops on the next.  A signal that comes just before the main thread blocks
+# in a lock wait (no EINTR then) is lost that way: seen once in a full test run, as a "stops"
+# job that was never interrupted and ended after its grace.
 JOB = textwrap.dedent('''
     import signal, sys, threading
     from pathlib import Path
@@ -29,6 +32,8 @@ JOB = textwrap.dedent('''
     mode = sys.argv[2]
 
     def body():
+        if mode == "loses-first":   # as when it comes just before the main thread blocks in a lock
+            signal.signal(signal.SIGINT, lambda *_: signal.signal(signal.SIGINT, node.interrupted))
         try:
             print("running", flush=True)   # inside the try: the interrupt may come as it returns
             threading.Event().wait()
@@ -89,7 +94,7 @@ def job_output(supervisor, log) -> str:
     return supervisor.communicate()[0] + log.read_text()   # to its end, and the pipe closed
 
 
-@pytest.mark.parametrize("mode", ["stops", "hangs"])
+@pytest.mark.parametrize("mode", ["stops", "hangs", "loses-first"])
 def test_a_job_whose_supervisor_is_killed_ends_and_removes_its_work_directory(tmp_path, mode):
     supervisor, job, workdir, log = start(tmp_path, mode, grace=1.0)
     try:
@@ -105,6 +110,8 @@ def test_a_job_whose_supervisor_is_killed_ends_and_removes_its_work_directory(tm
     if mode == "hangs":   # ended by the watch after its grace, saying where the main thread was
         assert "did not stop within 1 s" in out and "Current thread" not in out.split("Where it was:")[0], out
         assert "File " in out.split("Where it was:")[1], out
+    else:
+        assert "did not stop" not in out, out
     assert not workdir.exists(), sorted(workdir.rglob("*"))
 
 

@@ -35,13 +35,15 @@ from ..lab.lab import Lab
 from .job import OUTPUT_KEEP
 
 ORPHAN_GRACE = 60   # seconds an orphaned job gets to stop its lab before it ends itself
+INTERRUPT_AGAIN = 0.2   # seconds between the orphan's interrupts, until its main thread took one
 
 
 class SupervisorWatch:
-    """Once started: interrupt this process (SIGINT to the main thread, as Ctrl-C) when
-    ``supervisor`` exits, and end it ``grace`` seconds later if it is still there, removing
-    ``workdir`` first.  A daemon thread blocks on the supervisor's pidfd: readable once it has
-    exited.  ``orphaned`` is set before the interrupt."""
+    """Once started: interrupt this process (SIGINT to the main thread, as Ctrl-C; again every
+    INTERRUPT_AGAIN s, as one can be lost) when ``supervisor`` exits, and end it ``grace``
+    seconds later if it is still there, removing ``workdir`` first.  A daemon thread blocks on
+    the supervisor's pidfd: readable once it has exited.  ``orphaned`` is set before the
+    interrupt."""
 
     def __init__(self, supervisor: int, workdir: Path, grace: float | None = None):
         self.supervisor, self.workdir = supervisor, workdir
@@ -66,9 +68,16 @@ class SupervisorWatch:
         self.orphaned.set()
         print(f"vfio-cxl matrix: the job's supervisor (pid {self.supervisor}) is gone; stopping",
               file=sys.stderr, flush=True)
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)   # ignored if one came already
-        threading.main_thread().join(self.grace)
-        if threading.main_thread().is_alive():
+        main, deadline = threading.main_thread(), time.monotonic() + self.grace
+        while True:
+            # Again every INTERRUPT_AGAIN s while the main thread lives: one that comes just before
+            # the main thread blocks in a lock (no EINTR then) is lost to it.  ``interrupted``
+            # ignores every one after the first it took.
+            signal.pthread_kill(main.ident, signal.SIGINT)
+            main.join(max(0.0, min(INTERRUPT_AGAIN, deadline - time.monotonic())))
+            if not main.is_alive() or time.monotonic() >= deadline:
+                break
+        if main.is_alive():
             print(f"vfio-cxl matrix: the lab did not stop within {self.grace:.0f} s of the supervisor's "
                   "end; ending now (its QEMU and device servers die with this process). Where it was:",
                   file=sys.stderr, flush=True)
