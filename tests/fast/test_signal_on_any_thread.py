@@ -61,28 +61,36 @@ def wait_blocked_in(pid: int, syscalls: set[int], timeout: float = 10) -> None:
         time.sleep(0.01)   # polling the main thread's state; not synchronisation
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_a_signal_taken_by_another_thread_stops_the_server(tmp_path, command, sig):
-    argv, waits_in = COMMANDS[command]
-    proc = subprocess.Popen([sys.executable, *(a.format(dir=tmp_path) for a in argv)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def run_and_signal_another_thread(argv: list[str], waits_in: set[int], sig: signal.Signals) -> tuple[int, str]:
+    """Start ``argv``; after its READY line and once its main thread waits in ``waits_in``,
+    send ``sig`` to another of its threads.  Its exit status and stderr; an AssertionError if
+    it is still running 10 s later."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 20)
-        assert ready and proc.stdout.readline().startswith("READY "), "no READY line"
+        assert ready and proc.stdout.readline().startswith("READY"), "no READY line"
         wait_blocked_in(proc.pid, waits_in)
         others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
-        assert others, "the server has no thread but its main one"
+        assert others, "no thread but the main one"
         tgkill(proc.pid, others[0], sig)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{command} serve still runs 10 s after {sig.name} to thread {others[0]}") from None
+            raise AssertionError(f"{argv[1:4]} still runs 10 s after {sig.name} to thread {others[0]}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
         _, err = proc.communicate()
-    assert proc.returncode == 0, err
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_signal_taken_by_another_thread_stops_the_server(tmp_path, command, sig):
+    argv, waits_in = COMMANDS[command]
+    code, err = run_and_signal_another_thread([sys.executable, *(a.format(dir=tmp_path) for a in argv)],
+                                              waits_in, sig)
+    assert code == 0, err
     assert not list(tmp_path.rglob("*.sock")), "a socket file was left behind"
 
 
@@ -101,19 +109,5 @@ except KeyboardInterrupt:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_vm_up_waits_for_a_signal_taken_by_another_thread(sig):
-    proc = subprocess.Popen([sys.executable, "-c", WAITER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 20)
-        assert ready and proc.stdout.readline() == "READY\n", "no READY line"
-        wait_blocked_in(proc.pid, SELECT)
-        others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
-        tgkill(proc.pid, others[0], sig)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still waiting 10 s after {sig.name} to thread {others[0]}") from None
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        _, err = proc.communicate()
-    assert proc.returncode == 130, err
+    code, err = run_and_signal_another_thread([sys.executable, "-c", WAITER], SELECT, sig)
+    assert code == 130, err
