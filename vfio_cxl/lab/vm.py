@@ -356,24 +356,21 @@ class VirtualMachine:
         sock = self._connect_qmp_socket(deadline)
         qmp = BoundedQMP(sock)
         try:
-            qmp.connect_within(max(0.5, deadline - time.monotonic()))
-            return qmp
+            try:
+                qmp.connect_within(max(0.5, deadline - time.monotonic()))
+            except BaseException:
+                qmp.close()
+                sock.close()   # still ours if qemu.qmp failed before taking it
+                raise
         except asyncio.TimeoutError:
-            qmp.close()
-            sock.close()
             self._check_alive()
             raise LabError(f"[{self.name}] QEMU did not greet on QMP within {timeout:.0f} s",
                            "QEMU is wedged or another client holds its monitor; see the QEMU log") from None
         except (QMPError, EOFError, OSError) as err:   # qmp_capabilities refused, or QEMU hung up
-            qmp.close()
-            sock.close()
             self._check_alive()
             raise LabError(f"[{self.name}] QEMU's QMP monitor did not take qmp_capabilities: {err!r}",
                            "see the QEMU log") from None
-        except BaseException:
-            qmp.close()
-            sock.close()
-            raise
+        return qmp
 
     def _connect_qmp_socket(self, deadline: float) -> socket.socket:
         """A UNIX stream socket connected to QEMU's monitor before ``deadline`` (or LabError).
@@ -388,22 +385,17 @@ class VirtualMachine:
                 sock.setblocking(False)
                 sock.connect(str(self.res.qmp_socket))
                 return sock
-            except (ConnectionRefusedError, BlockingIOError) as err:
+            except BaseException as err:
                 sock.close()
+                if not isinstance(err, OSError):
+                    raise
                 self._check_alive()
-                if time.monotonic() >= deadline:
+                again = isinstance(err, (ConnectionRefusedError, BlockingIOError))
+                if not again or time.monotonic() >= deadline:
                     fix = ("other clients hold QEMU's monitor and queue for it; close them (see the QEMU log)"
                            if isinstance(err, BlockingIOError) else "see the QEMU log")
                     raise LabError(f"[{self.name}] cannot connect to QEMU's QMP socket: {err}", fix) from None
-                time.sleep(0.01)   # polling for QEMU's listen or room in its backlog; not synchronisation
-            except OSError as err:
-                sock.close()
-                self._check_alive()
-                raise LabError(f"[{self.name}] cannot connect to QEMU's QMP socket: {err}",
-                               "see the QEMU log") from None
-            except BaseException:
-                sock.close()
-                raise
+            time.sleep(0.01)   # polling for QEMU's listen or room in its backlog; not synchronisation
 
     def run(self, command: str, **kwargs):
         if self.shell is None:
