@@ -112,8 +112,11 @@ def released_late(pid: int) -> int:
             m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"{base}/{fd}"))
         except FileNotFoundError:
             continue
-        if m:
+        # only an unlisted socket (TCP) or a connected unix one can be late: the rest need no look
+        if m and (m.group(1) not in listed or m.group(1) in connected):
             sockets.append((int(fd), m.group(1)))
+    if not sockets:
+        return 0
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
